@@ -1,0 +1,216 @@
+"""Build glue for the Cython cores; metadata lives in setup.cfg.
+
+Each optional C library has a three-state switch, read from the environment:
+``EDDIS_WITH_<X>=1`` makes it required (the build stops if it is missing),
+``EDDIS_WITHOUT_<X>=1`` skips it, and leaving both unset auto-detects it.
+The build prints a configuration summary either way.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+from setuptools import Extension, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CYTHON_DIR = "cython"
+
+
+class Dependency:
+    """One C library: how to find it and what to tell the user when it is missing."""
+
+    def __init__(self, key, description, headers, libraries, debian, rocky, pkg_config=None):
+        self.key = key
+        self.description = description
+        self.headers = headers
+        self.libraries = libraries
+        self.debian = debian
+        self.rocky = rocky
+        self.pkg_config = pkg_config
+        self.include_dirs = []
+        self.library_dirs = []
+        self.extra_compile_args = []
+        self.extra_link_args = []
+        self.version = None
+        self.state = None  # "required" | "skipped" | "auto"
+        self.found = False
+        self.reason = ""
+
+    def switch_state(self):
+        want = os.environ.get("EDDIS_WITH_" + self.key, "") not in ("", "0")
+        skip = os.environ.get("EDDIS_WITHOUT_" + self.key, "") not in ("", "0")
+        if want and skip:
+            sys.exit(
+                f"error: EDDIS_WITH_{self.key} and EDDIS_WITHOUT_{self.key} are both set; "
+                "unset one of them."
+            )
+        return "required" if want else "skipped" if skip else "auto"
+
+    def missing_message(self):
+        return (
+            f"{self.description} was not found ({self.reason}).\n"
+            f"  Debian/Ubuntu: apt-get install {self.debian}\n"
+            f"  Rocky/RHEL:    dnf install {self.rocky}\n"
+            f"  or set EDDIS_WITHOUT_{self.key}=1 to build without it."
+        )
+
+
+def compiler_has_header(header, include_dirs, compiler="cc"):
+    """True when ``#include <header>`` compiles with the given include path."""
+    cc = shutil.which(os.environ.get("CC", compiler)) or shutil.which("gcc")
+    if cc is None:
+        return False
+    args = [cc, "-E", "-x", "c", "-"] + ["-I" + d for d in include_dirs]
+    proc = subprocess.run(
+        args, input=f"#include <{header}>\n", capture_output=True, text=True
+    )
+    return proc.returncode == 0
+
+
+def pkg_config(package, *flags):
+    if not shutil.which("pkg-config"):
+        return None
+    proc = subprocess.run(["pkg-config", *flags, package], capture_output=True, text=True)
+    return proc.stdout.split() if proc.returncode == 0 else None
+
+
+def detect_c_library(dep):
+    if dep.pkg_config:
+        cflags = pkg_config(dep.pkg_config, "--cflags")
+        libs = pkg_config(dep.pkg_config, "--libs")
+        version = pkg_config(dep.pkg_config, "--modversion")
+        if cflags is not None and libs is not None:
+            dep.include_dirs = [f[2:] for f in cflags if f.startswith("-I")]
+            dep.library_dirs = [f[2:] for f in libs if f.startswith("-L")]
+            dep.version = version[0] if version else None
+    for header in dep.headers:
+        if not compiler_has_header(header, dep.include_dirs):
+            dep.reason = f"header <{header}> does not compile"
+            return False
+    return True
+
+
+def detect_mpi(dep):
+    mpicc = os.environ.get("MPICC") or shutil.which("mpicc")
+    if not mpicc:
+        dep.reason = "no mpicc on PATH (set MPICC)"
+        return False
+    try:
+        import mpi4py
+    except ImportError:
+        dep.reason = "mpi4py is not importable (pip install --no-binary=mpi4py mpi4py)"
+        return False
+    show = subprocess.run([mpicc, "--showme:compile"], capture_output=True, text=True)
+    link = subprocess.run([mpicc, "--showme:link"], capture_output=True, text=True)
+    if show.returncode == 0 and link.returncode == 0:
+        dep.extra_compile_args = show.stdout.split()
+        dep.extra_link_args = link.stdout.split()
+    else:  # MPICH and Intel MPI spell it -compile-info / -link-info
+        info = subprocess.run([mpicc, "-show"], capture_output=True, text=True)
+        if info.returncode != 0:
+            dep.reason = f"{mpicc} cannot report its flags"
+            return False
+        words = info.stdout.split()[1:]
+        dep.extra_compile_args = [w for w in words if w.startswith(("-I", "-D", "-pthread"))]
+        dep.extra_link_args = [w for w in words if w.startswith(("-L", "-l", "-Wl", "-pthread"))]
+    dep.include_dirs = [mpi4py.get_include()]
+    dep.version = "mpi4py " + mpi4py.__version__
+    return True
+
+
+def detect_cuda(dep):
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    include = os.path.join(home, "include")
+    if not os.path.exists(os.path.join(include, "cuda_runtime_api.h")):
+        dep.reason = f"no cuda_runtime_api.h under {include} (set CUDA_HOME)"
+        return False
+    dep.include_dirs = [include]
+    dep.library_dirs = [os.path.join(home, "lib64")]
+    return True
+
+
+DEPENDENCIES = {
+    "UCX": Dependency(
+        "UCX", "UCX (UCP API)", ["ucp/api/ucp.h"], ["ucp", "ucs"],
+        debian="libucx-dev", rocky="ucx-devel", pkg_config="ucx",
+    ),
+    "VERBS": Dependency(
+        "VERBS", "libibverbs", ["infiniband/verbs.h"], ["ibverbs"],
+        debian="libibverbs-dev", rocky="rdma-core-devel", pkg_config="libibverbs",
+    ),
+    "MPI": Dependency(
+        "MPI", "MPI (mpicc and mpi4py)", [], [],
+        debian="libopenmpi-dev openmpi-bin", rocky="openmpi-devel",
+    ),
+    "CUDA": Dependency(
+        "CUDA", "CUDA runtime", [], ["cudart"],
+        debian="nvidia-cuda-toolkit", rocky="cuda-toolkit",
+    ),
+}
+DETECTORS = {"MPI": detect_mpi, "CUDA": detect_cuda}
+
+# Extension name -> (sources, dependencies it needs). An extension whose
+# dependencies are not all available is left out of the build.
+EXTENSIONS = {
+    "eddis._verbs": (["cython/verbs.pyx"], ["VERBS"]),
+}
+
+
+def configure():
+    for dep in DEPENDENCIES.values():
+        dep.state = dep.switch_state()
+        if dep.state == "skipped":
+            continue
+        dep.found = DETECTORS.get(dep.key, detect_c_library)(dep)
+        if dep.state == "required" and not dep.found:
+            sys.exit("error: EDDIS_WITH_%s=1 but %s" % (dep.key, dep.missing_message()))
+
+
+def summary(built):
+    lines = ["", "EDDIS build configuration", "-" * 60]
+    for dep in DEPENDENCIES.values():
+        if dep.state == "skipped":
+            status = "skipped (EDDIS_WITHOUT_%s=1)" % dep.key
+        elif dep.found:
+            status = "yes" + (f" ({dep.version})" if dep.version else "")
+        else:
+            status = "no: " + dep.reason
+        lines.append(f"  {dep.description:<26} [{dep.state:>8}] {status}")
+    lines.append("  extensions: " + (", ".join(built) or "none"))
+    lines.append("-" * 60)
+    print("\n".join(lines), file=sys.stderr)
+
+
+def extensions():
+    import numpy
+
+    configure()
+    built, exts = [], []
+    for name, (sources, needs) in EXTENSIONS.items():
+        deps = [DEPENDENCIES[k] for k in needs]
+        if not all(d.found for d in deps):
+            continue
+        ext = Extension(
+            name,
+            sources=sources,
+            include_dirs=[CYTHON_DIR, numpy.get_include()] + sum((d.include_dirs for d in deps), []),
+            library_dirs=sum((d.library_dirs for d in deps), []),
+            libraries=sum((d.libraries for d in deps), []),
+            extra_compile_args=["-O3"] + sum((d.extra_compile_args for d in deps), []),
+            extra_link_args=sum((d.extra_link_args for d in deps), []),
+            define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        )
+        exts.append(ext)
+        built.append(name)
+    summary(built)
+    from Cython.Build import cythonize
+
+    return cythonize(
+        exts,
+        include_path=[CYTHON_DIR],
+        compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},
+        quiet=True,
+    )
+
+
+setup(ext_modules=extensions())

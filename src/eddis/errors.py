@@ -1,0 +1,122 @@
+"""The one exception family of EDDIS.
+
+Every failure raised by EDDIS is an :class:`EddisError` carrying a numeric
+``code`` (a UCS status, an errno, or an EDDIS code) and a ``message``. Where a
+Python built-in exception means the same thing, the raised class also derives
+from it, so ``except TimeoutError`` works on an SMB wait that timed out.
+"""
+import errno as _errno
+
+
+class EddisError(Exception):
+    """Base class: ``code`` is the native status, ``message`` says what and how to fix."""
+
+    def __init__(self, message, code=-1):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self):
+        return f"{self.message} (code {self.code})" if self.code not in (-1, None) else self.message
+
+
+class SMBError(EddisError):
+    """A failure in the SMB layer (server, client, transport)."""
+
+
+class SMBTimeoutError(SMBError, TimeoutError):
+    pass
+
+
+class SMBConnectionError(SMBError, ConnectionError):
+    pass
+
+
+class SMBKeyError(SMBError, KeyError):
+    def __str__(self):  # KeyError would repr() the message
+        return EddisError.__str__(self)
+
+
+class SMBBoundsError(SMBError, IndexError):
+    pass
+
+
+class SMBPermissionError(SMBError, PermissionError):
+    pass
+
+
+class SMBMemoryError(SMBError, MemoryError):
+    pass
+
+
+class SMBValueError(SMBError, ValueError):
+    pass
+
+
+class SMBNotImplementedError(SMBError, NotImplementedError):
+    pass
+
+
+class ConfigError(EddisError, ValueError):
+    """A bad setting, argument or environment variable."""
+
+
+class UsageError(EddisError, RuntimeError):
+    """The API was used out of order (for example ``init()`` not called)."""
+
+
+class RankFailedError(EddisError, RuntimeError):
+    """Another rank of the job failed; the message names rank, host and exit code."""
+
+
+# UCS status codes (ucs/type/status.h), mapped to the closest built-in.
+UCS_STATUS_CLASSES = {
+    -3: SMBConnectionError,      # UCS_ERR_IO_ERROR
+    -4: SMBMemoryError,          # UCS_ERR_NO_MEMORY
+    -5: SMBValueError,           # UCS_ERR_INVALID_PARAM
+    -6: SMBConnectionError,      # UCS_ERR_UNREACHABLE
+    -7: SMBValueError,           # UCS_ERR_INVALID_ADDR
+    -8: SMBNotImplementedError,  # UCS_ERR_NOT_IMPLEMENTED
+    -12: SMBKeyError,            # UCS_ERR_NO_ELEM
+    -14: SMBConnectionError,     # UCS_ERR_NO_DEVICE
+    -18: SMBValueError,          # UCS_ERR_ALREADY_EXISTS
+    -19: SMBBoundsError,         # UCS_ERR_OUT_OF_RANGE
+    -20: SMBTimeoutError,        # UCS_ERR_TIMED_OUT
+    -21: SMBMemoryError,         # UCS_ERR_EXCEEDS_LIMIT
+    -22: SMBNotImplementedError,  # UCS_ERR_UNSUPPORTED
+    -23: SMBPermissionError,     # UCS_ERR_REJECTED
+    -24: SMBConnectionError,     # UCS_ERR_NOT_CONNECTED
+    -25: SMBConnectionError,     # UCS_ERR_CONNECTION_RESET
+    -80: SMBTimeoutError,        # UCS_ERR_ENDPOINT_TIMEOUT
+}
+
+ERRNO_CLASSES = {
+    _errno.ETIMEDOUT: SMBTimeoutError,
+    _errno.ECONNREFUSED: SMBConnectionError,
+    _errno.ECONNRESET: SMBConnectionError,
+    _errno.EHOSTUNREACH: SMBConnectionError,
+    _errno.ENOENT: SMBKeyError,
+    _errno.EACCES: SMBPermissionError,
+    _errno.EPERM: SMBPermissionError,
+    _errno.ENOMEM: SMBMemoryError,
+    _errno.ERANGE: SMBBoundsError,
+    _errno.EINVAL: SMBValueError,
+    _errno.ENOSYS: SMBNotImplementedError,
+}
+
+
+def from_ucs_status(status, message):
+    """The exception for a UCS status code (negative int) and its message."""
+    status = int(status)
+    if -59 <= status <= -40:  # link failures
+        cls = SMBConnectionError
+    elif -89 <= status <= -60:  # endpoint failures
+        cls = SMBTimeoutError if status == -80 else SMBConnectionError
+    else:
+        cls = UCS_STATUS_CLASSES.get(status, SMBError)
+    return cls(message, status)
+
+
+def from_errno(err, message):
+    """The exception for an errno value and its message."""
+    return ERRNO_CLASSES.get(int(err), SMBError)(message, int(err))

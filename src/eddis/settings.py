@@ -1,0 +1,146 @@
+"""The one registry of runtime settings.
+
+Every setting EDDIS or SMB reads from the environment is declared here, once,
+with its type, default and meaning. Code reads settings through :func:`get`;
+CLI flags map onto the same names (the launcher exports them as ``EDDIS_*`` to
+the ranks). ``eddis settings`` prints the table and docs/user-guide.md holds a
+copy that a test keeps in step with this file.
+"""
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from .errors import ConfigError
+
+
+def _bool(text):
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _size(text):
+    """Bytes, with an optional K/M/G/T suffix (powers of 1024)."""
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    value = int(float(t) * mult)
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+PARSERS = {"bool": _bool, "int": int, "float": float, "str": str, "size": _size, "path": os.path.expanduser}
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    type: str
+    default: Any
+    doc: str
+    choices: Optional[Sequence[str]] = None
+    flag: Optional[str] = None  # the eddis-train / eddis CLI flag that sets it
+
+    def parse(self, text):
+        try:
+            value = PARSERS[self.type](text)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{self.name}={text!r} is not a valid {self.type}: {exc}. "
+                f"Set it to a {self.type} (default {self.default!r}) or unset it."
+            ) from None
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(
+                f"{self.name}={text!r} is not one of {', '.join(map(str, self.choices))}; "
+                f"set it to one of them or unset it (default {self.default!r})."
+            )
+        return value
+
+
+REGISTRY = {}
+
+
+def register(name, type, default, doc, choices=None, flag=None):
+    if not (name.startswith("EDDIS_") or name.startswith("SMB_")):
+        raise ConfigError(f"setting {name} must start with EDDIS_ or SMB_")
+    if type not in PARSERS:
+        raise ConfigError(f"setting {name}: unknown type {type}")
+    if name in REGISTRY:
+        raise ConfigError(f"setting {name} registered twice")
+    REGISTRY[name] = Setting(name, type, default, doc, tuple(choices) if choices else None, flag)
+    return REGISTRY[name]
+
+
+def get(name, environ=None):
+    """The typed value of a setting: from the environment, else its default."""
+    try:
+        setting = REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown setting {name}; known: {', '.join(sorted(REGISTRY))}") from None
+    env = os.environ if environ is None else environ
+    text = env.get(name)
+    if text is None or text == "":
+        return setting.default
+    return setting.parse(text)
+
+
+def check_environment(environ=None):
+    """Fail early on a misspelt EDDIS_/SMB_ variable or a value that does not parse."""
+    env = os.environ if environ is None else environ
+    import difflib
+
+    for key, text in env.items():
+        if not key.startswith(("EDDIS_", "SMB_")) or key in INTERNAL_VARIABLES:
+            continue
+        if key not in REGISTRY:
+            near = difflib.get_close_matches(key, REGISTRY, n=1)
+            hint = f" Did you mean {near[0]}?" if near else ""
+            raise ConfigError(f"unknown setting {key} in the environment.{hint} Known settings: eddis settings")
+        REGISTRY[key].parse(text)
+
+
+# Variables the launcher sets for the ranks; not user settings.
+INTERNAL_VARIABLES = {
+    "EDDIS_RANK", "EDDIS_LOCAL_RANK", "EDDIS_SIZE", "EDDIS_LOCAL_SIZE", "EDDIS_GROUP",
+    "EDDIS_GROUP_SIZE", "EDDIS_NUM_GROUPS", "EDDIS_GPU_TYPE", "EDDIS_HOSTNAME",
+    "EDDIS_LAUNCHED",
+}
+
+
+def markdown_table():
+    rows = ["| setting | type | default | CLI flag | meaning |", "|---|---|---|---|---|"]
+    for s in sorted(REGISTRY.values(), key=lambda s: s.name):
+        default = "(unset)" if s.default is None else f"`{s.default}`"
+        choices = f" One of: {', '.join(f'`{c}`' for c in s.choices)}." if s.choices else ""
+        flag = f"`{s.flag}`" if s.flag else ""
+        rows.append(f"| `{s.name}` | {s.type} | {default} | {flag} | {s.doc}{choices} |")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------- general
+register("EDDIS_RUN_DIR", "path", None,
+         "Run directory of the job: SMB server addresses, the job token, profiles. "
+         "Default: ~/.eddis/run/<SLURM_JOB_ID> (or local-<pid> outside Slurm).")
+register("EDDIS_LOG_LEVEL", "str", "WARNING", "Log level of the eddis loggers.",
+         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+# ---------------------------------------------------------------- SMB
+register("SMB_TIMEOUT", "float", 60.0,
+         "Seconds any SMB wait (connect, reply, barrier, event) may take before it raises TimeoutError.")
+register("SMB_CONNECT_TIMEOUT", "float", 60.0,
+         "Seconds a client waits for all servers of the job to publish their addresses.")
+register("SMB_MEMORY", "size", 1 << 30,
+         "Bytes of memory each smb-server lends (suffix K/M/G).", flag="--memory")
+register("SMB_PORT", "int", 0, "TCP port an smb-server listens on (0: any free port).", flag="--port")
+register("SMB_HUGEPAGES", "bool", False,
+         "Back server memory with huge pages when available (falls back with a warning).")
+register("SMB_LOCAL_MAP", "bool", True,
+         "Map the memory of a server on the same host directly (zero-copy). "
+         "0 forces every transfer through UCX, to test the remote path on one machine.")
