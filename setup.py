@@ -6,9 +6,11 @@ Each optional C library has a three-state switch, read from the environment:
 The build prints a configuration summary either way.
 """
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 
 from setuptools import Extension, setup
 
@@ -55,15 +57,40 @@ class Dependency:
         )
 
 
+def user_flags(*names):
+    """Compiler flags the user set in the environment (CPPFLAGS, CFLAGS, LDFLAGS).
+
+    Detection honours them exactly as the build does, so ``CFLAGS=-I/opt/ucx/include``
+    finds a library in a non-standard place and the check never disagrees with the build.
+    """
+    return sum((shlex.split(os.environ.get(n, "")) for n in names), [])
+
+
+def c_compiler(compiler="cc"):
+    return shutil.which(os.environ.get("CC", compiler)) or shutil.which("gcc")
+
+
 def compiler_has_header(header, include_dirs, compiler="cc"):
     """True when ``#include <header>`` compiles with the given include path."""
-    cc = shutil.which(os.environ.get("CC", compiler)) or shutil.which("gcc")
+    cc = c_compiler(compiler)
     if cc is None:
         return False
-    args = [cc, "-E", "-x", "c", "-"] + ["-I" + d for d in include_dirs]
+    args = [cc, "-E", "-x", "c", "-"] + user_flags("CPPFLAGS", "CFLAGS") + ["-I" + d for d in include_dirs]
     proc = subprocess.run(
         args, input=f"#include <{header}>\n", capture_output=True, text=True
     )
+    return proc.returncode == 0
+
+
+def linker_finds_library(library, library_dirs, compiler="cc"):
+    """True when a program linked with ``-l<library>`` links."""
+    cc = c_compiler(compiler)
+    if cc is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ([cc, "-x", "c", "-", "-o", os.path.join(tmp, "a.out")]
+                + user_flags("CFLAGS", "LDFLAGS") + ["-L" + d for d in library_dirs] + ["-l" + library])
+        proc = subprocess.run(args, input="int main(void) { return 0; }\n", capture_output=True, text=True)
     return proc.returncode == 0
 
 
@@ -86,6 +113,10 @@ def detect_c_library(dep):
     for header in dep.headers:
         if not compiler_has_header(header, dep.include_dirs):
             dep.reason = f"header <{header}> does not compile"
+            return False
+    for library in dep.libraries:
+        if not linker_finds_library(library, dep.library_dirs):
+            dep.reason = f"library -l{library} does not link"
             return False
     return True
 
@@ -125,7 +156,12 @@ def detect_cuda(dep):
         dep.reason = f"no cuda_runtime_api.h under {include} (set CUDA_HOME)"
         return False
     dep.include_dirs = [include]
-    dep.library_dirs = [os.path.join(home, "lib64")]
+    candidates = [os.path.join(home, d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
+    dep.library_dirs = [d for d in candidates if os.path.isdir(d)][:1]
+    if not linker_finds_library("cudart", dep.library_dirs):
+        dep.reason = f"libcudart does not link from {home} (set CUDA_HOME)"
+        return False
+    dep.version = os.path.basename(os.path.realpath(home))
     return True
 
 
@@ -153,6 +189,7 @@ DETECTORS = {"MPI": detect_mpi, "CUDA": detect_cuda}
 # dependencies are not all available is left out of the build.
 EXTENSIONS = {
     "eddis._verbs": (["cython/verbs.pyx"], ["VERBS"]),
+    "eddis._mpi": (["cython/mpi.pyx"], ["MPI"]),
 }
 
 
@@ -213,4 +250,7 @@ def extensions():
     )
 
 
-setup(ext_modules=extensions())
+# Guarded so tests can import the detection functions; setuptools runs this file
+# as __main__ (setup.py build_ext, pip and build's PEP 517 backend alike).
+if __name__ == "__main__":
+    setup(ext_modules=extensions())
