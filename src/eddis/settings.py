@@ -131,6 +131,23 @@ register("EDDIS_RUN_DIR", "path", None,
 register("EDDIS_LOG_LEVEL", "str", "WARNING", "Log level of the eddis loggers.",
          choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
+# ---------------------------------------------------------------- runtime (eddis.core)
+register("EDDIS_MODE", "str", "sync",
+         "Training algorithm: sync (gradients averaged through SMB), allreduce (MPI baseline), "
+         "easgd, hybrid.", choices=["sync", "allreduce", "easgd", "hybrid"], flag="--mode")
+register("EDDIS_COMPRESSION", "str", "none",
+         "Wire format of gradients: none (fp32), fp16 or bf16; accumulation stays fp32.",
+         choices=["none", "fp16", "bf16"], flag="--compression")
+register("EDDIS_BUCKET_BYTES", "size", 25 << 20,
+         "Bytes of fp32 gradients per communication bucket (suffix K/M/G); smaller buckets "
+         "start communicating earlier in the backward pass.")
+register("EDDIS_COMM_TIMEOUT", "float", 300.0,
+         "Seconds optimizer.step() and other collective calls wait for other ranks before "
+         "raising TimeoutError.")
+register("EDDIS_EMBEDDED_SERVER", "bool", True,
+         "When no SMB server has published itself in the run directory (plain mpirun on one "
+         "node), start one inside local rank 0; 0 makes that an error instead.")
+
 # ---------------------------------------------------------------- SMB
 register("SMB_TIMEOUT", "float", 60.0,
          "Seconds any SMB wait (connect, reply, barrier, event) may take before it raises TimeoutError.")
