@@ -75,7 +75,7 @@ def allreduce_sum_inplace(MPI.Comm comm not None, object buf):
         raise ValueError("allreduce_sum_inplace: the communicator is MPI.COMM_NULL; pass a valid communicator")
     try:
         PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
-    except (BufferError, TypeError) as exc:
+    except (BufferError, TypeError, ValueError) as exc:
         raise ValueError(f"allreduce_sum_inplace needs a writable C-contiguous float32/float64 buffer: {exc}") from None
     try:
         fmt = (view.format or b"B").lstrip(b"@=<")

@@ -131,6 +131,20 @@ register("EDDIS_RUN_DIR", "path", None,
 register("EDDIS_LOG_LEVEL", "str", "WARNING", "Log level of the eddis loggers.",
          choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
+# ---------------------------------------------------------------- installation and build (foundation)
+register("EDDIS_HOME", "path", None,
+         "Root of the EDDIS installation; set by `module load eddis` (the module's prefix).")
+register("EDDIS_DEV_CLUSTER_DIR", "path", "/tmp/eddis-dev-cluster",
+         "State directory of the local Slurm cluster of scripts/eddis-dev-cluster "
+         "(slurm.conf, logs, spool, fake GPU devices); clients use SLURM_CONF=<dir>/slurm.conf.")
+for _lib, _what in (("UCX", "UCX (libucx-dev / ucx-devel)"), ("VERBS", "libibverbs (libibverbs-dev / rdma-core-devel)"),
+                    ("MPI", "MPI (mpicc and mpi4py)"), ("CUDA", "the CUDA runtime")):
+    register(f"EDDIS_WITH_{_lib}", "bool", False,
+             f"Build time: require {_what}; the build stops naming the package when it is missing.")
+    register(f"EDDIS_WITHOUT_{_lib}", "bool", False,
+             f"Build time: build without {_what} even when it is installed. Neither set: auto-detect.")
+del _lib, _what
+
 # ---------------------------------------------------------------- runtime (eddis.core)
 register("EDDIS_MODE", "str", "sync",
          "Training algorithm: sync (gradients averaged through SMB), allreduce (MPI baseline), "

@@ -1,0 +1,150 @@
+"""Shared fixtures of the EDDIS test suite.
+
+- ``run_mpi(n, argv, env=None, timeout=120, check=False)``: run ``argv`` as ``n``
+  real Open MPI ranks (``mpirun --oversubscribe``, root allowed, OMP_NUM_THREADS=1,
+  ``src/`` on PYTHONPATH, a private shared-memory directory removed afterwards).
+  Returns a ``subprocess.CompletedProcess`` (text stdout/stderr). On timeout it
+  kills the whole process group and fails the test with the output so far.
+- ``slurm_cluster`` (session): the local two-node Slurm cluster
+  (``scripts/eddis-dev-cluster up``; idempotent, left running for the next
+  session). Skips only when slurm-wlm is not installed. ``.env`` is an
+  environment for Slurm commands (SLURM_CONF set), ``.run(argv, ...)`` runs one.
+- ``REPO``, ``SRC``, ``PYTHON`` and ``python_env()`` for subprocesses.
+
+Example::
+
+    @pytest.mark.timeout(120)
+    def test_allreduce(run_mpi):
+        proc = run_mpi(2, [PYTHON, "-c", CODE], check=True)
+        assert "ok" in proc.stdout
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SRC = REPO / "src"
+PYTHON = sys.executable
+DEV_CLUSTER = REPO / "scripts" / "eddis-dev-cluster"
+
+if str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+# Launch variables of an enclosing job would make mpirun or srun join it.
+_INHERITED_LAUNCH_PREFIXES = ("SLURM_", "PMIX_", "PMI_", "OMPI_COMM_WORLD_", "EDDIS_RANK",
+                              "EDDIS_SIZE", "EDDIS_LOCAL_", "EDDIS_LAUNCHED")
+
+
+def python_env(extra=None, strip_launch=True):
+    """os.environ with src/ first on PYTHONPATH, minus an enclosing job's launch variables."""
+    env = {k: v for k, v in os.environ.items()
+           if not (strip_launch and k.startswith(_INHERITED_LAUNCH_PREFIXES))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+def run_process_group(argv, env, timeout, what=None, cwd=None):
+    """Run argv in its own process group; on timeout kill the group and fail with the output."""
+    proc = subprocess.Popen(argv, env=env, cwd=cwd or str(REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"{what or ' '.join(map(str, argv))} timed out after {timeout}s and was killed.\n"
+                    f"--- stdout ---\n{out}\n--- stderr ---\n{err}", pytrace=False)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _kill_group(proc):
+    for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _fail_unless_ok(proc, what):
+    if proc.returncode != 0:
+        pytest.fail(f"{what} exited with {proc.returncode}.\n--- stdout ---\n{proc.stdout}\n"
+                    f"--- stderr ---\n{proc.stderr}", pytrace=False)
+
+
+@pytest.fixture
+def run_mpi():
+    """``run_mpi(n, argv, env=None, timeout=120, check=False) -> CompletedProcess``."""
+    if shutil.which("mpirun") is None:
+        pytest.fail("mpirun is not on PATH: apt-get install openmpi-bin libopenmpi-dev (make test does it)")
+    shm_dirs = []
+
+    def run(n, argv, env=None, timeout=120, check=False, mpirun_args=()):
+        shm = tempfile.mkdtemp(prefix="eddis-test-ompi-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        shm_dirs.append(shm)
+        full_env = python_env({
+            "OMPI_ALLOW_RUN_AS_ROOT": "1",
+            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+            "OMP_NUM_THREADS": "1",
+            # Keeps this run's shared-memory segments in a directory we remove.
+            "OMPI_MCA_btl_vader_backing_directory": shm,
+            "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        })
+        full_env.update(env or {})
+        cmd = ["mpirun", "--oversubscribe", "-n", str(n), *mpirun_args, *map(str, argv)]
+        proc = run_process_group(cmd, full_env, timeout, what=f"mpirun -n {n} {' '.join(map(str, argv))}")
+        if check:
+            _fail_unless_ok(proc, f"mpirun -n {n}")
+        return proc
+
+    yield run
+    for d in shm_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class DevCluster:
+    """The local Slurm cluster brought up by scripts/eddis-dev-cluster."""
+
+    def __init__(self, state_dir):
+        self.state_dir = Path(state_dir)
+        self.conf = self.state_dir / "slurm.conf"
+        self.env = python_env({"SLURM_CONF": str(self.conf)})
+
+    def run(self, argv, timeout=120, check=True, env=None, cwd=None):
+        full_env = dict(self.env, **(env or {}))
+        proc = run_process_group([str(a) for a in argv], full_env, timeout, cwd=cwd)
+        if check:
+            _fail_unless_ok(proc, " ".join(map(str, argv)))
+        return proc
+
+
+def dev_cluster_dir():
+    return os.environ.get("EDDIS_DEV_CLUSTER_DIR") or "/tmp/eddis-dev-cluster"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The running local cluster (n1: a100, n2: v100); brought up if it is not."""
+    missing = [p for p in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(p) is None
+               and not os.path.exists(f"/usr/sbin/{p}")]
+    if missing:
+        pytest.skip(f"slurm-wlm/munge not installed (missing {', '.join(missing)}): "
+                    "apt-get install slurm-wlm munge libpmix2, or run `make test`")
+    proc = subprocess.run([str(DEV_CLUSTER), "up"], capture_output=True, text=True, timeout=180,
+                          env=python_env())
+    if proc.returncode != 0:
+        pytest.fail(f"scripts/eddis-dev-cluster up failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}",
+                    pytrace=False)
+    return DevCluster(dev_cluster_dir())

@@ -1,0 +1,157 @@
+"""The build: switch handling and library detection of setup.py, and the two
+foundation extensions (eddis._verbs, eddis._mpi) running for real."""
+import importlib.util
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import PYTHON, REPO, python_env
+
+
+def load_setup_module():
+    """setup.py's functions, without running setup() (it is guarded by __main__)."""
+    spec = importlib.util.spec_from_file_location("eddis_setup", REPO / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def build(monkeypatch):
+    for key in ("UCX", "VERBS", "MPI", "CUDA"):
+        monkeypatch.delenv("EDDIS_WITH_" + key, raising=False)
+        monkeypatch.delenv("EDDIS_WITHOUT_" + key, raising=False)
+    return load_setup_module()
+
+
+@pytest.mark.timeout(60)
+def test_missing_header_is_reported_with_both_package_names(build):
+    dep = build.Dependency("VERBS", "libibverbs", ["infiniband/no_such_verbs.h"], ["ibverbs"],
+                           debian="libibverbs-dev", rocky="rdma-core-devel")
+    assert build.detect_c_library(dep) is False
+    assert "infiniband/no_such_verbs.h" in dep.reason
+    message = dep.missing_message()
+    assert "apt-get install libibverbs-dev" in message
+    assert "dnf install rdma-core-devel" in message
+    assert "EDDIS_WITHOUT_VERBS=1" in message
+
+
+@pytest.mark.timeout(60)
+def test_missing_library_is_reported(build):
+    dep = build.Dependency("UCX", "UCX", ["stdio.h"], ["eddis_no_such_library"],
+                           debian="libucx-dev", rocky="ucx-devel")
+    assert build.detect_c_library(dep) is False
+    assert "-leddis_no_such_library" in dep.reason
+
+
+@pytest.mark.timeout(60)
+def test_installed_libraries_are_detected(build):
+    build.configure()
+    for key in ("UCX", "VERBS", "MPI"):
+        dep = build.DEPENDENCIES[key]
+        assert dep.state == "auto"
+        assert dep.found, f"{key} not found here: {dep.reason}"
+
+
+@pytest.mark.timeout(60)
+def test_without_switch_skips_the_library(build, monkeypatch):
+    monkeypatch.setenv("EDDIS_WITHOUT_VERBS", "1")
+    build.configure()
+    verbs = build.DEPENDENCIES["VERBS"]
+    assert verbs.state == "skipped" and not verbs.found
+
+
+@pytest.mark.timeout(60)
+def test_with_and_without_together_is_refused(build, monkeypatch):
+    monkeypatch.setenv("EDDIS_WITH_MPI", "1")
+    monkeypatch.setenv("EDDIS_WITHOUT_MPI", "1")
+    with pytest.raises(SystemExit, match="both set"):
+        build.configure()
+
+
+@pytest.mark.timeout(120)
+def test_required_verbs_without_headers_stops_the_real_build():
+    # -nostdinc hides every system header from the compiler, as on a machine
+    # without libibverbs-dev; detection honours CFLAGS exactly like the build.
+    env = python_env({"EDDIS_WITH_VERBS": "1", "CFLAGS": "-nostdinc"})
+    proc = subprocess.run([PYTHON, "setup.py", "build_ext", "--inplace"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    assert "EDDIS_WITH_VERBS=1" in proc.stderr
+    assert "libibverbs-dev" in proc.stderr and "rdma-core-devel" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_verbs_query_reports_no_hca_as_a_finding():
+    from eddis import _verbs
+
+    result = _verbs.query()
+    if result["devices"]:
+        pytest.skip("this host has an HCA; the no-HCA finding cannot be observed")
+    assert result["finding"].startswith("no HCA found")
+
+
+@pytest.mark.timeout(60)
+def test_verbs_devices_have_ports_with_state_and_rate():
+    from eddis import _verbs
+
+    result = _verbs.query()
+    if not result["devices"]:
+        pytest.skip(f"no InfiniBand HCA: {result['finding']}")
+    for dev in result["devices"]:
+        assert dev["name"]
+        for port in dev["ports"]:
+            assert port["state"] and port["link_layer"]
+
+
+@pytest.mark.parametrize("width, speed, gbps", [(2, 32, 100.0), (2, 64, 200.0), (1, 1, 2.5),
+                                               (8, 16, 168.0), (2, 0, None), (0, 32, None)])
+def test_link_rate_from_width_and_speed_codes(width, speed, gbps):
+    from eddis import _verbs
+
+    assert _verbs.link_rate_gbps(width, speed) == gbps
+
+
+ALLREDUCE = """
+import numpy as np
+from mpi4py import MPI
+from eddis import _mpi
+comm = MPI.COMM_WORLD
+r, n = comm.Get_rank(), comm.Get_size()
+for dtype in (np.float32, np.float64):
+    a = np.arange(1000, dtype=dtype) * (r + 1)
+    _mpi.allreduce_sum_inplace(comm, a)
+    expect = np.arange(1000, dtype=dtype) * (n * (n + 1) / 2)
+    assert np.array_equal(a, expect), (dtype, a[:4])
+sub = comm.Split(r % 2, r)
+b = np.ones(7, dtype=np.float32)
+_mpi.allreduce_sum_inplace(sub, b)
+assert b[0] == sub.Get_size()
+try:
+    _mpi.allreduce_sum_inplace(comm, np.ones(3, dtype=np.int64))
+except ValueError as exc:
+    assert "float32" in str(exc)
+else:
+    raise AssertionError("int64 accepted")
+print("rank", r, "ok", _mpi.library_version().split(",")[0])
+"""
+
+
+@pytest.mark.timeout(120)
+def test_mpi_inplace_allreduce_across_ranks(run_mpi):
+    proc = run_mpi(3, [PYTHON, "-c", ALLREDUCE], check=True)
+    assert proc.stdout.count(" ok ") == 3
+    assert "MPI" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_mpi_allreduce_rejects_read_only_buffer():
+    from mpi4py import MPI
+    from eddis import _mpi
+
+    a = np.ones(4, dtype=np.float32)
+    a.setflags(write=False)
+    with pytest.raises(ValueError, match="writable"):
+        _mpi.allreduce_sum_inplace(MPI.COMM_WORLD, a)
