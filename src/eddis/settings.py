@@ -175,3 +175,22 @@ register("SMB_HUGEPAGES", "bool", False,
 register("SMB_LOCAL_MAP", "bool", True,
          "Map the memory of a server on the same host directly (zero-copy). "
          "0 forces every transfer through UCX, to test the remote path on one machine.")
+
+# ---------------------------------------------------------------- observability (eddis.timeline)
+register("EDDIS_TIMELINE", "path", None,
+         "Directory for Chrome-trace timeline files of every rank and SMB server; unset: off. "
+         "Merge them with `eddis prof merge DIR`.", flag="--timeline")
+register("EDDIS_TIMELINE_BUFFER", "int", 1 << 20,
+         "Timeline events buffered in memory per process before new ones are dropped (and counted).")
+register("EDDIS_TIMELINE_MODULE_HOOKS", "bool", False,
+         "Record forward/backward of every top-level module (PyTorch hooks) in the timeline.")
+register("EDDIS_PROFILE", "bool", False,
+         "Record per-step, per-rank times, samples and bytes into <run dir>/profile.h5 "
+         "(read it with `eddis prof report`).", flag="--profile")
+register("EDDIS_PROFILE_FILE", "path", None,
+         "Where the merged HDF5 profile goes (default: <run dir>/profile.h5).")
+register("EDDIS_PROGRESS", "str", "auto",
+         "Rank 0 progress display: a tqdm bar on a terminal and log lines otherwise (auto), "
+         "always one of them (bar, log), or none (off).", choices=["auto", "bar", "log", "off"])
+register("EDDIS_PROGRESS_INTERVAL", "float", 30.0,
+         "Seconds between two progress log lines when stdout is not a terminal.")
