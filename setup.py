@@ -190,6 +190,8 @@ DETECTORS = {"MPI": detect_mpi, "CUDA": detect_cuda}
 EXTENSIONS = {
     "eddis._verbs": (["cython/verbs.pyx"], ["VERBS"]),
     "eddis._mpi": (["cython/mpi.pyx"], ["MPI"]),
+    "eddis.smb._vecops": (["cython/vecops.pyx"], []),
+    "eddis.smb._core": (["cython/smb_core.pyx"], ["UCX"]),
 }
 
 

@@ -1,0 +1,671 @@
+/*
+ * SMB vector kernels: weighted sum, axpy, scale and dtype conversion over
+ * float32 / float16 / bfloat16 / float64 buffers, with fp32 accumulation
+ * (fp64 when any operand is float64).
+ *
+ * Everything here is static inline C with no Python and no locks, so the SMB
+ * server calls it from its request loop with the GIL released.
+ *
+ * How the loops are built: every kernel walks its buffers in chunks of
+ * SMB_VECOPS_CHUNK elements.  Inputs that are not in the accumulation type are
+ * first converted into a small stack buffer (L1-resident), the arithmetic runs
+ * as plain restrict-qualified loops over the accumulation type, and the result
+ * is converted into the destination.  Each inner loop touches one external
+ * buffer at most, so gcc -O3 vectorizes all of them and a destination may be
+ * the very same buffer as one of the sources (dst == src, same start) without
+ * breaking the restrict promise.  Partially overlapping buffers are not
+ * supported (callers check).
+ *
+ * Rounding is bit-exact and the same on every path: conversions round to
+ * nearest even, handle subnormals, infinities and NaNs (NaNs keep sign and top
+ * payload bits and come out quiet, as the x86 F16C instructions do), and the
+ * arithmetic is never contracted into FMA, so results equal numpy's
+ * elementwise `acc = w0*s0; acc += w1*s1; ...` in the same accumulation type.
+ * float64 -> float16/bfloat16 goes through a round-to-odd float32, which
+ * makes the two-step rounding exact.
+ *
+ * float16 conversion uses the F16C instructions when the CPU has them
+ * (checked once at run time, so a generic x86-64 build still uses them) and a
+ * portable branch-free software routine otherwise.
+ *
+ * Every kernel returns 0 or a negative SMB_VECOPS_E* code.
+ */
+#ifndef EDDIS_SMB_VECOPS_H
+#define EDDIS_SMB_VECOPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define SMB_VECOPS_X86 1
+#include <immintrin.h>
+#else
+#define SMB_VECOPS_X86 0
+#endif
+
+#ifdef __cplusplus
+#define SMB_RESTRICT __restrict__
+#else
+#define SMB_RESTRICT restrict
+#endif
+
+enum {
+    SMB_DTYPE_FLOAT32 = 0,
+    SMB_DTYPE_FLOAT16 = 1,
+    SMB_DTYPE_BFLOAT16 = 2,
+    SMB_DTYPE_FLOAT64 = 3,
+    SMB_DTYPE_COUNT = 4
+};
+
+enum {
+    SMB_VECOPS_OK = 0,
+    SMB_VECOPS_EDTYPE = -1,   /* dtype code not one of SMB_DTYPE_* */
+    SMB_VECOPS_ENOSRC = -2,   /* weighted_sum called with zero sources */
+    SMB_VECOPS_ENULL = -3,    /* NULL buffer with a non-zero count */
+    SMB_VECOPS_EISA = -4      /* requested instruction set not available */
+};
+
+/* Elements per chunk: small enough that the stack buffers (<= 3 x 8 KiB) stay
+   in L1, large enough that the per-chunk dispatch costs nothing. */
+#define SMB_VECOPS_CHUNK 1024
+
+static inline const char *smb_vecops_strerror(int code)
+{
+    switch (code) {
+    case SMB_VECOPS_OK: return "success";
+    case SMB_VECOPS_EDTYPE:
+        return "unknown dtype code (use 0 float32, 1 float16, 2 bfloat16, 3 float64)";
+    case SMB_VECOPS_ENOSRC: return "weighted_sum needs at least one source slot";
+    case SMB_VECOPS_ENULL: return "NULL buffer pointer with a non-zero element count";
+    case SMB_VECOPS_EISA: return "this CPU lacks the requested instruction set";
+    default: return "unknown vecops error";
+    }
+}
+
+static inline size_t smb_dtype_size(int dtype)
+{
+    switch (dtype) {
+    case SMB_DTYPE_FLOAT32: return 4;
+    case SMB_DTYPE_FLOAT16: return 2;
+    case SMB_DTYPE_BFLOAT16: return 2;
+    case SMB_DTYPE_FLOAT64: return 8;
+    default: return 0;
+    }
+}
+
+static inline int smb_dtype_valid(int dtype)
+{
+    return dtype >= 0 && dtype < SMB_DTYPE_COUNT;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Scalar conversions (branch-free, so the array loops vectorize)            */
+/* ------------------------------------------------------------------------ */
+
+static inline uint32_t smb_f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float smb_bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* all-ones when cond, else zero: selects written as masks keep the loops
+   free of control flow, which gcc needs to vectorize them */
+static inline uint32_t smb_mask(int cond)
+{
+    return (uint32_t)0 - (uint32_t)(cond != 0);
+}
+
+static inline uint32_t smb_select(uint32_t mask, uint32_t if_set, uint32_t if_clear)
+{
+    return (if_set & mask) | (if_clear & ~mask);
+}
+
+static inline uint16_t smb_f32_to_bf16(float f)
+{
+    uint32_t u = smb_f32_bits(f);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t quiet_nan = (u >> 16) | 0x40u;
+    uint32_t is_nan = smb_mask((u & 0x7fffffffu) > 0x7f800000u);
+    return (uint16_t)smb_select(is_nan, quiet_nan, rounded);
+}
+
+static inline float smb_bf16_to_f32(uint16_t b)
+{
+    uint32_t u = (uint32_t)b << 16;
+    /* quiet a signalling NaN, as the float16 path (and F16C) does */
+    uint32_t is_nan = smb_mask((u & 0x7fffffffu) > 0x7f800000u);
+    return smb_bits_f32(u | (is_nan & 0x00400000u));
+}
+
+static inline uint16_t smb_f32_to_f16(float f)
+{
+    uint32_t u = smb_f32_bits(f);
+    uint32_t sign = (u & 0x80000000u) >> 16;
+    uint32_t a = u & 0x7fffffffu;
+    /* |f| >= 65536 (or inf/NaN): inf, or a quiet NaN keeping the top payload */
+    uint32_t special = 0x7c00u | (smb_mask(a > 0x7f800000u) & (0x200u | ((a >> 13) & 0x3ffu)));
+    /* |f| < 2^-14: adding 0.5 puts the float16 subnormal quantum (2^-24) at
+       the last mantissa bit, so the FPU itself rounds to nearest even */
+    uint32_t subnormal = smb_f32_bits(smb_bits_f32(a) + 0.5f) - 0x3f000000u;
+    /* normal: rebias the exponent, round the 13 dropped bits to nearest even;
+       a carry out of the mantissa correctly bumps the exponent (up to inf) */
+    uint32_t normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
+    uint32_t r = smb_select(smb_mask(a < 0x38800000u), subnormal, normal);
+    r = smb_select(smb_mask(a >= 0x47800000u), special, r);
+    return (uint16_t)(r | sign);
+}
+
+static inline float smb_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t em = (uint32_t)(h & 0x7fffu) << 13;    /* exponent+mantissa, aligned */
+    uint32_t exp = em & 0x0f800000u;
+    uint32_t normal = em + 0x38000000u;             /* rebias 15 -> 127 */
+    uint32_t special = em | 0x7f800000u;            /* inf / NaN */
+    special |= smb_mask((em & 0x007fe000u) != 0) & 0x00400000u;  /* NaN comes out quiet */
+    /* subnormal/zero: 2^-14 * (1 + m/1024) - 2^-14 is exact and never subnormal
+       in float32, so FTZ/DAZ modes cannot disturb it */
+    uint32_t subnormal = smb_f32_bits(smb_bits_f32(em + 0x38800000u) - smb_bits_f32(0x38800000u));
+    uint32_t r = smb_select(smb_mask(exp == 0), subnormal, normal);
+    r = smb_select(smb_mask(exp == 0x0f800000u), special, r);
+    return smb_bits_f32(r | sign);
+}
+
+/* float64 -> float32 rounding to odd: truncate toward zero and set the last
+   bit when inexact.  Rounding that to a format of <= 22 bits is then exactly
+   the correct single rounding of the float64 value. */
+static inline float smb_f64_to_f32_odd(double d)
+{
+    float f = (float)d;
+    double back = (double)f;
+    uint32_t u = smb_f32_bits(f);
+    /* |f| > |d| (f rounded away from zero): step one ulp back toward zero */
+    u -= smb_mask(__builtin_fabs(back) > __builtin_fabs(d)) & 1u;
+    u |= smb_mask(back != d) & 1u;   /* inexact; a NaN stays a NaN */
+    return smb_bits_f32(u);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Instruction-set selection for float16                                    */
+/* ------------------------------------------------------------------------ */
+
+enum { SMB_ISA_AUTO = -1, SMB_ISA_GENERIC = 0, SMB_ISA_F16C = 1 };
+
+/* One flag per translation unit: which float16 path the kernels take. */
+static int smb_vecops_isa_state = SMB_ISA_AUTO;
+
+static inline int smb_vecops_cpu_has_f16c(void)
+{
+#if SMB_VECOPS_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+#else
+    return 0;
+#endif
+}
+
+/* The float16 path in use: SMB_ISA_F16C or SMB_ISA_GENERIC. */
+static inline int smb_vecops_isa(void)
+{
+    int isa = smb_vecops_isa_state;
+    if (isa == SMB_ISA_AUTO) {
+        isa = smb_vecops_cpu_has_f16c() ? SMB_ISA_F16C : SMB_ISA_GENERIC;
+        smb_vecops_isa_state = isa;
+    }
+    return isa;
+}
+
+/* Force a path (tests compare both); SMB_ISA_AUTO picks the best again. */
+static inline int smb_vecops_set_isa(int isa)
+{
+    if (isa == SMB_ISA_F16C && !smb_vecops_cpu_has_f16c())
+        return SMB_VECOPS_EISA;
+    if (isa != SMB_ISA_AUTO && isa != SMB_ISA_GENERIC && isa != SMB_ISA_F16C)
+        return SMB_VECOPS_EISA;
+    smb_vecops_isa_state = isa;
+    return SMB_VECOPS_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Array conversions (one loop each; they vectorize)                         */
+/* ------------------------------------------------------------------------ */
+
+static inline void smb_cvt_f16_f32_generic(float *SMB_RESTRICT dst,
+                                           const uint16_t *SMB_RESTRICT src, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        dst[i] = smb_f16_to_f32(src[i]);
+}
+
+static inline void smb_cvt_f32_f16_generic(uint16_t *SMB_RESTRICT dst,
+                                           const float *SMB_RESTRICT src, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        dst[i] = smb_f32_to_f16(src[i]);
+}
+
+#if SMB_VECOPS_X86
+__attribute__((target("avx,f16c")))
+static inline void smb_cvt_f16_f32_f16c(float *SMB_RESTRICT dst,
+                                        const uint16_t *SMB_RESTRICT src, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++)
+        dst[i] = smb_f16_to_f32(src[i]);
+}
+
+__attribute__((target("avx,f16c")))
+static inline void smb_cvt_f32_f16_f16c(uint16_t *SMB_RESTRICT dst,
+                                        const float *SMB_RESTRICT src, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++)
+        dst[i] = smb_f32_to_f16(src[i]);
+}
+#endif
+
+static inline void smb_cvt_f16_f32(float *SMB_RESTRICT dst, const uint16_t *SMB_RESTRICT src,
+                                   size_t n)
+{
+#if SMB_VECOPS_X86
+    if (smb_vecops_isa() == SMB_ISA_F16C) {
+        smb_cvt_f16_f32_f16c(dst, src, n);
+        return;
+    }
+#endif
+    smb_cvt_f16_f32_generic(dst, src, n);
+}
+
+static inline void smb_cvt_f32_f16(uint16_t *SMB_RESTRICT dst, const float *SMB_RESTRICT src,
+                                   size_t n)
+{
+#if SMB_VECOPS_X86
+    if (smb_vecops_isa() == SMB_ISA_F16C) {
+        smb_cvt_f32_f16_f16c(dst, src, n);
+        return;
+    }
+#endif
+    smb_cvt_f32_f16_generic(dst, src, n);
+}
+
+static inline void smb_cvt_bf16_f32(float *SMB_RESTRICT dst, const uint16_t *SMB_RESTRICT src,
+                                    size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        dst[i] = smb_bf16_to_f32(src[i]);
+}
+
+static inline void smb_cvt_f32_bf16(uint16_t *SMB_RESTRICT dst, const float *SMB_RESTRICT src,
+                                    size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        dst[i] = smb_f32_to_bf16(src[i]);
+}
+
+static inline void smb_cvt_f32_f64(double *SMB_RESTRICT dst, const float *SMB_RESTRICT src,
+                                   size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        dst[i] = (double)src[i];
+}
+
+static inline void smb_cvt_f64_f32(float *SMB_RESTRICT dst, const double *SMB_RESTRICT src,
+                                   size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        dst[i] = (float)src[i];
+}
+
+static inline void smb_cvt_f64_f32_odd(float *SMB_RESTRICT dst, const double *SMB_RESTRICT src,
+                                       size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        dst[i] = smb_f64_to_f32_odd(src[i]);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Chunk loaders and storers: any dtype <-> the accumulation type            */
+/* ------------------------------------------------------------------------ */
+
+/* n elements of src (dtype, element offset off) as float32: a pointer into
+   src itself when it is float32, else converted into tmp. */
+static inline const float *smb_load_f32(const void *src, int dtype, size_t off, size_t n,
+                                        float *SMB_RESTRICT tmp)
+{
+    switch (dtype) {
+    case SMB_DTYPE_FLOAT32:
+        return (const float *)src + off;
+    case SMB_DTYPE_FLOAT16:
+        smb_cvt_f16_f32(tmp, (const uint16_t *)src + off, n);
+        return tmp;
+    case SMB_DTYPE_BFLOAT16:
+        smb_cvt_bf16_f32(tmp, (const uint16_t *)src + off, n);
+        return tmp;
+    default: /* float64 never reaches the float32 accumulator */
+        smb_cvt_f64_f32(tmp, (const double *)src + off, n);
+        return tmp;
+    }
+}
+
+/* the same as float64; tmp32 is scratch for the half types */
+static inline const double *smb_load_f64(const void *src, int dtype, size_t off, size_t n,
+                                         double *SMB_RESTRICT tmp, float *SMB_RESTRICT tmp32)
+{
+    if (dtype == SMB_DTYPE_FLOAT64)
+        return (const double *)src + off;
+    smb_cvt_f32_f64(tmp, smb_load_f32(src, dtype, off, n, tmp32), n);
+    return tmp;
+}
+
+/* n float32 values into dst (dtype, element offset off) */
+static inline void smb_store_f32(void *dst, int dtype, size_t off, const float *SMB_RESTRICT acc,
+                                 size_t n)
+{
+    switch (dtype) {
+    case SMB_DTYPE_FLOAT32:
+        memcpy((float *)dst + off, acc, n * sizeof(float));
+        break;
+    case SMB_DTYPE_FLOAT16:
+        smb_cvt_f32_f16((uint16_t *)dst + off, acc, n);
+        break;
+    case SMB_DTYPE_BFLOAT16:
+        smb_cvt_f32_bf16((uint16_t *)dst + off, acc, n);
+        break;
+    default:
+        smb_cvt_f32_f64((double *)dst + off, acc, n);
+        break;
+    }
+}
+
+/* n float64 values into dst; tmp32 is scratch for the half types */
+static inline void smb_store_f64(void *dst, int dtype, size_t off, const double *SMB_RESTRICT acc,
+                                 size_t n, float *SMB_RESTRICT tmp32)
+{
+    switch (dtype) {
+    case SMB_DTYPE_FLOAT64:
+        memcpy((double *)dst + off, acc, n * sizeof(double));
+        break;
+    case SMB_DTYPE_FLOAT32:
+        smb_cvt_f64_f32((float *)dst + off, acc, n);
+        break;
+    default:
+        smb_cvt_f64_f32_odd(tmp32, acc, n);
+        smb_store_f32(dst, dtype, off, tmp32, n);
+        break;
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Arithmetic on one chunk (accumulation type only)                          */
+/* ------------------------------------------------------------------------ */
+
+static inline void smb_mul_f32(float *SMB_RESTRICT acc, float w, const float *SMB_RESTRICT x,
+                               size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        acc[i] = w * x[i];
+}
+
+static inline void smb_muladd_f32(float *SMB_RESTRICT acc, float w,
+                                  const float *SMB_RESTRICT x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        acc[i] = acc[i] + w * x[i];
+}
+
+static inline void smb_mul_f64(double *SMB_RESTRICT acc, double w,
+                               const double *SMB_RESTRICT x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        acc[i] = w * x[i];
+}
+
+static inline void smb_muladd_f64(double *SMB_RESTRICT acc, double w,
+                                  const double *SMB_RESTRICT x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        acc[i] = acc[i] + w * x[i];
+}
+
+/* y += a*x in place; x may be y itself, hence no restrict */
+static inline void smb_axpy_inplace_f32(float *y, float a, const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        y[i] = y[i] + a * x[i];
+}
+
+static inline void smb_axpy_inplace_f64(double *y, double a, const double *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        y[i] = y[i] + a * x[i];
+}
+
+static inline void smb_scale_inplace_f32(float *SMB_RESTRICT x, float a, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = a * x[i];
+}
+
+static inline void smb_scale_inplace_f64(double *SMB_RESTRICT x, double a, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = a * x[i];
+}
+
+static inline size_t smb_chunk_len(size_t off, size_t count)
+{
+    size_t left = count - off;
+    return left < SMB_VECOPS_CHUNK ? left : SMB_VECOPS_CHUNK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Kernels                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* dst[i] = sum_k weights[k] * srcs[k][i], k < nsrc, i < count.
+   Accumulates in float64 when dst or any source is float64, else float32.
+   dst may be the same buffer as any source. */
+static inline int smb_weighted_sum(void *dst, int dst_dtype, const void *const *srcs,
+                                   const int *src_dtypes, const double *weights, size_t nsrc,
+                                   size_t count)
+{
+    int wide = dst_dtype == SMB_DTYPE_FLOAT64;
+    if (!smb_dtype_valid(dst_dtype))
+        return SMB_VECOPS_EDTYPE;
+    if (nsrc == 0)
+        return SMB_VECOPS_ENOSRC;
+    for (size_t k = 0; k < nsrc; k++) {
+        if (!smb_dtype_valid(src_dtypes[k]))
+            return SMB_VECOPS_EDTYPE;
+        if (count && !srcs[k])
+            return SMB_VECOPS_ENULL;
+        wide |= src_dtypes[k] == SMB_DTYPE_FLOAT64;
+    }
+    if (count == 0)
+        return SMB_VECOPS_OK;
+    if (!dst)
+        return SMB_VECOPS_ENULL;
+
+    if (!wide) {
+        float acc[SMB_VECOPS_CHUNK], tmp[SMB_VECOPS_CHUNK];
+        for (size_t off = 0; off < count; off += SMB_VECOPS_CHUNK) {
+            size_t n = smb_chunk_len(off, count);
+            smb_mul_f32(acc, (float)weights[0], smb_load_f32(srcs[0], src_dtypes[0], off, n, tmp), n);
+            for (size_t k = 1; k < nsrc; k++)
+                smb_muladd_f32(acc, (float)weights[k],
+                               smb_load_f32(srcs[k], src_dtypes[k], off, n, tmp), n);
+            smb_store_f32(dst, dst_dtype, off, acc, n);
+        }
+    } else {
+        double acc[SMB_VECOPS_CHUNK], tmp[SMB_VECOPS_CHUNK];
+        float tmp32[SMB_VECOPS_CHUNK];
+        for (size_t off = 0; off < count; off += SMB_VECOPS_CHUNK) {
+            size_t n = smb_chunk_len(off, count);
+            smb_mul_f64(acc, weights[0], smb_load_f64(srcs[0], src_dtypes[0], off, n, tmp, tmp32), n);
+            for (size_t k = 1; k < nsrc; k++)
+                smb_muladd_f64(acc, weights[k],
+                               smb_load_f64(srcs[k], src_dtypes[k], off, n, tmp, tmp32), n);
+            smb_store_f64(dst, dst_dtype, off, acc, n, tmp32);
+        }
+    }
+    return SMB_VECOPS_OK;
+}
+
+/* y[i] += alpha * x[i]; x may be the same buffer as y. */
+static inline int smb_axpy(void *y, int y_dtype, const void *x, int x_dtype, double alpha,
+                           size_t count)
+{
+    if (!smb_dtype_valid(y_dtype) || !smb_dtype_valid(x_dtype))
+        return SMB_VECOPS_EDTYPE;
+    if (count == 0)
+        return SMB_VECOPS_OK;
+    if (!x || !y)
+        return SMB_VECOPS_ENULL;
+
+    if (y_dtype != SMB_DTYPE_FLOAT64 && x_dtype != SMB_DTYPE_FLOAT64) {
+        float acc[SMB_VECOPS_CHUNK], tmp[SMB_VECOPS_CHUNK];
+        float a = (float)alpha;
+        for (size_t off = 0; off < count; off += SMB_VECOPS_CHUNK) {
+            size_t n = smb_chunk_len(off, count);
+            if (y_dtype == SMB_DTYPE_FLOAT32) {
+                /* x is staged in tmp unless it is float32 too */
+                smb_axpy_inplace_f32((float *)y + off, a, smb_load_f32(x, x_dtype, off, n, tmp), n);
+            } else {
+                smb_load_f32(y, y_dtype, off, n, acc);  /* a half type: staged into acc */
+                smb_axpy_inplace_f32(acc, a, smb_load_f32(x, x_dtype, off, n, tmp), n);
+                smb_store_f32(y, y_dtype, off, acc, n);
+            }
+        }
+    } else {
+        double acc[SMB_VECOPS_CHUNK], tmp[SMB_VECOPS_CHUNK];
+        float tmp32[SMB_VECOPS_CHUNK];
+        for (size_t off = 0; off < count; off += SMB_VECOPS_CHUNK) {
+            size_t n = smb_chunk_len(off, count);
+            if (y_dtype == SMB_DTYPE_FLOAT64) {
+                smb_axpy_inplace_f64((double *)y + off, alpha,
+                                     smb_load_f64(x, x_dtype, off, n, tmp, tmp32), n);
+            } else {
+                smb_load_f64(y, y_dtype, off, n, acc, tmp32);  /* not float64: staged into acc */
+                smb_axpy_inplace_f64(acc, alpha, smb_load_f64(x, x_dtype, off, n, tmp, tmp32), n);
+                smb_store_f64(y, y_dtype, off, acc, n, tmp32);
+            }
+        }
+    }
+    return SMB_VECOPS_OK;
+}
+
+/* x[i] *= alpha */
+static inline int smb_scale(void *x, int dtype, double alpha, size_t count)
+{
+    if (!smb_dtype_valid(dtype))
+        return SMB_VECOPS_EDTYPE;
+    if (count == 0)
+        return SMB_VECOPS_OK;
+    if (!x)
+        return SMB_VECOPS_ENULL;
+    if (dtype == SMB_DTYPE_FLOAT32) {
+        smb_scale_inplace_f32((float *)x, (float)alpha, count);
+    } else if (dtype == SMB_DTYPE_FLOAT64) {
+        smb_scale_inplace_f64((double *)x, alpha, count);
+    } else {
+        float acc[SMB_VECOPS_CHUNK];
+        for (size_t off = 0; off < count; off += SMB_VECOPS_CHUNK) {
+            size_t n = smb_chunk_len(off, count);
+            smb_load_f32(x, dtype, off, n, acc);
+            smb_scale_inplace_f32(acc, (float)alpha, n);
+            smb_store_f32(x, dtype, off, acc, n);
+        }
+    }
+    return SMB_VECOPS_OK;
+}
+
+/* dst[i] = src[i] converted to dst_dtype.  dst and src may be the very same
+   address (in-place conversion, e.g. float32 -> float16 compressing into the
+   front half of its own buffer, or back); otherwise they must not overlap. */
+static inline int smb_convert(void *dst, int dst_dtype, const void *src, int src_dtype,
+                              size_t count)
+{
+    if (!smb_dtype_valid(dst_dtype) || !smb_dtype_valid(src_dtype))
+        return SMB_VECOPS_EDTYPE;
+    if (count == 0)
+        return SMB_VECOPS_OK;
+    if (!dst || !src)
+        return SMB_VECOPS_ENULL;
+    if (dst_dtype == src_dtype) {
+        if (dst != src)
+            memcpy(dst, src, count * smb_dtype_size(src_dtype));
+        return SMB_VECOPS_OK;
+    }
+    int in_place = dst == src;
+    /* in place and widening: walk backwards so no chunk overwrites unread input */
+    int backwards = in_place && smb_dtype_size(dst_dtype) > smb_dtype_size(src_dtype);
+    size_t nchunks = (count + SMB_VECOPS_CHUNK - 1) / SMB_VECOPS_CHUNK;
+    int wide = dst_dtype == SMB_DTYPE_FLOAT64 || src_dtype == SMB_DTYPE_FLOAT64;
+    float tmp[SMB_VECOPS_CHUNK];
+    double tmp64[SMB_VECOPS_CHUNK];
+    for (size_t c = 0; c < nchunks; c++) {
+        size_t off = (backwards ? nchunks - 1 - c : c) * SMB_VECOPS_CHUNK;
+        size_t n = smb_chunk_len(off, count);
+        if (!wide) {
+            const float *v = smb_load_f32(src, src_dtype, off, n, tmp);
+            if (in_place && v != tmp) {  /* float32 source still points into the buffer */
+                memcpy(tmp, v, n * sizeof(float));
+                v = tmp;
+            }
+            smb_store_f32(dst, dst_dtype, off, v, n);
+        } else if (src_dtype == SMB_DTYPE_FLOAT64) {
+            const double *v = (const double *)src + off;
+            if (in_place) {
+                memcpy(tmp64, v, n * sizeof(double));
+                v = tmp64;
+            }
+            smb_store_f64(dst, dst_dtype, off, v, n, tmp);
+        } else {
+            /* widening to float64: everything is staged in tmp64 first */
+            smb_store_f64(dst, dst_dtype, off, smb_load_f64(src, src_dtype, off, n, tmp64, tmp), n,
+                          tmp);
+        }
+    }
+    return SMB_VECOPS_OK;
+}
+
+/* Compression codecs of the runtime: float32 <-> float16 / bfloat16.
+   dst may equal src (in place: the halves end up packed at the front). */
+static inline int smb_compress_f32(void *dst, int codec_dtype, const float *src, size_t count)
+{
+    if (codec_dtype != SMB_DTYPE_FLOAT16 && codec_dtype != SMB_DTYPE_BFLOAT16)
+        return SMB_VECOPS_EDTYPE;
+    return smb_convert(dst, codec_dtype, src, SMB_DTYPE_FLOAT32, count);
+}
+
+static inline int smb_decompress_f32(float *dst, const void *src, int codec_dtype, size_t count)
+{
+    if (codec_dtype != SMB_DTYPE_FLOAT16 && codec_dtype != SMB_DTYPE_BFLOAT16)
+        return SMB_VECOPS_EDTYPE;
+    return smb_convert(dst, SMB_DTYPE_FLOAT32, src, codec_dtype, count);
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+#endif /* EDDIS_SMB_VECOPS_H */
