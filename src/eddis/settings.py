@@ -137,6 +137,10 @@ register("EDDIS_HOME", "path", None,
 register("EDDIS_DEV_CLUSTER_DIR", "path", "/tmp/eddis-dev-cluster",
          "State directory of the local Slurm cluster of scripts/eddis-dev-cluster "
          "(slurm.conf, logs, spool, fake GPU devices); clients use SLURM_CONF=<dir>/slurm.conf.")
+register("EDDIS_DEV_CLUSTER_PORT", "int", 16817,
+         "TCP port of the local cluster's slurmctld; its slurmd n1 and n2 use the next two.")
+register("EDDIS_DEV_CLUSTER_WAIT", "int", 60,
+         "Seconds `eddis-dev-cluster up` waits for the nodes to become idle.")
 for _lib, _what in (("UCX", "UCX (libucx-dev / ucx-devel)"), ("VERBS", "libibverbs (libibverbs-dev / rdma-core-devel)"),
                     ("MPI", "MPI (mpicc and mpi4py)"), ("CUDA", "the CUDA runtime")):
     register(f"EDDIS_WITH_{_lib}", "bool", False,
