@@ -84,7 +84,7 @@ def _alignment(clocks):
             result.append((m["offset_to_rank0_ns"], m["uncertainty_ns"], how))
         else:
             offset = (c["wall_anchor_ns"] - c["perf_anchor_ns"]) - ref_wall_minus_perf
-            result.append((-offset, None, "wall clock (NTP), uncertainty unknown"))
+            result.append((offset, None, "wall clock (NTP), uncertainty unknown"))
     return ref, result
 
 

@@ -82,6 +82,7 @@ class Timeline:
         self._buffer = deque()
         self._pid = os.getpid()
         self._tids = {}
+        self._threads = {}
         self._first = True
         self._reported_dropped = 0
         self._file = None
@@ -106,7 +107,11 @@ class Timeline:
     def record(self, ph, name, cat, ts_ns, dur_ns, args):
         buf = self._buffer
         if len(buf) < self.capacity:
-            buf.append((ph, name, cat, ts_ns, dur_ns, _get_ident(), args))
+            ident = _get_ident()
+            if ident not in self._threads:  # once per thread: it may be gone when the writer runs
+                thread = threading.current_thread()
+                self._threads[ident] = (thread.name, thread.native_id, thread is threading.main_thread())
+            buf.append((ph, name, cat, ts_ns, dur_ns, ident, args))
         else:
             self.dropped += 1
 
@@ -251,11 +256,9 @@ class Timeline:
         return prefix + text + "}"
 
     def _new_thread(self, ident):
-        thread = next((t for t in threading.enumerate() if t.ident == ident), None)
-        tid = getattr(thread, "native_id", None) or (len(self._tids) + 1)
-        name = thread.name if thread is not None else f"thread {tid}"
-        if thread is threading.main_thread():
-            name = "main"
+        name, native_id, is_main = self._threads.get(ident, (None, None, False))
+        tid = native_id or (len(self._tids) + 1)
+        name = "main" if is_main else (name or f"thread {tid}")
         self._tids[ident] = tid
         meta = [{"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tid, "args": {"name": name}},
                 {"name": "thread_sort_index", "ph": "M", "pid": self._pid, "tid": tid,
