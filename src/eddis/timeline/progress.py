@@ -1,0 +1,110 @@
+"""Rank 0's training progress: a tqdm bar on a terminal, plain log lines otherwise.
+
+Slurm output files are not terminals; there a bar would write thousands of
+carriage-return updates, so we print one line every ``EDDIS_PROGRESS_INTERVAL``
+seconds instead::
+
+    [eddis] step 120/1000 (12.0%)  345.6 samples/s  loss 0.1234  elapsed 0:01:02  eta 0:07:37
+
+``EDDIS_PROGRESS``: auto (bar if stdout is a TTY, else log), bar, log, off.
+Ranks other than 0 show nothing.
+"""
+import sys
+import time
+
+
+def _hms(seconds):
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """``update(steps=1, samples=n, loss=x)`` once per step; ``close()`` at the end."""
+
+    def __init__(self, total=None, rank=0, desc="train", mode=None, interval=None, stream=None):
+        from .. import settings
+
+        self.stream = stream if stream is not None else sys.stdout
+        mode = mode or settings.get("EDDIS_PROGRESS")
+        if rank != 0 or mode == "off":
+            mode = "off"
+        elif mode == "auto":
+            isatty = getattr(self.stream, "isatty", None)
+            mode = "bar" if isatty is not None and isatty() else "log"
+        self.mode = mode
+        self.total = total
+        self.desc = desc
+        self.interval = settings.get("EDDIS_PROGRESS_INTERVAL") if interval is None else float(interval)
+        self.steps = 0
+        self.samples = 0
+        self.loss = None
+        self._start = self._last_log = time.monotonic()
+        self._window_start, self._window_samples = self._start, 0
+        self._rate = 0.0
+        self._bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit="step", file=self.stream, dynamic_ncols=True)
+
+    def update(self, steps=1, samples=0, loss=None):
+        if self.mode == "off":
+            return
+        self.steps += steps
+        self.samples += samples
+        self._window_samples += samples
+        if loss is not None:
+            self.loss = float(loss)
+        now = time.monotonic()
+        if now - self._window_start >= 1.0:
+            self._rate = self._window_samples / (now - self._window_start)
+            self._window_start, self._window_samples = now, 0
+        elif self._rate == 0.0 and now > self._start:
+            self._rate = self.samples / (now - self._start)
+        if self._bar is not None:
+            post = {"samples/s": f"{self._rate:.1f}"}
+            if self.loss is not None:
+                post["loss"] = f"{self.loss:.4g}"
+            self._bar.set_postfix(post, refresh=False)
+            self._bar.update(steps)
+        elif now - self._last_log >= self.interval:
+            self._last_log = now
+            self._log(now)
+
+    def line(self, now=None):
+        now = time.monotonic() if now is None else now
+        elapsed = now - self._start
+        if self.total:
+            text = f"[eddis] {self.desc} step {self.steps}/{self.total} ({100.0 * self.steps / self.total:.1f}%)"
+        else:
+            text = f"[eddis] {self.desc} step {self.steps}"
+        text += f"  {self._rate:.1f} samples/s"
+        if self.loss is not None:
+            text += f"  loss {self.loss:.4g}"
+        text += f"  elapsed {_hms(elapsed)}"
+        if self.total and self.steps:
+            text += f"  eta {_hms(elapsed / self.steps * (self.total - self.steps))}"
+        return text
+
+    def _log(self, now=None):
+        print(self.line(now), file=self.stream, flush=True)
+
+    def close(self):
+        if self.mode == "off":
+            return
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        else:
+            elapsed = time.monotonic() - self._start
+            if elapsed > 0:
+                self._rate = self.samples / elapsed
+            self._log()
+        self.mode = "off"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
