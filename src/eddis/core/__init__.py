@@ -1,0 +1,57 @@
+"""EDDIS runtime core: framework-agnostic data-parallel machinery over numpy buffers.
+
+The PyTorch adapter (``eddis.torch``) and the TensorFlow adapter
+(``eddis.tensorflow``) are thin layers over this package; the heterogeneity
+modes (easgd, hybrid, balanced sync) plug into it. Nothing here imports a
+deep-learning framework.
+
+Runtime (``runtime``): ``init()``, ``shutdown()``, ``is_initialized()``,
+``rank()``, ``size()``, ``local_rank()``, ``local_size()``, ``group()``,
+``num_groups()``, ``hostname()``, ``comm()`` (private duplicate of MPI
+COMM_WORLD), ``smb_client()`` (the job's SMB client; collective on first use;
+starts an embedded server for single-node ``mpirun`` runs).
+
+Gradient layout (``buckets``): ``BucketPlan([(name, shape), ...],
+bucket_bytes)`` lays parameters out in one flat float32 buffer in reverse
+order of definition and cuts it into buckets.
+
+Reduction (``reducer``): ``make_reducer(mode, plan, compression, op)`` with
+modes ``sync`` (through SMB: each rank writes its slot, the server computes
+the sample-weighted average) and ``allreduce`` (MPI baseline); the reducer's
+``set_weight``/``mark_ready``/``wait`` drive one step, overlapped with the
+framework's backward pass on two background threads. ``register_mode`` adds a
+mode.
+
+Compression (``compression``): codecs ``NONE``, ``FP16``, ``BF16`` (``get_codec``).
+
+Collectives over MPI that time out instead of hanging (``collectives``):
+``broadcast_array``, ``allreduce_array``, ``broadcast_object``,
+``allgather_object``, ``barrier``, ``check_same``.
+
+Data sharding (``sampler``): ``shard_indices``, ``split_sizes``, ``batch_slice``
+with optional per-rank weights.
+
+Settings: EDDIS_MODE, EDDIS_COMPRESSION, EDDIS_BUCKET_BYTES,
+EDDIS_COMM_TIMEOUT, EDDIS_EMBEDDED_SERVER (see ``eddis settings``).
+"""
+from .buckets import Bucket, BucketPlan, Slot
+from .collectives import (CollectiveTimeoutError, allgather_object, allreduce_array, barrier,
+                          broadcast_array, broadcast_object, check_same)
+from .compression import BF16, FP16, NONE, Codec, get_codec
+from .reducer import (REDUCERS, AllreduceReducer, LocalReducer, Reducer, ReductionError,
+                      ReductionTimeoutError, available_modes, make_reducer, register_mode)
+from .runtime import (comm, group, hostname, init, is_initialized, local_rank, local_size,
+                      num_groups, rank, shutdown, size, smb_client)
+from .sampler import batch_slice, shard_indices, split_sizes
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
+    "num_groups", "hostname", "comm", "smb_client",
+    "BucketPlan", "Bucket", "Slot",
+    "make_reducer", "register_mode", "available_modes", "Reducer", "LocalReducer",
+    "AllreduceReducer", "REDUCERS", "ReductionError", "ReductionTimeoutError",
+    "Codec", "NONE", "FP16", "BF16", "get_codec",
+    "broadcast_array", "allreduce_array", "broadcast_object", "allgather_object", "barrier",
+    "check_same", "CollectiveTimeoutError",
+    "shard_indices", "split_sizes", "batch_slice",
+]

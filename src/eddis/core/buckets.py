@@ -1,0 +1,111 @@
+"""The bucket plan: where each gradient lives in one flat float32 buffer.
+
+Parameters are given in the order the model defines them, which is roughly
+the order the forward pass uses them; their gradients become ready in the
+opposite order during the backward pass. The plan therefore lays parameters
+out in *reverse* order and cuts that sequence into buckets of about
+``bucket_bytes`` (fp32) each, so bucket 0 is the first one ready and can be
+on the wire while the backward pass still computes the others. A parameter
+larger than ``bucket_bytes`` gets a bucket of its own.
+
+    plan = BucketPlan([("fc1.weight", (256, 64)), ("fc1.bias", (256,))], bucket_bytes=1 << 20)
+    plan.buffer            # np.float32 array of plan.total elements
+    plan.view(i)           # the slice of parameter i (in the caller's order)
+    plan.buckets[k].start, plan.buckets[k].count, plan.buckets[k].params
+
+The same plan on every rank is a precondition of every reducer; compare
+:meth:`BucketPlan.signature` across ranks (eddis.core.collectives.check_same).
+"""
+import hashlib
+from dataclasses import dataclass, field
+from math import prod
+from typing import List, Tuple
+
+import numpy as np
+
+from ..errors import ConfigError
+
+
+@dataclass
+class Slot:
+    """One parameter's place in the flat buffer."""
+    index: int            # position in the caller's parameter list
+    name: str
+    shape: Tuple[int, ...]
+    start: int            # first element in the flat buffer
+    count: int
+    bucket: int = -1
+
+
+@dataclass
+class Bucket:
+    """A contiguous range of the flat buffer communicated as one message."""
+    index: int
+    start: int
+    count: int
+    params: List[int] = field(default_factory=list)  # caller's parameter indices
+
+    @property
+    def nbytes(self):
+        return self.count * 4
+
+
+class BucketPlan:
+    def __init__(self, params, bucket_bytes=25 << 20):
+        """``params``: sequence of (name, shape) in definition order."""
+        if bucket_bytes <= 0:
+            raise ConfigError(f"bucket_bytes must be positive, got {bucket_bytes}; "
+                              "set EDDIS_BUCKET_BYTES to e.g. 25M")
+        self.bucket_bytes = int(bucket_bytes)
+        self.slots = []
+        for index, (name, shape) in enumerate(params):
+            shape = tuple(int(d) for d in shape)
+            self.slots.append(Slot(index, str(name), shape, 0, int(prod(shape))))
+        self.buckets = []
+        cap = max(1, self.bucket_bytes // 4)
+        offset = 0
+        current = None
+        for slot in reversed(self.slots):
+            if current is None or (current.count > 0 and current.count + slot.count > cap):
+                current = Bucket(len(self.buckets), offset, 0)
+                self.buckets.append(current)
+            slot.start = offset
+            slot.bucket = current.index
+            current.params.append(slot.index)
+            current.count += slot.count
+            offset += slot.count
+        self.total = offset
+        self.buffer = np.zeros(self.total, dtype=np.float32)
+
+    def use_buffer(self, array):
+        """Make ``array`` (float32, ``total`` elements, e.g. pinned host memory) the buffer."""
+        if array.dtype != np.float32 or array.size != self.total or array.ndim != 1:
+            raise ConfigError(f"the gradient buffer must be a 1-D float32 array of {self.total} "
+                              f"elements, got {array.dtype} with shape {array.shape}")
+        self.buffer = array
+
+    def __len__(self):
+        return len(self.buckets)
+
+    def view(self, index):
+        """The flat-buffer slice of parameter ``index`` (1-D float32 view)."""
+        slot = self.slots[index]
+        return self.buffer[slot.start:slot.start + slot.count]
+
+    def bucket_view(self, k, array=None):
+        b = self.buckets[k]
+        arr = self.buffer if array is None else array
+        return arr[b.start:b.start + b.count]
+
+    def signature(self):
+        """Text that must be identical on every rank: names, shapes and the cut."""
+        lines = [f"{s.name}:{'x'.join(map(str, s.shape)) or 'scalar'}" for s in self.slots]
+        lines.append(f"buckets:{','.join(str(b.count) for b in self.buckets)}")
+        return "\n".join(lines)
+
+    def digest(self):
+        return hashlib.sha256(self.signature().encode()).digest()
+
+    def describe(self):
+        return (f"{len(self.slots)} parameters, {self.total} elements "
+                f"({self.total * 4 / 2**20:.1f} MiB fp32) in {len(self.buckets)} buckets")

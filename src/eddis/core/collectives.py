@@ -1,0 +1,165 @@
+"""Collectives over MPI that never wait forever.
+
+Each call starts the non-blocking MPI operation and polls it until it completes
+or ``timeout`` seconds (default ``EDDIS_COMM_TIMEOUT``) pass; then it raises
+:class:`CollectiveTimeoutError`, naming the call, so a rank that crashed or
+skipped a collective turns into an error instead of a hang. After such a
+timeout the communicator is unusable; :func:`eddis.core.shutdown` aborts the
+MPI job instead of finalizing it.
+
+- ``broadcast_array(array, root=0)``: in place, any numpy dtype MPI knows.
+- ``allreduce_array(array, op="sum"|"average"|"min"|"max", out=None)``.
+- ``broadcast_object(obj, root=0)``, ``allgather_object(obj)``: pickled.
+- ``barrier()``.
+- ``check_same(text, what)``: raise ConfigError on every rank unless ``text``
+  is identical everywhere (naming the ranks and the first line that differs).
+"""
+import pickle
+import time
+
+import numpy as np
+
+from .. import settings
+from ..errors import ConfigError, EddisError
+from . import runtime
+
+
+class CollectiveTimeoutError(EddisError, TimeoutError):
+    """Other ranks did not join a collective call in time."""
+
+
+def _timeout(timeout):
+    return settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
+
+
+def wait_request(request, timeout, what):
+    """Poll an MPI request until done; raise CollectiveTimeoutError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    delay = 2e-6
+    while True:
+        with runtime.mpi_lock():
+            if request.Test():
+                return
+
+        if time.monotonic() > deadline:
+            runtime.mark_broken(what)
+            raise CollectiveTimeoutError(
+                f"{what}: not every rank joined within {timeout:g} s. Another rank failed, "
+                "is stuck, or skipped this call (every rank must make the same collective "
+                "calls in the same order); raise EDDIS_COMM_TIMEOUT if it is only slow.")
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+
+
+def _start(method, *args, **kwargs):
+    """Start a non-blocking MPI call (under the MPI lock when threads must take turns)."""
+    with runtime.mpi_lock():
+        return method(*args, **kwargs)
+
+
+def _comm(comm):
+    return runtime.comm() if comm is None else comm
+
+
+_OPS = {"sum": "SUM", "average": "SUM", "mean": "SUM", "min": "MIN", "max": "MAX"}
+
+
+def allreduce_array(array, op="sum", out=None, comm=None, timeout=None, what="allreduce"):
+    """Reduce a numpy array over all ranks; in place when ``out`` is ``array``.
+
+    ``op``: sum, average (sum divided by the number of ranks), min or max.
+    Returns the result array (``out``, or a new array when ``out`` is None).
+    """
+    from mpi4py import MPI
+
+    key = str(op).lower()
+    if key not in _OPS:
+        raise ConfigError(f"unknown reduction op {op!r}; use sum, average, min or max")
+    comm = _comm(comm)
+    src = np.ascontiguousarray(array)
+    if out is None:
+        out = src.copy()
+    elif out is not src:
+        np.copyto(out, src)
+    req = _start(comm.Iallreduce, MPI.IN_PLACE, out, getattr(MPI, _OPS[key]))
+    wait_request(req, _timeout(timeout), what)
+    if key in ("average", "mean"):
+        if np.issubdtype(out.dtype, np.integer):
+            raise ConfigError("average of an integer array: use op='sum' or a float array")
+        out /= comm.Get_size()
+    return out
+
+
+def broadcast_array(array, root=0, comm=None, timeout=None, what="broadcast"):
+    """Overwrite ``array`` (C-contiguous, writable) with root's values; returns it."""
+    comm = _comm(comm)
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise ConfigError("broadcast_array needs a writable C-contiguous numpy array; "
+                          "pass np.ascontiguousarray(x) and copy the result back")
+    wait_request(_start(comm.Ibcast, array, root=root), _timeout(timeout), what)
+    return array
+
+
+def broadcast_object(obj, root=0, comm=None, timeout=None, what="broadcast_object"):
+    """Root's ``obj`` on every rank (pickled)."""
+    comm = _comm(comm)
+    t = _timeout(timeout)
+    is_root = comm.Get_rank() == root
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_root else b""
+    length = np.array([len(payload)], dtype=np.int64)
+    wait_request(_start(comm.Ibcast, length, root=root), t, what)
+    data = np.frombuffer(payload, dtype=np.uint8).copy() if is_root else np.empty(int(length[0]), np.uint8)
+    wait_request(_start(comm.Ibcast, data, root=root), t, what)
+    return obj if is_root else pickle.loads(data.tobytes())
+
+
+def allgather_object(obj, comm=None, timeout=None, what="allgather_object"):
+    """List of every rank's ``obj``, in rank order."""
+    from mpi4py import MPI
+
+    comm = _comm(comm)
+    t = _timeout(timeout)
+    payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    size = comm.Get_size()
+    lengths = np.empty(size, dtype=np.int64)
+    mine = np.array([payload.size], dtype=np.int64)
+    wait_request(_start(comm.Iallgather, mine, lengths), t, what)
+    displs = np.zeros(size, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=displs[1:])
+    data = np.empty(int(lengths.sum()), dtype=np.uint8)
+    wait_request(_start(comm.Iallgatherv, payload, [data, (lengths, displs), MPI.BYTE]), t, what)
+    return [pickle.loads(data[d:d + n].tobytes()) for d, n in zip(displs, lengths)]
+
+
+def barrier(comm=None, timeout=None, what="barrier"):
+    comm = _comm(comm)
+    wait_request(_start(comm.Ibarrier), _timeout(timeout), what)
+
+
+def check_same(text, what, fix, comm=None, timeout=None):
+    """Raise ConfigError on every rank unless ``text`` is the same on all ranks.
+
+    Compares digests first (one small allgather), and only on a mismatch gathers
+    the texts to name the ranks and the first differing line.
+    """
+    import hashlib
+
+    comm = _comm(comm)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    digests = allgather_object(digest, comm=comm, timeout=timeout, what=f"{what} check")
+    if len(set(digests)) == 1:
+        return
+    texts = allgather_object(text, comm=comm, timeout=timeout, what=f"{what} check")
+    ref = texts[0].splitlines()
+    for r, t in enumerate(texts):
+        lines = t.splitlines()
+        if lines == ref:
+            continue
+        for i in range(max(len(ref), len(lines))):
+            a = ref[i] if i < len(ref) else "<nothing>"
+            b = lines[i] if i < len(lines) else "<nothing>"
+            if a != b:
+                raise ConfigError(
+                    f"{what} differs between ranks: rank 0 has {a!r} where rank {r} has {b!r} "
+                    f"(entry {i}). {fix}")
+    raise ConfigError(f"{what} differs between ranks. {fix}")

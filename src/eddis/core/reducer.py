@@ -1,0 +1,426 @@
+"""Gradient reducers: average a flat float32 buffer over all ranks, bucket by bucket,
+on background threads, while the framework is still computing.
+
+A framework adapter owns a :class:`~eddis.core.buckets.BucketPlan`, fills
+``plan.buffer`` with the local gradients and calls, for each step::
+
+    reducer.set_weight(samples)   # optional: this rank's sample count (default 1)
+    reducer.mark_ready(k)         # bucket k of plan.buffer holds final local gradients
+    ...                           # (from backward hooks, in any order, any thread)
+    reducer.wait()                # all buckets reduced: plan.buffer holds the result
+
+or ``reducer.reduce(weight)`` for all buckets at once. ``op="average"`` gives
+``sum_i w_i g_i / sum_i w_i`` (with equal weights, the plain mean), so ranks with
+unequal shares of a global batch still compute the gradient of the whole batch;
+``op="sum"`` gives ``sum_i g_i``.
+
+Buckets go on the wire strictly in plan order (bucket 0 first), the same on
+every rank. A *submit* thread compresses and sends bucket k as soon as it is
+ready; a *finish* thread collects the results and decompresses them into
+``plan.buffer``; so sending bucket k+1 overlaps receiving bucket k, and both
+overlap the backward pass.
+
+Modes are registered in :data:`REDUCERS` (``register_mode(name, cls)``):
+``allreduce`` (MPI, this module) and ``sync`` (SMB, ``eddis.core.smb_sync``);
+``make_reducer(mode, plan, ...)`` builds one. With one rank every mode is the
+:class:`LocalReducer` (nothing to communicate).
+
+Observability: ``add_listener(fn)`` calls ``fn(event, step, bucket, nbytes,
+t_ns)`` for ``ready``, ``push_start``, ``push_end`` and ``done`` events (from
+the thread where they happen); ``record_events()`` keeps them in
+``event_log``; ``stats`` counts steps, buckets, bytes and ``overlapped`` (pushes
+that started while some bucket of the same step was not ready yet).
+"""
+import logging
+import queue
+import threading
+import time
+
+import numpy as np
+
+from .. import settings
+from ..errors import ConfigError, EddisError, UsageError
+from . import runtime
+from .compression import get_codec
+
+log = logging.getLogger("eddis.core.reducer")
+
+
+class ReductionError(EddisError, RuntimeError):
+    """The background communication failed; the cause is chained."""
+
+
+class ReductionTimeoutError(EddisError, TimeoutError):
+    """A step's reduction did not finish within EDDIS_COMM_TIMEOUT."""
+
+
+def _op_name(op):
+    key = str(getattr(op, "name", op)).lower()
+    if key in ("average", "mean", "avg"):
+        return "average"
+    if key == "sum":
+        return "sum"
+    raise ConfigError(f"unknown reduction op {op!r}; use Average or Sum")
+
+
+class Reducer:
+    """Base class: threads, bucket state, events. Subclasses implement
+    ``_prepare_step()``, ``_submit(k) -> token``, ``_finish(k, token)`` and
+    optionally ``_release()``."""
+
+    mode = None
+
+    def __init__(self, plan, compression="none", op="average", timeout=None, name="grads"):
+        self.plan = plan
+        self.codec = get_codec(compression)
+        self.op = _op_name(op)
+        self.timeout = settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
+        self.name = name
+        self.rank = runtime.rank()
+        self.size = runtime.size()
+        self.num_buckets = len(plan.buckets)
+        self.listeners = []
+        self.event_log = None
+        self.stats = {"steps": 0, "buckets": 0, "bytes_sent": 0, "bytes_received": 0, "overlapped": 0}
+        self._cond = threading.Condition()
+        self._ready = [False] * self.num_buckets
+        self._done = [False] * self.num_buckets
+        self._fences = [None] * self.num_buckets
+        self._nready = 0
+        self._weight = 1.0
+        self._step_weight = 1.0
+        self.step = 0
+        self._error = None
+        self._closed = False
+        self._threads = []
+
+    # ------------------------------------------------------------ lifecycle
+    def _start_threads(self):
+        self._queue = queue.Queue()
+        for target, tag in ((self._submit_loop, "submit"), (self._finish_loop, "finish")):
+            t = threading.Thread(target=target, name=f"eddis-{self.mode}-{tag}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        runtime.register_closable(self)
+
+    def close(self):
+        """Stop the threads and release communication resources (idempotent)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        if self._threads:
+            self._queue.put(None)
+            for t in self._threads:
+                t.join(timeout=5.0)
+        runtime.unregister_closable(self)
+        self._release()
+
+    def _release(self):
+        pass
+
+    # ------------------------------------------------------------ events
+    def add_listener(self, fn):
+        self.listeners.append(fn)
+
+    def record_events(self, on=True):
+        self.event_log = [] if on else None
+
+    def _emit(self, event, bucket, nbytes=0):
+        t = time.perf_counter_ns()
+        if self.event_log is not None:
+            self.event_log.append((t, event, self.step, bucket))
+        for fn in self.listeners:
+            try:
+                fn(event, self.step, bucket, nbytes, t)
+            except Exception:  # an observer must never break training
+                log.exception("reducer listener failed")
+
+    # ------------------------------------------------------------ framework side
+    def set_weight(self, weight):
+        """This rank's weight (sample count) in the average, from the next step on."""
+        weight = float(weight)
+        if not weight >= 0:
+            raise ConfigError(f"reduction weight must be >= 0, got {weight}")
+        with self._cond:
+            if self._nready:
+                raise UsageError("set the sample count before backward(): some gradient "
+                                 "buckets of this step are already on their way")
+            self._weight = weight
+
+    def mark_ready(self, k, fence=None):
+        """Bucket ``k`` of ``plan.buffer`` holds this rank's final gradients for this step.
+
+        ``fence``: an object whose ``synchronize()`` returns once the data is really
+        in ``plan.buffer`` (a CUDA event after an asynchronous device-to-host copy);
+        the communication thread calls it before reading the bucket.
+        """
+        with self._cond:
+            self._check_usable()
+            if self._ready[k]:
+                raise UsageError(
+                    f"gradient bucket {k} was marked ready twice in one step: backward() ran "
+                    "more often than backward_passes_per_step before optimizer.step(). Call "
+                    "step() (or synchronize()) after each backward, or raise "
+                    "backward_passes_per_step.")
+            if self._nready == 0:
+                self._step_weight = self._weight
+            self._ready[k] = True
+            self._fences[k] = fence
+            self._nready += 1
+            self._cond.notify_all()
+        self._emit("ready", k)
+
+    def mark_all_ready(self):
+        for k in range(self.num_buckets):
+            if not self._ready[k]:
+                self.mark_ready(k)
+
+    def pending(self):
+        """Buckets not marked ready in this step."""
+        return [k for k in range(self.num_buckets) if not self._ready[k]]
+
+    @property
+    def in_progress(self):
+        return self._nready > 0
+
+    def wait(self, timeout=None):
+        """Wait until every bucket of this step is reduced; then start the next step."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._check_usable()
+            while not all(self._done) and self._error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    not_ready = [k for k in range(self.num_buckets) if not self._ready[k]]
+                    unfinished = [k for k in range(self.num_buckets) if self._ready[k] and not self._done[k]]
+                    raise ReductionTimeoutError(
+                        f"step {self.step}: gradient reduction ({self.mode}) did not finish within "
+                        f"{timeout:g} s; buckets not marked ready here: {not_ready or 'none'}, "
+                        f"ready but not reduced (waiting for other ranks): {unfinished or 'none'}. "
+                        "Another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is slow.")
+                self._cond.wait(remaining)
+            self._check_usable()
+            self._ready = [False] * self.num_buckets
+            self._done = [False] * self.num_buckets
+            self._nready = 0
+            self.step += 1
+            self.stats["steps"] += 1
+
+    def reduce(self, weight=None):
+        """Reduce the whole buffer now (for frameworks without per-parameter hooks)."""
+        if weight is not None:
+            self.set_weight(weight)
+        self.mark_all_ready()
+        self.wait()
+
+    def _check_usable(self):
+        if self._error is not None:
+            raise ReductionError(
+                f"gradient reduction ({self.mode}) failed on rank {self.rank}: "
+                f"{type(self._error).__name__}: {self._error}") from self._error
+        if self._closed:
+            raise UsageError("this reducer was closed (eddis.shutdown() or optimizer closed)")
+
+    # ------------------------------------------------------------ comm threads
+    def _fail(self, exc):
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    def _submit_loop(self):
+        try:
+            my_step = 0
+            while True:
+                for k in range(self.num_buckets):
+                    with self._cond:
+                        while not (self._ready[k] and self.step == my_step) and not self._closed:
+                            self._cond.wait()
+                        if self._closed:
+                            return
+                        overlapped = self._nready < self.num_buckets
+                        fence = self._fences[k]
+                    if fence is not None:
+                        fence.synchronize()
+                    if k == 0:
+                        self._prepare_step()
+                    nbytes = self.plan.buckets[k].count * self.codec.itemsize
+                    self._emit("push_start", k, nbytes)
+                    token = self._submit(k)
+                    self._emit("push_end", k, nbytes)
+                    self.stats["bytes_sent"] += nbytes
+                    if overlapped:
+                        self.stats["overlapped"] += 1
+                    self._queue.put((k, token))
+                my_step += 1
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _finish_loop(self):
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                k, token = item
+                self._finish(k, token)
+                self.stats["buckets"] += 1
+                self.stats["bytes_received"] += self.plan.buckets[k].count * self.codec.itemsize
+                self._emit("done", k)
+                with self._cond:
+                    self._done[k] = True
+                    self._cond.notify_all()
+        except BaseException as exc:
+            self._fail(exc)
+
+    # ------------------------------------------------------------ subclass API
+    def _prepare_step(self):
+        pass
+
+    def _submit(self, k):
+        raise NotImplementedError
+
+    def _finish(self, k, token):
+        pass
+
+
+class LocalReducer(Reducer):
+    """One rank: the average of one contribution is itself; nothing to send."""
+
+    mode = "local"
+
+    def mark_ready(self, k, fence=None):
+        super().mark_ready(k, fence)
+        if fence is not None:
+            fence.synchronize()
+        with self._cond:
+            self._done[k] = True
+
+
+class AllreduceReducer(Reducer):
+    """MPI in-place Allreduce of each bucket (the baseline to compare SMB against).
+
+    fp32 buckets use ``eddis._mpi.allreduce_sum_inplace`` (GIL released) when MPI
+    has THREAD_MULTIPLE, else a polled non-blocking Iallreduce; fp16/bf16
+    buckets travel compressed and are summed by a user-defined MPI operation
+    (fp16 accumulation for fp16, fp32 per pairwise sum for bf16).
+    """
+
+    mode = "allreduce"
+
+    def __init__(self, plan, compression="none", op="average", timeout=None, name="grads"):
+        super().__init__(plan, compression, op, timeout, name)
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = runtime.comm().Dup()
+        self._scale = 1.0
+        self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
+        self._native = None
+        if runtime.thread_multiple():
+            try:
+                from .. import _mpi
+                self._native = _mpi.allreduce_sum_inplace
+            except ImportError:
+                self._native = None
+        self._mpi_op = None
+        if not self.codec.is_identity:
+            self._mpi_op = MPI.Op.Create(_half_sum if self.codec.name == "fp16" else _bf16_sum, commute=True)
+        self._start_threads()
+
+    def _allreduce(self, buf, mpi_type, op):
+        MPI = self.MPI
+        if self._native is not None and op is MPI.SUM and buf.dtype == np.float32:
+            self._native(self.comm, buf)
+            return
+        if runtime.thread_multiple():
+            self.comm.Allreduce(MPI.IN_PLACE, [buf, mpi_type], op)
+            return
+        from .collectives import _start, wait_request
+
+        req = _start(self.comm.Iallreduce, MPI.IN_PLACE, [buf, mpi_type], op)
+        wait_request(req, self.timeout, f"{self.mode} reduction")
+
+    def _prepare_step(self):
+        if self.op != "average":
+            self._scale = 1.0
+            return
+        total = np.array([self._step_weight], dtype=np.float64)
+        self._allreduce(total, self.MPI.DOUBLE, self.MPI.SUM)
+        if total[0] <= 0:
+            raise ConfigError("the sample counts of all ranks add up to 0; every step needs samples")
+        self._scale = self._step_weight / float(total[0])
+
+    def _submit(self, k):
+        view = self.plan.bucket_view(k)
+        if self._scale != 1.0:
+            view *= np.float32(self._scale)
+        if self.codec.is_identity:
+            self._allreduce(view, self.MPI.FLOAT, self.MPI.SUM)
+            return None
+        wire = self.codec.compress(view, out=self.plan.bucket_view(k, self._wire))
+        self._allreduce(wire, self.MPI.UINT16_T, self._mpi_op)
+        self.codec.decompress(wire, view)
+        return None
+
+    def _release(self):
+        try:
+            if self._mpi_op is not None:
+                self._mpi_op.Free()
+            self.comm.Free()
+        except Exception:
+            pass
+
+
+def _half_sum(inbuf, inoutbuf, datatype):
+    a = np.frombuffer(inbuf, dtype=np.float16)
+    b = np.frombuffer(inoutbuf, dtype=np.float16)
+    b += a
+
+
+def _bf16_sum(inbuf, inoutbuf, datatype):
+    from .compression import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+
+    a = bfloat16_bits_to_float32(np.frombuffer(inbuf, dtype=np.uint16))
+    out = np.frombuffer(inoutbuf, dtype=np.uint16)
+    b = bfloat16_bits_to_float32(out)
+    b += a
+    float32_to_bfloat16_bits(b, out)
+
+
+REDUCERS = {"allreduce": AllreduceReducer}
+
+
+def register_mode(name, cls):
+    """Make ``make_reducer(name, ...)`` build ``cls`` (a Reducer subclass)."""
+    REDUCERS[name] = cls
+
+
+def available_modes():
+    _load_builtin_modes()
+    return sorted(REDUCERS)
+
+
+def _load_builtin_modes():
+    if "sync" not in REDUCERS:
+        try:
+            from . import smb_sync  # noqa: F401  (registers "sync")
+        except ImportError as exc:  # SMB extension not built
+            log.debug("mode sync unavailable: %s", exc)
+
+
+def make_reducer(mode, plan, compression="none", op="average", timeout=None, name="grads"):
+    """Build the reducer of ``mode`` (None: EDDIS_MODE) over ``plan``."""
+    mode = settings.get("EDDIS_MODE") if mode is None else str(mode).lower()
+    _load_builtin_modes()
+    if mode not in REDUCERS and mode not in ("easgd", "hybrid"):
+        raise ConfigError(f"unknown mode {mode!r}; available: {', '.join(available_modes())}")
+    if mode not in REDUCERS:
+        raise ConfigError(f"mode {mode!r} is not available in this build; available: "
+                          f"{', '.join(available_modes())}")
+    if runtime.size() == 1:
+        return LocalReducer(plan, compression, op, timeout, name)
+    return REDUCERS[mode](plan, compression, op, timeout, name)
