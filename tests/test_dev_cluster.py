@@ -1,0 +1,173 @@
+"""scripts/eddis-dev-cluster: a real two-node Slurm cluster on this machine.
+
+The lifecycle test runs its own cluster (own state directory and ports) so that
+`down` never touches the shared cluster other tests use via `slurm_cluster`.
+"""
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import DEV_CLUSTER, PYTHON, SRC, python_env
+
+pytestmark = pytest.mark.skipif(shutil.which("sbatch") is None,
+                                reason="slurm-wlm not installed (apt-get install slurm-wlm munge libpmix2)")
+
+
+def free_port_base(start=26817, stop=40000):
+    """First base port such that base, base+1 and base+2 are all free."""
+    for base in range(start, stop, 10):
+        ok = True
+        for port in range(base, base + 3):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no three consecutive free ports")
+
+
+def marked_processes(state_dir):
+    """pids whose environment carries the cluster's marker."""
+    mark = f"_EDDIS_DEV_CLUSTER={state_dir}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture
+def private_cluster():
+    # munged needs every directory on the socket path to be searchable by user munge.
+    state = Path(tempfile.mkdtemp(prefix="eddis-dc-test-", dir="/tmp")) / "cluster"
+    os.chmod(state.parent, 0o755)
+    env = python_env({"EDDIS_DEV_CLUSTER_DIR": str(state),
+                      "EDDIS_DEV_CLUSTER_PORT": str(free_port_base()),
+                      "SLURM_CONF": str(state / "slurm.conf")})
+
+    def run(*args, timeout=90):
+        return subprocess.run([str(DEV_CLUSTER), *args], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    yield state, env, run
+    run("down")
+    shutil.rmtree(state.parent, ignore_errors=True)
+
+
+@pytest.mark.timeout(240)
+def test_up_twice_sinfo_and_down_leaves_nothing(private_cluster):
+    state, env, run = private_cluster
+    first = run("up")
+    assert first.returncode == 0, first.stdout + first.stderr
+    pids = {f.name: f.read_text().strip() for f in (state / "run").glob("*.pid")}
+    assert len(pids) == 4
+
+    second = run("up")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "already up" in second.stdout
+    assert {f.name: f.read_text().strip() for f in (state / "run").glob("*.pid")} == pids
+
+    sinfo = subprocess.run(["sinfo", "-h", "-o", "%P %N %G %t"], env=env, capture_output=True,
+                           text=True, timeout=30)
+    rows = {line.split()[0]: line.split()[1:] for line in sinfo.stdout.splitlines()}
+    assert rows["a100"][:2] == ["n1", "gpu:a100:2"], sinfo.stdout
+    assert rows["v100"][:2] == ["n2", "gpu:v100:2"], sinfo.stdout
+    assert rows["a100"][2] == rows["v100"][2] == "idle"
+
+    # A running job must not survive `down`.
+    job = subprocess.run(["sbatch", "-p", "a100", "--wrap", "sleep 300", "-o", "/dev/null"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert job.returncode == 0, job.stderr
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        state_now = subprocess.run(["squeue", "-h", "-o", "%T"], env=env, capture_output=True,
+                                   text=True, timeout=30).stdout.strip()
+        if state_now == "RUNNING":
+            break
+        time.sleep(0.3)
+    assert state_now == "RUNNING"
+    assert len(marked_processes(state)) >= 4
+
+    down = run("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert marked_processes(state) == []
+    for pid in pids.values():
+        assert not os.path.exists(f"/proc/{pid}"), f"daemon {pid} still alive after down"
+    assert not state.exists()
+    assert run("status").returncode == 3
+    assert run("down").returncode == 0  # down twice is fine too
+
+
+@pytest.mark.timeout(60)
+def test_taken_port_is_refused_with_a_hint(private_cluster):
+    state, env, run = private_cluster
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        env["EDDIS_DEV_CLUSTER_PORT"] = str(s.getsockname()[1])
+        proc = run("up")
+    assert proc.returncode != 0
+    assert "EDDIS_DEV_CLUSTER_PORT" in proc.stderr
+    assert marked_processes(state) == []
+
+
+HELLO = textwrap.dedent("""
+    import os
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    total = comm.allreduce(comm.Get_rank() + 1)
+    print("rank", comm.Get_rank(), "size", comm.Get_size(), "node", os.environ["SLURMD_NODENAME"],
+          "gpus", os.environ.get("CUDA_VISIBLE_DEVICES"), "het", os.environ.get("SLURM_HET_SIZE"),
+          "vader", os.environ.get("OMPI_MCA_btl_vader_backing_directory"), "sum", total, flush=True)
+""")
+
+
+@pytest.mark.timeout(180)
+def test_hetjob_runs_one_mpi_world_across_both_nodes(slurm_cluster, tmp_path):
+    hello = tmp_path / "hello.py"
+    hello.write_text(HELLO)
+    out = tmp_path / "het.out"
+    script = tmp_path / "het.sh"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH -p a100 -n 2 --gres=gpu:a100:2 -o {out}
+        #SBATCH hetjob
+        #SBATCH -p v100 -n 2 --gres=gpu:v100:1
+        export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+        export PYTHONPATH={SRC}
+        srun --mpi=pmix --het-group=0,1 {PYTHON} {hello}
+        """))
+    proc = slurm_cluster.run(["sbatch", "--wait", str(script)], timeout=150, check=False)
+    output = out.read_text() if out.exists() else ""
+    assert proc.returncode == 0, proc.stdout + proc.stderr + output
+    rows = [line.split() for line in output.splitlines() if line.startswith("rank ")]
+    assert len(rows) == 4, output
+    fields = [dict(zip(r[0::2], r[1::2])) for r in rows]
+    assert sorted(int(f["rank"]) for f in fields) == [0, 1, 2, 3]
+    assert {f["size"] for f in fields} == {"4"}
+    assert {f["sum"] for f in fields} == {"10"}
+    assert {f["het"] for f in fields} == {"2"}
+    by_node = {}
+    for f in fields:
+        by_node.setdefault(f["node"], []).append(f)
+    assert sorted(by_node) == ["n1", "n2"] and all(len(v) == 2 for v in by_node.values())
+    assert {f["gpus"] for f in by_node["n1"]} == {"0,1"}
+    assert {f["gpus"] for f in by_node["n2"]} == {"0"}  # node-local index
+    assert by_node["n1"][0]["vader"] != by_node["n2"][0]["vader"]
