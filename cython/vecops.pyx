@@ -93,6 +93,10 @@ cdef _Operand _operand(obj, str role, dtype=None, bint writable=False):
     if not arr.flags.c_contiguous:
         raise SMBValueError(
             f"{role}: the array is not contiguous; pass np.ascontiguousarray(...)")
+    if not arr.flags.aligned:
+        raise SMBValueError(
+            f"{role}: the array's address is not a multiple of its element size; "
+            "pass an aligned copy (np.array(x)) instead")
     if writable and not arr.flags.writeable:
         raise SMBValueError(f"{role}: the array is read-only; pass a writable array")
     op.array = arr
@@ -139,12 +143,12 @@ def weighted_sum(dst, srcs, weights, *, dtype=None, src_dtypes=None):
     cdef size_t nsrc = len(srcs)
     if nsrc == 0:
         raise SMBValueError("weighted_sum: no source arrays; pass at least one")
-    if len(weights) != nsrc:
+    if <size_t>len(weights) != nsrc:
         raise SMBValueError(
             f"weighted_sum: {len(weights)} weights for {nsrc} sources; pass one weight per source")
     if src_dtypes is None:
         src_dtypes = [None] * nsrc
-    elif len(src_dtypes) != nsrc:
+    elif <size_t>len(src_dtypes) != nsrc:
         raise SMBValueError(
             f"weighted_sum: {len(src_dtypes)} src_dtypes for {nsrc} sources")
     ops = [_operand(src, f"source {i}", src_dtypes[i]) for i, src in enumerate(srcs)]
