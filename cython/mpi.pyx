@@ -47,7 +47,8 @@ def library_version():
     cdef int length = 0
     with nogil:
         CHKERR(MPI_Get_library_version(text, &length), "MPI_Get_library_version")
-    return text[:length].decode("utf-8", "replace").strip()
+    # Open MPI counts the terminating NUL in length.
+    return text[:length].decode("utf-8", "replace").split("\0")[0].strip()
 
 
 def standard_version():

@@ -1,0 +1,125 @@
+"""eddis doctor: real UCX, libibverbs, MPI, Slurm and torch on this machine."""
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, python_env
+from eddis import doctor
+
+
+def doctor_json(prelude="", env=None, timeout=120):
+    """Run `eddis doctor --json` in a fresh interpreter; prelude may hide modules first."""
+    code = f"{prelude}\nimport sys\nfrom eddis.cli import main\nsys.exit(main(['doctor', '--json']))"
+    proc = subprocess.run([PYTHON, "-c", code], env=env or python_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else None, proc
+
+
+@pytest.mark.timeout(150)
+def test_doctor_json_reports_this_machine():
+    rc, report, proc = doctor_json()
+    assert rc == 0, proc.stdout + proc.stderr
+    checks = report["checks"]
+    assert report["ok"] is True
+    assert set(checks) == {"eddis", "ucx", "infiniband", "mpi", "slurm", "gpus", "frameworks"}
+
+    ucx = checks["ucx"]["data"]
+    assert re.match(r"\d+\.\d+", ucx["version"])
+    assert "tcp" in ucx["transports"]
+    assert {"posix", "sysv"} & set(ucx["transports"])
+
+    ib = checks["infiniband"]["data"]
+    if not ib["devices"]:
+        assert checks["infiniband"]["status"] == "warn"
+        assert ib["finding"].startswith("no HCA found")
+
+    mpi = checks["mpi"]["data"]
+    assert "MPI" in mpi["library"] and "\0" not in mpi["library"]
+    assert re.match(r"\d\.\d", mpi["standard"])
+
+    import torch
+
+    assert checks["frameworks"]["data"]["torch"] == torch.__version__
+    if shutil.which("sbatch"):
+        assert re.match(r"\d+\.\d+\.\d+", checks["slurm"]["data"]["version"])
+
+
+@pytest.mark.timeout(150)
+def test_doctor_text_report_and_exit_status():
+    proc = subprocess.run([PYTHON, "-m", "eddis.cli", "doctor"], env=python_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("ucx", "infiniband", "mpi", "slurm", "gpus", "frameworks"):
+        assert re.search(rf"^\[\s*(OK|WARN)\] {name}\b", proc.stdout, re.M), proc.stdout
+    assert "EDDIS can run here." in proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_missing_ucx_fails_with_package_names(tmp_path):
+    # No SMB core and no ucx_info on PATH: UCX is required, so doctor exits 1.
+    env = python_env({"PATH": str(tmp_path)})
+    rc, report, proc = doctor_json("import sys; sys.modules['eddis.smb._core'] = None", env=env)
+    assert rc == 1, proc.stdout + proc.stderr
+    assert report["ok"] is False
+    ucx = report["checks"]["ucx"]
+    assert ucx["status"] == "fail"
+    assert "libucx-dev" in ucx["fix"] and "ucx-devel" in ucx["fix"]
+
+
+@pytest.mark.timeout(150)
+def test_ucx_info_fallback_when_smb_core_is_absent():
+    if shutil.which("ucx_info") is None:
+        pytest.fail("ucx_info missing: apt-get install ucx-utils")
+    rc, report, proc = doctor_json("import sys; sys.modules['eddis.smb._core'] = None")
+    ucx = report["checks"]["ucx"]["data"]
+    assert ucx["source"] == "ucx_info"
+    assert "tcp" in ucx["transports"]
+    assert report["checks"]["eddis"]["status"] == "fail"  # the SMB core is required
+    assert rc == 1
+
+
+@pytest.mark.timeout(150)
+def test_unbuilt_verbs_extension_is_a_warning_not_a_crash():
+    rc, report, proc = doctor_json("import sys; sys.modules['eddis._verbs'] = None")
+    assert rc == 0, proc.stdout + proc.stderr
+    assert report["checks"]["infiniband"]["status"] == "warn"
+    assert "not built" in report["checks"]["infiniband"]["summary"]
+    assert report["checks"]["eddis"]["data"]["extensions"]["eddis._verbs"] is False
+
+
+def test_ucx_info_parsers_on_real_output():
+    if shutil.which("ucx_info") is None:
+        pytest.fail("ucx_info missing: apt-get install ucx-utils")
+    version = subprocess.run(["ucx_info", "-v"], capture_output=True, text=True, timeout=30).stdout
+    devices = subprocess.run(["ucx_info", "-d"], capture_output=True, text=True, timeout=60).stdout
+    assert re.match(r"\d+\.\d+\.\d+", doctor.parse_ucx_info_version(version))
+    transports = doctor.parse_ucx_info_devices(devices)
+    assert "lo" in transports["tcp"]
+    assert doctor.parse_ucx_info_version("garbage") is None
+    assert doctor.parse_ucx_info_devices("") == {}
+
+
+def test_a_crashing_check_is_reported_not_raised():
+    def check_broken():
+        raise OSError("device on fire")
+
+    results = doctor.run_checks([check_broken])
+    assert results[0].name == "broken" and results[0].status == doctor.FAIL
+    assert "device on fire" in results[0].summary
+    assert doctor.report_json(results)["ok"] is False
+    assert "required parts missing: broken" in doctor.report_text(results)
+
+
+@pytest.mark.timeout(180)
+def test_doctor_inside_an_allocation(slurm_cluster):
+    proc = slurm_cluster.run(["srun", "-p", "v100", "-n", "1", "--gres=gpu:v100:1", PYTHON, "-m", "eddis.cli",
+                              "doctor", "--json"], timeout=150)
+    report = json.loads(proc.stdout)
+    slurm = report["checks"]["slurm"]
+    assert slurm["status"] == "ok"
+    assert slurm["data"]["inside_allocation"] is True
+    assert slurm["data"]["allocation"]["node"] == "n2"
+    assert report["checks"]["gpus"]["data"]["cuda_visible_devices"] == "0"

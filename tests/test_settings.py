@@ -1,0 +1,67 @@
+"""The settings registry through the `eddis` command, and the subcommand plumbing."""
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, REPO, python_env
+from eddis import cli, settings
+
+
+def eddis(*args, env=None):
+    return subprocess.run([PYTHON, "-m", "eddis.cli", *args], env=python_env(env), capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.timeout(90)
+def test_settings_prints_every_registered_setting():
+    proc = eddis("settings")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == settings.markdown_table()
+    for name in settings.REGISTRY:
+        assert f"`{name}`" in proc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_settings_check_catches_a_misspelt_variable():
+    proc = eddis("settings", "--check", env={"EDDIS_MOED": "sync"})
+    assert proc.returncode == 2
+    assert "EDDIS_MOED" in proc.stderr and "Did you mean EDDIS_MODE" in proc.stderr
+    assert eddis("settings", "--check").returncode == 0
+
+
+@pytest.mark.timeout(90)
+def test_settings_get_reads_environment_and_default():
+    assert eddis("settings", "--get", "EDDIS_DEV_CLUSTER_PORT").stdout.strip() == "16817"
+    proc = eddis("settings", "--get", "EDDIS_DEV_CLUSTER_PORT", env={"EDDIS_DEV_CLUSTER_PORT": "nope"})
+    assert proc.returncode == 2 and "not a valid int" in proc.stderr
+
+
+def test_every_subcommand_target_loads_and_has_the_interface():
+    for name, target, help_text in cli.SUBCOMMANDS:
+        handler = cli.load_target(target)
+        assert callable(handler.add_arguments) and callable(handler.run), name
+        assert help_text
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["no-such-command"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_missing_subcommand_module_is_reported(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "SUBCOMMANDS", cli.SUBCOMMANDS + [("ghost", "eddis.no_such_module", "x")])
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["ghost"])
+    assert exc.value.code == 2
+    assert "eddis ghost: not available" in capsys.readouterr().err
+
+
+def test_user_guide_lists_every_setting():
+    guide = REPO / "docs" / "user-guide.md"
+    if not guide.exists():
+        pytest.skip("docs/user-guide.md not written yet (launcher issue); it must list every setting")
+    text = guide.read_text()
+    missing = [name for name in settings.REGISTRY if name not in text]
+    assert not missing, f"docs/user-guide.md lacks {missing}: paste the output of `eddis settings` into it"
