@@ -198,3 +198,11 @@ register("EDDIS_PROGRESS", "str", "auto",
          "always one of them (bar, log), or none (off).", choices=["auto", "bar", "log", "off"])
 register("EDDIS_PROGRESS_INTERVAL", "float", 30.0,
          "Seconds between two progress log lines when stdout is not a terminal.")
+
+# ---------------------------------------------------------------- launcher (eddis.launch)
+register("EDDIS_STOP_GRACE", "float", 5.0,
+         "Seconds a trainer gets after SIGTERM (a peer failed, or the job was cancelled) "
+         "before eddis-train kills it with SIGKILL.")
+register("EDDIS_GPU_TYPE", "str", None,
+         "GPU generation of the ranks (e.g. a100); eddis-train sets it per rank from the "
+         "node's GRES or partition, `cpu` when no GPU is bound. Set it to override.")

@@ -1,0 +1,69 @@
+"""Runs the user's training script inside the trainer process (``python -m eddis.launch.child``).
+
+The one thing it adds to ``python train.py``: an uncaught exception (or a
+non-zero ``sys.exit``) ends the process at once with ``os._exit`` after the
+traceback is printed and the streams flushed. A plain Python exit would call
+``MPI_Finalize`` at interpreter shutdown, which waits for the peers, while the
+peers wait in a collective for this rank: the job would hang instead of failing.
+(``python -m mpi4py`` solves the same problem with ``MPI_Abort``; we exit instead,
+so the supervisor records this rank as the root cause rather than the abort.)
+"""
+import os
+import runpy
+import sys
+import traceback
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not hide the exit code
+            pass
+
+
+def _exit_now(code):
+    _flush()
+    os._exit(code)
+
+
+def _user_frames(tb):
+    """Skip this runner's and runpy's frames: the traceback starts in the user's script."""
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if filename != __file__ and filename != runpy.__file__ and not filename.startswith("<frozen runpy"):
+            return tb
+        tb = tb.tb_next
+    return tb
+
+
+def main():
+    argv = sys.argv[1:]
+    if not argv:
+        print("usage: python -m eddis.launch.child (SCRIPT.py | -m MODULE) [args]", file=sys.stderr)
+        return 2
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or code == 0:
+            return 0
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        _exit_now(code)
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: report and leave
+        traceback.print_exception(type(exc), exc, _user_frames(exc.__traceback__))
+        _exit_now(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""``eddis-train --local -n N train.py``: the whole job on one machine, no Slurm.
+
+Creates a run directory with its token, starts one ``smb-server`` and waits until
+it has published, runs N ranks with Open MPI's ``mpirun`` (each rank is an
+``eddis-train`` supervisor, as under srun), then stops the server and prints the
+root-cause report when a rank failed. Ctrl-C or SIGTERM stops everything.
+Slurm's variables are removed from the ranks' environment, so this also works
+inside an allocation without joining it.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from .. import settings
+from ..errors import ConfigError
+from . import jobsteps
+from .report import LAUNCH_DIR, format_report, root_cause
+
+SERVER_STOP_SECONDS = 10.0
+_STRIPPED_PREFIXES = ("SLURM_", "SLURMD_", "PMIX_", "PMI_", "OMPI_COMM_WORLD_")
+
+
+def _clean_environment():
+    return {k: v for k, v in os.environ.items() if not k.startswith(_STRIPPED_PREFIXES)}
+
+
+def server_command(run_dir, memory):
+    cmd = [sys.executable, "-c", "import sys; from eddis.smb.server import main; sys.exit(main())",
+           "--run-dir", str(run_dir), "--index", "0"]
+    if memory:
+        cmd += ["--memory", str(memory)]
+    return cmd
+
+
+def mpirun_command(ranks, argv):
+    if shutil.which("mpirun") is None:
+        raise ConfigError("mpirun is not on PATH: install Open MPI (apt-get install openmpi-bin) "
+                          "or load its module, then retry eddis-train --local")
+    cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd + [sys.executable, "-m", "eddis.launch.train", *argv]
+
+
+def _stop(proc, sig=signal.SIGTERM, timeout=SERVER_STOP_SECONDS):
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(sig)
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
+def run_local(argv, ranks=1, memory=None):
+    if ranks < 1:
+        raise ConfigError(f"-n {ranks}: give at least one rank")
+    run_dir = jobsteps.create_run_dir(jobsteps.run_dir())
+    shutil.rmtree(run_dir / LAUNCH_DIR, ignore_errors=True)  # records of an earlier run in this dir
+    env = _clean_environment()
+    env["EDDIS_RUN_DIR"] = str(run_dir)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    if os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+
+    stop_signal = []
+
+    def on_signal(signum, frame):
+        stop_signal.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    server = mpirun = None
+    try:
+        print(f"eddis-train: run dir {run_dir}; starting smb-server", file=sys.stderr, flush=True)
+        server = subprocess.Popen(server_command(run_dir, memory), env=env, stdin=subprocess.DEVNULL)
+        if jobsteps.wait_servers(run_dir, 1, watch_pids=[server.pid]) != 0:
+            return 1
+        if stop_signal:
+            return 128 + stop_signal[0]
+        mpirun = subprocess.Popen(mpirun_command(ranks, argv), env=env, stdin=subprocess.DEVNULL)
+        forwarded = 0
+        while True:
+            try:
+                code = mpirun.wait(timeout=0.25)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if len(stop_signal) > forwarded:
+                mpirun.send_signal(signal.SIGTERM)  # mpirun passes it to the ranks
+                forwarded = len(stop_signal)
+            if server.poll() is not None:
+                print(f"eddis-train: error: the smb-server exited with code {server.returncode} while "
+                      "training; stopping the ranks", file=sys.stderr, flush=True)
+                mpirun.send_signal(signal.SIGTERM)
+                code = _wait_or_kill(mpirun)
+                code = code or 1
+                break
+        code = code if code >= 0 else 128 - code
+        if code != 0 and not stop_signal:
+            first, failures, exits = root_cause(run_dir)
+            print(format_report(first, failures, exits, run_dir=run_dir, job_code=code),
+                  file=sys.stderr, flush=True)
+            if first is not None:  # the root cause's status, not the first stopped peer's
+                code = first["code"] if first.get("signal") is None else 128 + first["signal"]
+        return code
+    finally:
+        _stop(mpirun, signal.SIGTERM, timeout=settings.get("EDDIS_STOP_GRACE") + 10)
+        _stop(server)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _wait_or_kill(proc, timeout=30.0):
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=timeout)

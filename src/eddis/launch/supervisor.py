@@ -1,0 +1,254 @@
+"""The per-rank supervisor: ``eddis-train`` runs the trainer as its child.
+
+Why a child and not ``exec``: the supervisor must outlive the trainer to say why
+it died. It prefixes the trainer's output with ``[rank@host]``, records the exit
+(code, signal, first traceback) in the run directory, and watches the records of
+the other ranks of the same launch: when a peer's trainer fails, it stops its own
+trainer (SIGTERM, then SIGKILL after ``EDDIS_STOP_GRACE`` seconds) instead of
+letting it wait forever in a collective. The failed rank's supervisor waits
+(bounded) until its peers have stopped before it exits, so that the launcher
+(``srun --kill-on-bad-exit``, or ``mpirun``), which kills hard, only meets
+stragglers. The trainer gets ``PR_SET_PDEATHSIG``, so it cannot outlive a
+supervisor killed with SIGKILL.
+"""
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from .. import settings
+from .output import LinePump, TracebackCatcher
+from .report import LaunchRecords, describe_exit, launch_key
+
+PR_SET_PDEATHSIG = 1
+POLL_SECONDS = 0.25
+STOPPED_EXIT_CODE = 128 + signal.SIGTERM
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _die_with_parent():
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    os.setsid()  # own process group: stop the trainer and its workers together
+
+
+def trainer_command(argv):
+    """``train.py args`` and ``-m pkg args`` run with this Python under :mod:`.child`; else as given."""
+    if not argv:
+        return []
+    if argv[0] == "-m" or argv[0].endswith(".py"):
+        return [sys.executable, "-m", "eddis.launch.child", *argv]
+    return list(argv)
+
+
+def default_threads(env, local_size):
+    cpus = env.get("SLURM_CPUS_ON_NODE")
+    total = int(cpus) if cpus and cpus.isdigit() else (os.cpu_count() or 1)
+    return str(max(1, total // max(1, local_size)))
+
+
+class MpiShm:
+    """A per-launch folder for Open MPI's shared-memory (vader) segments on this node.
+
+    Open MPI names them ``vader_segment.<host>.<jobid>.<local rank>`` and unlinks
+    them only at a clean MPI_Finalize; a killed rank leaves its segment behind.
+    Each supervisor removes the segment of its own local rank after the trainer
+    has exited, and the folder goes with the last one.
+    """
+
+    VARIABLE = "OMPI_MCA_btl_vader_backing_directory"
+
+    def __init__(self, env, key, hostname):
+        base = env.get(self.VARIABLE) or "/dev/shm"
+        self.path = os.path.join(base, f"eddis-{key}-{hostname}")
+
+    def prepare(self, child_env):
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        child_env[self.VARIABLE] = self.path
+
+    def cleanup(self, local_rank, last):
+        try:
+            names = os.listdir(self.path)
+        except OSError:
+            return
+        for name in names:
+            if last or name.endswith(f".{local_rank}"):
+                try:
+                    os.unlink(os.path.join(self.path, name))
+                except OSError:
+                    pass
+        try:
+            os.rmdir(self.path)
+        except OSError:
+            pass  # other local ranks still use it
+
+
+class Supervisor:
+    def __init__(self, argv, info, run_dir, env=None, stop_grace=None, out=None, err=None):
+        self.argv = list(argv)
+        self.command = trainer_command(argv)
+        self.info = info
+        self.run_dir = str(run_dir)
+        self.env = dict(os.environ if env is None else env)
+        self.key = launch_key(self.env)
+        self.records = LaunchRecords(self.run_dir, self.key)
+        self.stop_grace = settings.get("EDDIS_STOP_GRACE") if stop_grace is None else stop_grace
+        self.prefix = f"[{info.rank}@{info.hostname}] "
+        self.out = out if out is not None else sys.stdout.buffer
+        self.err = err if err is not None else sys.stderr.buffer
+        self.out_lock = threading.Lock()
+        self.err_lock = threading.Lock()
+        self.stop_signal = None
+        self.child = None
+
+    # ------------------------------------------------------------------ output
+    def say(self, text, stream="err"):
+        sink, lock = (self.err, self.err_lock) if stream == "err" else (self.out, self.out_lock)
+        data = "".join(f"{self.prefix}{line}\n" for line in text.splitlines()).encode()
+        with lock:
+            try:
+                sink.write(data)
+                sink.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+
+    # ------------------------------------------------------------------ signals
+    def _on_signal(self, signum, frame):
+        self.stop_signal = signum
+
+    def _install_signal_handlers(self):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, self._on_signal)
+
+    def _signal_child(self, sig):
+        try:
+            os.killpg(self.child.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            self.child.send_signal(sig)
+
+    def stop_child(self):
+        """SIGTERM the trainer's process group; SIGKILL it after the grace period."""
+        if self.child.poll() is not None:
+            return
+        self._signal_child(signal.SIGTERM)
+        try:
+            self.child.wait(timeout=self.stop_grace)
+        except subprocess.TimeoutExpired:
+            self._signal_child(signal.SIGKILL)
+            self.child.wait(timeout=30)
+        # workers the trainer left in its group
+        self._signal_child(signal.SIGKILL)
+
+    # ------------------------------------------------------------------ main
+    def _child_env(self, shm):
+        env = dict(self.env)
+        env.update(self.info.environ(self.run_dir))
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("OMP_NUM_THREADS", default_threads(self.env, self.info.local_size))
+        shm.prepare(env)
+        return env
+
+    def _peer_failure(self):
+        names = self.records.failure_names()
+        mine = f"{self.info.rank}.json"
+        if any(n != mine for n in names):
+            return self.records.first_failure(exclude_rank=self.info.rank)
+        return None
+
+    def _wait_for_peers(self, timeout):
+        """After a failure: give the other ranks time to stop gracefully (bounded)."""
+        others = set(range(self.info.size)) - {self.info.rank}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.stop_signal is None:
+            if others <= self.records.exited_ranks():
+                return True
+            time.sleep(POLL_SECONDS)
+        return False
+
+    def run(self):
+        if not self.command:
+            self.say("eddis-train: no training script given (usage: eddis-train train.py [args])")
+            return 2
+        self._install_signal_handlers()
+        shm = MpiShm(self.env, self.key, self.info.hostname)
+        child_env = self._child_env(shm)
+        self.say("eddis-train: " + self.info.describe()
+                 + (f" CUDA_VISIBLE_DEVICES={self.info.gpu}" if self.info.gpu is not None else ""), "out")
+        catcher = TracebackCatcher()
+        try:
+            self.child = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, env=child_env, preexec_fn=_die_with_parent)
+        except OSError as exc:
+            self.say(f"eddis-train: cannot start {self.command[0]}: {exc}")
+            code, sig, ended = 127, None, time.time()
+            self.records.fail(self.info.rank, self._record(code, sig, ended, "failed", None, [str(exc)]))
+            self.records.finish(self.info.rank, self._record(code, sig, ended, "failed", None, []))
+            return code
+        pumps = [LinePump(self.child.stdout, self.out, self.prefix, self.out_lock),
+                 LinePump(self.child.stderr, self.err, self.prefix, self.err_lock, catcher)]
+        for pump in pumps:
+            pump.start()
+        self.records.start(self.info.rank, {
+            "rank": self.info.rank, "host": self.info.hostname, "supervisor_pid": os.getpid(),
+            "trainer_pid": self.child.pid, "command": self.argv, "time": time.time(),
+            "local_rank": self.info.local_rank, "group": self.info.group, "gpu_type": self.info.gpu_type,
+            "gpu": self.info.gpu})
+
+        why = "exited"
+        while True:
+            try:
+                self.child.wait(timeout=POLL_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if self.stop_signal is not None:
+                why = "stopped"
+                self.say(f"eddis-train: received {signal.Signals(self.stop_signal).name}, stopping the trainer")
+                self.stop_child()
+                break
+            peer = self._peer_failure()
+            if peer is not None:
+                why = "stopped"
+                self.say(f"eddis-train: stopping: rank {peer['rank']} on {peer['host']} "
+                         f"{describe_exit(peer.get('code'), peer.get('signal'))}")
+                self.stop_child()
+                break
+        ended = time.time()
+        for pump in pumps:  # drain what the trainer wrote before it ended
+            pump.join(timeout=10)
+
+        rc = self.child.returncode
+        code, sig = (rc, None) if rc >= 0 else (None, -rc)
+        if why == "exited" and sig in STOP_SIGNALS:
+            # scancel and srun signal every process of the step at once: the trainer may
+            # die of that signal before our own handler has run. Not a failure then.
+            deadline = time.monotonic() + 1.0
+            while self.stop_signal is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.stop_signal is not None:
+                why = "stopped"
+        if why == "exited" and rc != 0:
+            why = "failed"
+            record = self._record(code, sig, ended, why, catcher.result(), list(catcher.tail))
+            self.records.fail(self.info.rank, record)
+            self.say(f"eddis-train: rank {self.info.rank} on {self.info.hostname} "
+                     f"{describe_exit(code, sig)}; stopping the other ranks")
+            self._wait_for_peers(self.stop_grace + 10)
+        self.records.finish(self.info.rank, self._record(code, sig, ended, why, None, []))
+        shm.cleanup(self.info.local_rank, last=False)
+        if why == "stopped":
+            return STOPPED_EXIT_CODE
+        return code if sig is None else 128 + sig
+
+    def _record(self, code, sig, ended, why, traceback, tail):
+        return {"rank": self.info.rank, "host": self.info.hostname, "code": code, "signal": sig,
+                "time": ended, "why": why, "command": self.argv, "traceback": traceback,
+                "tail": tail[-10:], "local_rank": self.info.local_rank, "group": self.info.group}

@@ -1,0 +1,105 @@
+"""``eddis-train``: start EDDIS trainers.
+
+Usage::
+
+    srun --mpi=pmix eddis-train train.py [args]   # inside a Slurm job (eddis_job.sh)
+    eddis-train --local -n 4 train.py [args]      # one machine, no Slurm: server + 4 ranks
+    eddis-train train.py [args]                   # the same as --local -n 1
+
+Under srun (or under the mpirun that ``--local`` starts) ``eddis-train`` is the
+supervisor of one rank: it maps the launcher's variables onto the EDDIS_* rank
+environment, binds the rank to one GPU, runs the trainer as its child with every
+output line prefixed ``[rank@host]``, and stops the rank when a peer fails (see
+:mod:`eddis.launch.supervisor`). Helper modes used by eddis_job.sh:
+``--create-run-dir DIR``, ``--wait-servers N`` and ``--report``.
+"""
+import argparse
+import os
+import sys
+
+from .. import settings
+from ..errors import EddisError
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="eddis-train",
+        description="Run an EDDIS training script on every rank of a Slurm step (srun) "
+                    "or locally with an SMB server and N MPI ranks (--local).",
+        epilog="Settings (EDDIS_*, SMB_*) are read from the environment: see `eddis settings` "
+               "and docs/user-guide.md.")
+    p.add_argument("--local", action="store_true",
+                   help="start an smb-server and N ranks with mpirun on this machine (no Slurm needed)")
+    p.add_argument("-n", "--np", type=int, default=None, metavar="N",
+                   help="number of ranks for --local (default 1)")
+    p.add_argument("--memory", default=None, metavar="SIZE",
+                   help="memory the local smb-server lends, e.g. 1G (default: SMB_MEMORY)")
+    p.add_argument("--mode", default=None, help="training mode, exported as EDDIS_MODE")
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="run directory (default: EDDIS_RUN_DIR, else ~/.eddis/run/<job>)")
+    helpers = p.add_argument_group("helpers for job scripts")
+    helpers.add_argument("--create-run-dir", metavar="DIR", help="create DIR with its token and exit")
+    helpers.add_argument("--wait-servers", type=int, metavar="N",
+                         help="wait until N smb-servers have published in the run dir, then exit")
+    helpers.add_argument("--timeout", type=float, default=None,
+                         help="seconds for --wait-servers (default SMB_CONNECT_TIMEOUT)")
+    helpers.add_argument("--watch-pid", type=int, action="append", default=[],
+                         help="with --wait-servers: fail at once if this process (a server step) ends")
+    helpers.add_argument("--report", action="store_true",
+                         help="print the root-cause report of the run dir's last failed launch")
+    helpers.add_argument("--exit-code", type=int, default=None,
+                         help="with --report: the job's exit code, for the report")
+    p.add_argument("script", nargs=argparse.REMAINDER,
+                   help="training script and its arguments (a .py file, -m module, or a program)")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except EddisError as exc:
+        print(f"eddis-train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _dispatch(args):
+    from . import jobsteps
+
+    if args.mode is not None:
+        os.environ["EDDIS_MODE"] = args.mode
+    if args.run_dir is not None:
+        os.environ["EDDIS_RUN_DIR"] = os.path.abspath(os.path.expanduser(args.run_dir))
+    if args.create_run_dir:
+        print(jobsteps.create_run_dir(args.create_run_dir))
+        return 0
+    if args.wait_servers is not None:
+        return jobsteps.wait_servers(jobsteps.run_dir(), args.wait_servers, args.timeout, args.watch_pid)
+    if args.report:
+        return jobsteps.print_report(jobsteps.run_dir(), args.exit_code)
+
+    settings.check_environment()
+    script = list(args.script)
+    if script and script[0] == "--":
+        script = script[1:]
+    if not script:
+        build_parser().print_usage(sys.stderr)
+        print("eddis-train: error: give the training script, e.g. eddis-train train.py", file=sys.stderr)
+        return 2
+
+    from .rankenv import detect
+
+    env = os.environ
+    under_launcher = ("SLURM_PROCID" in env and "SLURM_STEP_ID" in env) or "OMPI_COMM_WORLD_RANK" in env
+    if args.local or not under_launcher:
+        from .local import run_local
+
+        return run_local(script, ranks=args.np or 1, memory=args.memory)
+    from .supervisor import Supervisor
+
+    info = detect(env)
+    return Supervisor(script, info, jobsteps.run_dir()).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
