@@ -1,0 +1,316 @@
+"""SMB client: connections to all servers of a job, requests, synchronization objects.
+
+A :class:`Client` holds one UCX worker (thread-safe mode) and one endpoint per
+server. Every wait is bounded by ``timeout`` (default ``SMB_TIMEOUT``); a server
+that dies turns into :class:`~eddis.errors.SMBConnectionError` for the waits on
+it, never a hang.
+"""
+import json
+import os
+import threading
+import time
+import zlib
+
+from .. import settings
+from ..errors import (SMBConnectionError, SMBKeyError, SMBTimeoutError, SMBValueError, UsageError,
+                      from_ucs_status)
+from . import rundir
+from .protocol import (COUNTER_REPLY, COUNTER_REQUEST, decode_control, encode_control)
+from .server import local_hostname
+
+
+class Request:
+    """A non-blocking SMB operation: ``wait(timeout=None)`` returns its result, ``done()`` polls."""
+
+    def __init__(self, client, pending, description, finish=None, servers=()):
+        self._client = client
+        self._pending = pending
+        self._description = description
+        self._finish = finish
+        self._servers = servers
+        self._result = None
+        self._completed = False
+
+    def done(self):
+        return self._completed or self._pending.done()
+
+    def wait(self, timeout=None):
+        if self._completed:
+            return self._result
+        timeout = self._client.timeout if timeout is None else float(timeout)
+        client = self._client
+        if self._pending.wait(timeout) != 0:
+            if self._pending.has_transfers:
+                # A one-sided transfer that never completes means a stuck server:
+                # give up on it so no late write lands in a buffer we returned.
+                for conn in self._servers:
+                    client._core.fail_conn(conn)
+            raise SMBTimeoutError(
+                f"{self._description} did not complete within {timeout:g} s "
+                f"(servers {sorted(set(self._servers))}); raise SMB_TIMEOUT or check the servers")
+        status = self._pending.error_status
+        if status != 0:
+            conn = self._pending.error_conn
+            code = client._core.conn_status(conn) or status
+            raise SMBConnectionError(
+                f"{self._description}: lost SMB server {conn} ({client.address(conn)}): "
+                f"{client._status_text(code)}; the server died or the network failed", code)
+        replies = self._pending.replies()
+        for conn, reply in zip(self._pending_conns(), replies):
+            st, data = reply
+            if st != 0:
+                raise from_ucs_status(st, f"{self._description}: server {conn}: "
+                                          f"{data.decode(errors='replace')}")
+        self._result = self._finish([data for _, data in replies]) if self._finish else None
+        self._completed = True
+        self._pending = None
+        return self._result
+
+    def _pending_conns(self):
+        return self._pending.slot_conns_list()
+
+
+class Client:
+    """Connects to every SMB server of the job. Usable as a context manager."""
+
+    def __init__(self, run_dir=None, addresses=None, token=None, timeout=None, expected_servers=None):
+        from . import _core
+
+        self.timeout = float(settings.get("SMB_TIMEOUT") if timeout is None else timeout)
+        self.run_dir = None
+        if addresses is None:
+            self.run_dir = rundir.default_run_dir() if run_dir is None else run_dir
+            if expected_servers is not None:
+                records = rundir.wait_for_servers(self.run_dir, int(expected_servers))
+            else:
+                records = rundir.read_servers(self.run_dir) or rundir.wait_for_servers(self.run_dir, 1)
+                records = [r for i, r in enumerate(records) if r["index"] == i]
+            addresses = [(r["host"], int(r["port"])) for r in records]
+        else:
+            addresses = [_parse_address(a) for a in addresses]
+            if expected_servers is not None and len(addresses) != int(expected_servers):
+                raise SMBValueError(f"{len(addresses)} addresses given but expected_servers={expected_servers}")
+        if not addresses:
+            raise SMBValueError("no SMB servers to connect to; start smb-server or pass addresses")
+        if token is None:
+            if self.run_dir is None and run_dir is None:
+                raise SMBValueError("explicit addresses need token= or run_dir= (to read the job token)")
+            token = rundir.read_token(self.run_dir or run_dir)
+        self._lock = threading.Lock()
+        self._core = _core.ClientCore()
+        self._closed = False
+        self._addresses = addresses
+        self.servers = []
+        try:
+            self._connect(token)
+        except BaseException:
+            self._core.close()
+            self._closed = True
+            raise
+
+    # ------------------------------------------------------------ connection
+    def _connect(self, token):
+        from . import _core
+
+        conns = [self._core.connect(host, port) for host, port in self._addresses]
+        pending = _core.Pending(self._core)
+        for conn in conns:
+            self._core.post_request(pending, conn, _core.OP_HELLO, token.encode())
+        deadline = time.monotonic() + self.timeout
+        if pending.wait(self.timeout) != 0 or pending.error_status:
+            failed = [c for c in conns if self._core.conn_failed(c)]
+            if failed:
+                c = failed[0]
+                raise SMBConnectionError(
+                    f"cannot reach smb-server {c} at {self.address(c)}: "
+                    f"{self._status_text(self._core.conn_status(c))}; is it running (see the run directory)?",
+                    self._core.conn_status(c) or -6)
+            raise SMBTimeoutError(f"smb-servers did not answer HELLO within {self.timeout:g} s")
+        del deadline
+        local_map = settings.get("SMB_LOCAL_MAP")
+        me = local_hostname()
+        for conn, (status, data) in zip(conns, pending.replies()):
+            if status != 0:
+                raise from_ucs_status(status, f"smb-server {conn} at {self.address(conn)}: {data.decode(errors='replace')}")
+            info = json.loads(data)
+            info["conn"] = conn
+            info["base"] = 0
+            if local_map and info["hostname"] == me:
+                info["base"] = self._core.map_arena(info["shm"], int(info["arena_size"]))
+            self.servers.append(info)
+
+    @property
+    def num_servers(self):
+        return len(self.servers)
+
+    def address(self, conn):
+        host, port = self._addresses[conn]
+        return f"{host}:{port}"
+
+    def is_local(self, server):
+        """True when server's memory is mapped into this process (same node)."""
+        return bool(self.servers[server]["base"])
+
+    def _status_text(self, code):
+        from . import _core
+
+        return _core.status_text(code) if code else "unknown error"
+
+    def close(self):
+        if not self._closed:
+            self._closed = True
+            self._core.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check(self):
+        if self._closed:
+            raise UsageError("this SMB client is closed")
+
+    # ------------------------------------------------------------ requests
+    def _pending(self):
+        from . import _core
+
+        self._check()
+        return _core.Pending(self._core)
+
+    def _post(self, pending, server, op, payload):
+        self._core.post_request(pending, self.servers[server]["conn"], op, payload)
+
+    def _control_nb(self, calls, description, finish=None):
+        """Post [(server, obj)] control requests together; returns a Request."""
+        from . import _core
+
+        pending = self._pending()
+        for server, obj in calls:
+            self._post(pending, server, _core.OP_CONTROL, encode_control(obj))
+        return Request(self, pending, description, finish, [s for s, _ in calls])
+
+    def _control(self, server, obj, description, timeout=None):
+        return self._control_nb([(server, obj)], description,
+                                lambda replies: decode_control(replies[0])).wait(timeout)
+
+    def _rkey(self, server, rid, packed):
+        with self._lock:
+            return self._core.rkey(self.servers[server]["conn"], rid, packed)
+
+    def server_for(self, name):
+        """The server that holds a named counter, barrier or event."""
+        return zlib.crc32(name.encode()) % self.num_servers
+
+    def stats(self, server=0):
+        return self._control(server, {"op": "stats"}, "stats")[0]
+
+    # ------------------------------------------------------------ objects
+    def pool(self, name, length, dtype="float32", slots=1, create=True):
+        from .pool import Pool
+
+        return Pool(self, name, length, dtype=dtype, slots=slots, create=create)
+
+    def counter(self, name, initial=0):
+        return Counter(self, name, initial)
+
+    def barrier(self, name, parties):
+        return Barrier(self, name, parties)
+
+    def event(self, name):
+        return Event(self, name)
+
+
+def _parse_address(address):
+    if isinstance(address, dict):
+        return address["host"], int(address["port"])
+    if isinstance(address, (tuple, list)):
+        return str(address[0]), int(address[1])
+    host, sep, port = str(address).rpartition(":")
+    if not sep:
+        raise SMBValueError(f"server address {address!r} must be HOST:PORT")
+    return host, int(port)
+
+
+class Counter:
+    """A 64-bit counter, atomic across all clients of the job."""
+
+    def __init__(self, client, name, initial=0):
+        from . import _core
+
+        self._client = client
+        self.name = name
+        self.server = client.server_for("counter:" + name)
+        info, _ = client._control(self.server, {
+            "op": "region_create", "name": "counter:" + name, "slots": 1, "length": 1,
+            "dtype": "int64", "meta": {"kind": "counter"}, "initial": int(initial)}, f"counter {name!r}")
+        self._rid = info["id"]
+        base = client.servers[self.server]["base"]
+        self._local = base + info["offset"] if base else 0
+        self._core = _core
+
+    def _remote(self, kind, a=0, b=0):
+        client = self._client
+        pending = client._pending()
+        client._post(pending, self.server, self._core.OP_COUNTER,
+                     COUNTER_REQUEST.pack(self._rid, kind, 0, a, b))
+        return Request(client, pending, f"counter {self.name!r}",
+                       lambda replies: COUNTER_REPLY.unpack(replies[0])[0], [self.server]).wait()
+
+    def fetch_add(self, n=1):
+        """Add n; returns the value before."""
+        if self._local:
+            return self._core.local_fetch_add(self._local, int(n))
+        return self._remote(self._core.COUNTER_FETCH_ADD, int(n))
+
+    def compare_swap(self, expected, desired):
+        """Set to desired if it equals expected; returns the value before."""
+        if self._local:
+            return self._core.local_compare_swap(self._local, int(expected), int(desired))
+        return self._remote(self._core.COUNTER_COMPARE_SWAP, int(expected), int(desired))
+
+    def read(self):
+        if self._local:
+            return self._core.local_load(self._local)
+        return self._remote(self._core.COUNTER_READ)
+
+
+class Barrier:
+    """A reusable barrier for `parties` participants."""
+
+    def __init__(self, client, name, parties):
+        if int(parties) < 1:
+            raise SMBValueError("barrier parties must be >= 1")
+        self._client = client
+        self.name = name
+        self.parties = int(parties)
+        self.server = client.server_for("barrier:" + name)
+
+    def wait(self, timeout=None):
+        """Block until all parties arrived; returns the barrier's generation number."""
+        reply, _ = self._client._control(
+            self.server, {"op": "barrier", "name": self.name, "parties": self.parties},
+            f"barrier {self.name!r} ({self.parties} parties)", timeout)
+        return reply["generation"]
+
+
+class Event:
+    """A versioned event: notify() bumps the version, wait(v) returns once version >= v."""
+
+    def __init__(self, client, name):
+        self._client = client
+        self.name = name
+        self.server = client.server_for("event:" + name)
+
+    def notify(self):
+        return self._client._control(self.server, {"op": "event_notify", "name": self.name},
+                                     f"event {self.name!r} notify")[0]["version"]
+
+    def wait(self, version, timeout=None):
+        return self._client._control(self.server, {"op": "event_wait", "name": self.name,
+                                                   "version": int(version)},
+                                     f"event {self.name!r} wait for version {version}", timeout)[0]["version"]
+
+    def version(self):
+        return self._client._control(self.server, {"op": "event_version", "name": self.name},
+                                     f"event {self.name!r} version")[0]["version"]

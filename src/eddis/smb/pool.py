@@ -1,0 +1,307 @@
+"""Pool: one logical buffer of `slots` rows x `length` columns spread over all servers.
+
+Columns are split into contiguous ranges by :func:`protocol.partition`, a
+function of (length, number of servers) alone, so pools of equal length are
+co-partitioned and server-side operations between them stay on each server.
+Each server holds its column range for every slot, slot-major. A transfer is
+cut into one contiguous piece per server; the pieces are issued together and
+waited on together, so every server's bandwidth is used.
+"""
+import numpy as np
+
+from ..errors import SMBBoundsError, SMBValueError
+from .client import Request
+from .protocol import (DTYPES, FLOAT_DTYPES, ITEMSIZE, VEC_REQUEST, VEC_SOURCE, decode_control,
+                       partition)
+
+try:  # numpy has no bfloat16; ml_dtypes (a torch/jax dependency) adds one
+    from ml_dtypes import bfloat16 as _np_bfloat16
+except ImportError:  # pragma: no cover - depends on the environment
+    _np_bfloat16 = None
+
+
+def numpy_dtype(name):
+    """The numpy dtype that holds a pool dtype (bfloat16: ml_dtypes, else uint16 bits)."""
+    if name == "bfloat16":
+        return np.dtype(_np_bfloat16) if _np_bfloat16 is not None else np.dtype(np.uint16)
+    return np.dtype(name)
+
+
+def as_array(buf, pool_dtype, writable):
+    """A 1-D numpy view (no copy) of a numpy array, CPU torch tensor or buffer."""
+    if type(buf).__module__.startswith("torch"):
+        import torch
+
+        if buf.device.type != "cpu":
+            raise SMBValueError(f"tensor on {buf.device}: SMB transfers take CPU tensors; use .cpu()")
+        if not buf.is_contiguous():
+            raise SMBValueError("tensor is not contiguous; call .contiguous() first")
+        if buf.dtype == torch.bfloat16:
+            arr = buf.detach().view(torch.int16).numpy()
+            arr = arr.view(_np_bfloat16) if _np_bfloat16 is not None else arr
+        else:
+            arr = buf.detach().numpy()
+    elif isinstance(buf, np.ndarray):
+        arr = buf
+    else:
+        try:
+            arr = np.asarray(memoryview(buf))
+        except TypeError:
+            raise SMBValueError(f"{type(buf).__name__} does not expose a buffer; pass a numpy array, "
+                                "a CPU torch tensor or a memoryview") from None
+    if not arr.flags.c_contiguous:
+        raise SMBValueError("buffer is not C-contiguous; pass np.ascontiguousarray(buf)")
+    if writable and not arr.flags.writeable:
+        raise SMBValueError("read needs a writable buffer; this one is read-only")
+    arr = arr.reshape(-1)
+    itemsize = ITEMSIZE[pool_dtype]
+    if arr.dtype == np.uint8 and pool_dtype != "uint8":
+        if arr.nbytes % itemsize:
+            raise SMBValueError(f"raw byte buffer of {arr.nbytes} bytes is not a whole number of "
+                                f"{pool_dtype} elements ({itemsize} bytes each)")
+        return arr.view(numpy_dtype(pool_dtype) if pool_dtype != "bfloat16" or _np_bfloat16 else np.uint16)
+    ok = arr.dtype.name == pool_dtype or (
+        pool_dtype == "bfloat16" and arr.dtype.name in ("bfloat16", "uint16", "int16"))
+    if not ok:
+        raise SMBValueError(f"the pool holds {pool_dtype} but the buffer is {arr.dtype.name}; "
+                            f"convert it first (e.g. arr.astype('{pool_dtype}'))")
+    return arr
+
+
+class _Segment:
+    """One server's part of the pool."""
+
+    __slots__ = ("server", "conn", "start", "stop", "rid", "addr", "rkey", "local")
+
+
+class Pool:
+    def __init__(self, client, name, length, dtype="float32", slots=1, create=True):
+        if dtype not in DTYPES:
+            raise SMBValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        length, slots = int(length), int(slots)
+        if length < 1 or slots < 1:
+            raise SMBValueError(f"pool {name!r}: length and slots must be >= 1 (got {length}, {slots})")
+        self.client = client
+        self.name = name
+        self.length = length
+        self.dtype = dtype
+        self.slots = slots
+        self.itemsize = ITEMSIZE[dtype]
+        self.np_dtype = numpy_dtype(dtype)
+        meta = {"length": length, "dtype": dtype, "slots": slots}
+        parts = partition(length, client.num_servers)
+        calls = [(s, {"op": "region_create", "name": "pool:" + name, "slots": slots, "length": stop - start,
+                      "dtype": dtype, "meta": meta, "create": bool(create)})
+                 for s, (start, stop) in enumerate(parts)]
+        replies = client._control_nb(calls, f"pool {name!r}",
+                                     lambda rs: [decode_control(r) for r in rs]).wait()
+        self.segments = []
+        for s, ((start, stop), (info, rkey)) in enumerate(zip(parts, replies)):
+            seg = _Segment()
+            seg.server, seg.conn = s, client.servers[s]["conn"]
+            seg.start, seg.stop, seg.rid, seg.addr = start, stop, info["id"], info["addr"]
+            base = client.servers[s]["base"]
+            seg.local = base + info["offset"] if base else 0
+            seg.rkey = 0 if seg.local else client._rkey(s, seg.rid, rkey)
+            self.segments.append(seg)
+
+    def __repr__(self):
+        return (f"Pool({self.name!r}, length={self.length}, dtype={self.dtype!r}, slots={self.slots}, "
+                f"servers={len(self.segments)})")
+
+    # ------------------------------------------------------------ helpers
+    def _range(self, slot, start, count):
+        slot, start = int(slot), int(start)
+        if not 0 <= slot < self.slots:
+            raise SMBBoundsError(f"pool {self.name!r}: slot {slot} outside 0..{self.slots - 1}")
+        if count is None:
+            count = self.length - start
+        count = int(count)
+        if start < 0 or count < 0 or start + count > self.length:
+            raise SMBBoundsError(f"pool {self.name!r}: elements [{start}, {start + count}) outside "
+                                 f"[0, {self.length})")
+        return slot, start, count
+
+    def _pieces(self, start, count):
+        """(segment, local column, count, offset in the caller's buffer) per server touched."""
+        end = start + count
+        for seg in self.segments:
+            lo, hi = max(start, seg.start), min(end, seg.stop)
+            if lo < hi:
+                yield seg, lo - seg.start, hi - lo, lo - start
+
+    def _remote_addr(self, seg, slot, col):
+        return seg.addr + (slot * (seg.stop - seg.start) + col) * self.itemsize
+
+    def _other(self, pool, what):
+        if pool is None:
+            return self
+        if not isinstance(pool, Pool) or pool.client is not self.client:
+            raise SMBValueError(f"{what} must be a Pool of the same client")
+        if pool.length != self.length:
+            raise SMBValueError(f"{what} {pool.name!r} has length {pool.length}, not {self.length}: "
+                                "server-side operations need co-partitioned pools of equal length")
+        if pool.dtype not in FLOAT_DTYPES:
+            raise SMBValueError(f"{what} {pool.name!r} holds {pool.dtype}; vector ops need float pools")
+        return pool
+
+    # ------------------------------------------------------------ transfers
+    def write_nb(self, buf, slot=0, start=0):
+        """Start writing buf into [start, start+len(buf)) of slot; returns a Request."""
+        from . import _core
+
+        arr = as_array(buf, self.dtype, writable=False)
+        slot, start, count = self._range(slot, start, arr.size)
+        client = self.client
+        pending = client._pending()
+        pending.keep = arr
+        base = arr.ctypes.data
+        servers = []
+        for seg, col, n, off in self._pieces(start, count):
+            nbytes = n * self.itemsize
+            src = base + off * self.itemsize
+            dst = self._remote_addr(seg, slot, col)
+            if seg.local:
+                _core.memcpy_nogil(seg.local + dst - seg.addr, src, nbytes)
+            else:
+                client._core.post_put(pending, seg.conn, src, nbytes, dst, seg.rkey)
+                servers.append(seg.conn)
+        for conn in servers:
+            # puts complete locally first; the flush makes them visible at the server
+            client._core.post_flush(pending, conn)
+        return Request(client, pending, f"pool {self.name!r} write", None, servers)
+
+    def write(self, buf, slot=0, start=0, timeout=None):
+        self.write_nb(buf, slot, start).wait(timeout)
+
+    def read_nb(self, out=None, slot=0, start=0, count=None):
+        """Start reading into out (allocated when None); returns a Request whose wait() gives it."""
+        from . import _core
+
+        if out is None:
+            slot, start, count = self._range(slot, start, count)
+            out = np.empty(count, dtype=self.np_dtype)
+            arr = out
+        else:
+            arr = as_array(out, self.dtype, writable=True)
+            if count is not None and int(count) != arr.size:
+                raise SMBValueError(f"count={count} but out holds {arr.size} elements")
+            slot, start, count = self._range(slot, start, arr.size)
+        client = self.client
+        pending = client._pending()
+        pending.keep = arr
+        base = arr.ctypes.data
+        servers = []
+        for seg, col, n, off in self._pieces(start, count):
+            nbytes = n * self.itemsize
+            dst = base + off * self.itemsize
+            src = self._remote_addr(seg, slot, col)
+            if seg.local:
+                _core.memcpy_nogil(dst, seg.local + src - seg.addr, nbytes)
+            else:
+                client._core.post_get(pending, seg.conn, dst, nbytes, src, seg.rkey)
+                servers.append(seg.conn)
+        return Request(client, pending, f"pool {self.name!r} read", lambda _: out, servers)
+
+    def read(self, out=None, slot=0, start=0, count=None, timeout=None):
+        return self.read_nb(out, slot, start, count).wait(timeout)
+
+    # ------------------------------------------------------------ server-side vector ops
+    def _vecop_nb(self, kind, dst_slot, sources, alpha, start, count, what):
+        """sources: [(pool, slot, weight)]; one request per server holding part of the range."""
+        from . import _core
+
+        dst_slot, start, count = self._range(dst_slot, start, count)
+        if self.dtype not in FLOAT_DTYPES:
+            raise SMBValueError(f"pool {self.name!r} holds {self.dtype}; vector ops need float pools")
+        for pool, slot, _ in sources:
+            if not 0 <= int(slot) < pool.slots:
+                raise SMBBoundsError(f"pool {pool.name!r}: slot {slot} outside 0..{pool.slots - 1}")
+        client = self.client
+        pending = client._pending()
+        servers = []
+        for seg, col, n, _ in self._pieces(start, count):
+            payload = VEC_REQUEST.pack(kind, len(sources), seg.rid, dst_slot, col, n, float(alpha))
+            payload += b"".join(VEC_SOURCE.pack(pool.segments[seg.server].rid, int(slot), float(w))
+                                for pool, slot, w in sources)
+            client._post(pending, seg.server, _core.OP_VECOP, payload)
+            servers.append(seg.server)
+        return Request(client, pending, f"pool {self.name!r} {what}", None, servers)
+
+    def weighted_sum_nb(self, dst_slot, src_slots, weights, start=0, count=None, src_pool=None):
+        from . import _core
+
+        src = self._other(src_pool, "src_pool")
+        src_slots, weights = list(src_slots), list(weights)
+        if len(src_slots) != len(weights) or not src_slots:
+            raise SMBValueError(f"weighted_sum needs as many weights as source slots (got "
+                                f"{len(src_slots)} slots, {len(weights)} weights), at least one")
+        return self._vecop_nb(_core.VEC_WEIGHTED_SUM, dst_slot,
+                              [(src, s, w) for s, w in zip(src_slots, weights)], 0.0, start, count,
+                              "weighted_sum")
+
+    def weighted_sum(self, dst_slot, src_slots, weights, start=0, count=None, src_pool=None):
+        """dst = sum_i weights[i] * src[src_slots[i]], computed by the servers (fp32 accumulation)."""
+        self.weighted_sum_nb(dst_slot, src_slots, weights, start, count, src_pool).wait()
+
+    def axpy_nb(self, y_slot, x_slot, alpha, start=0, count=None, x_pool=None):
+        from . import _core
+
+        x = self._other(x_pool, "x_pool")
+        return self._vecop_nb(_core.VEC_AXPY, y_slot, [(x, x_slot, 1.0)], alpha, start, count, "axpy")
+
+    def axpy(self, y_slot, x_slot, alpha, start=0, count=None, x_pool=None):
+        """y += alpha * x on the servers."""
+        self.axpy_nb(y_slot, x_slot, alpha, start, count, x_pool).wait()
+
+    def scale_nb(self, slot, alpha, start=0, count=None):
+        from . import _core
+
+        return self._vecop_nb(_core.VEC_SCALE, slot, [], alpha, start, count, "scale")
+
+    def scale(self, slot, alpha, start=0, count=None):
+        """x *= alpha on the servers."""
+        self.scale_nb(slot, alpha, start, count).wait()
+
+    def copy_nb(self, dst_slot, src_slot, start=0, count=None, src_pool=None):
+        from . import _core
+
+        src = self._other(src_pool, "src_pool")
+        return self._vecop_nb(_core.VEC_COPY, dst_slot, [(src, src_slot, 1.0)], 0.0, start, count, "copy")
+
+    def copy(self, dst_slot, src_slot, start=0, count=None, src_pool=None):
+        """dst = src on the servers (converting between float dtypes)."""
+        self.copy_nb(dst_slot, src_slot, start, count, src_pool).wait()
+
+    def reduce_nb(self, contrib_slot, weight, parties, dst_slot, generation, src_pool=None,
+                  start=0, count=None, average=True):
+        """Contribute src_pool[contrib_slot] with `weight` to reduction `generation`.
+
+        Once `parties` contributions are in, each server writes
+        dst = sum(w_i * slot_i) / sum(w_i) (plain sum with average=False) into
+        dst_slot of this pool and completes every contributor's request."""
+        src = self._other(src_pool, "src_pool")
+        dst_slot, start, count = self._range(dst_slot, start, count)
+        if not 0 <= int(contrib_slot) < src.slots:
+            raise SMBBoundsError(f"pool {src.name!r}: slot {contrib_slot} outside 0..{src.slots - 1}")
+        if int(parties) < 1:
+            raise SMBValueError("reduce parties must be >= 1")
+        calls = []
+        for seg, col, n, _ in self._pieces(start, count):
+            calls.append((seg.server, {
+                "op": "reduce", "dst": seg.rid, "dst_slot": dst_slot, "start": col, "count": n,
+                "src": src.segments[seg.server].rid, "src_slot": int(contrib_slot),
+                "weight": float(weight), "parties": int(parties), "generation": int(generation),
+                "average": bool(average)}))
+        return self.client._control_nb(calls, f"pool {self.name!r} reduce generation {generation}")
+
+    def free(self):
+        """Release the pool's memory on every server."""
+        client = self.client
+        for seg in self.segments:
+            if not seg.local:
+                with client._lock:
+                    client._core.forget_rkey(seg.conn, seg.rid)
+        client._control_nb([(seg.server, {"op": "region_free", "name": "pool:" + self.name})
+                            for seg in self.segments], f"pool {self.name!r} free").wait()
+        self.segments = []

@@ -1,0 +1,43 @@
+"""Wire details shared by the SMB client and server (payload layouts, codes).
+
+Control requests carry a JSON object, optionally followed by a NUL byte and a
+binary tail (a packed remote key). Counters and vector ops use fixed binary
+layouts that the native core parses without the GIL.
+"""
+import json
+import struct
+
+# dtype name -> code (0..3 are the vector kernels' codes)
+DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3, "int64": 4, "uint8": 5}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "uint8": 1}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+# reply status codes: UCS status values, so errors.from_ucs_status() maps them
+STATUS_NO_MEMORY = -21   # UCS_ERR_EXCEEDS_LIMIT -> SMBMemoryError
+STATUS_INVALID = -5      # UCS_ERR_INVALID_PARAM -> SMBValueError
+STATUS_NO_ELEM = -12     # UCS_ERR_NO_ELEM -> SMBKeyError
+STATUS_BOUNDS = -19      # UCS_ERR_OUT_OF_RANGE -> SMBBoundsError
+STATUS_REJECTED = -23    # UCS_ERR_REJECTED -> SMBPermissionError
+
+CONTROL_SEPARATOR = b"\0"
+
+COUNTER_REQUEST = struct.Struct("<IIQqq")     # region, kind, index, a, b
+COUNTER_REPLY = struct.Struct("<q")
+VEC_REQUEST = struct.Struct("<IIIIQQd")       # kind, nsrc, dst region, dst slot, start, count, alpha
+VEC_SOURCE = struct.Struct("<IId")            # region, slot, weight
+
+
+def encode_control(obj, tail=b""):
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return data + CONTROL_SEPARATOR + tail if tail else data
+
+
+def decode_control(payload):
+    """(object, binary tail) of a control payload."""
+    head, sep, tail = bytes(payload).partition(CONTROL_SEPARATOR)
+    return json.loads(head), tail
+
+
+def partition(length, num_servers):
+    """Column ranges [(start, stop)] per server; a function of (length, num_servers) only."""
+    return [(s * length // num_servers, (s + 1) * length // num_servers) for s in range(num_servers)]

@@ -1,0 +1,145 @@
+"""The job's run directory: token, server address files, readiness.
+
+Layout::
+
+    <run dir>/token               random job token, mode 0600
+    <run dir>/servers/<i>.json    published by smb-server i once it serves
+
+``python -m eddis.smb.rundir create DIR`` creates one (the launcher does this).
+"""
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+from .. import settings
+from ..errors import ConfigError, SMBPermissionError, SMBTimeoutError
+
+TOKEN_FILE = "token"
+SERVERS_DIR = "servers"
+
+
+def default_run_dir(job_id=None):
+    """$EDDIS_RUN_DIR, else ~/.eddis/run/<SLURM_JOB_ID>, else ~/.eddis/run/local-<pid>."""
+    explicit = settings.get("EDDIS_RUN_DIR")
+    if explicit:
+        return Path(explicit)
+    job_id = job_id or os.environ.get("SLURM_JOB_ID")
+    name = str(job_id) if job_id else f"local-{os.getpid()}"
+    return Path.home() / ".eddis" / "run" / name
+
+
+def create_run_dir(path):
+    """Create the run directory (mode 0700) and its token (mode 0600) if absent."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (path / SERVERS_DIR).mkdir(mode=0o700, exist_ok=True)
+    token = path / TOKEN_FILE
+    if not token.exists():
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_hex(32).encode())
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    return path
+
+
+def read_token(path):
+    """The job token of a run directory (or of a token file given directly)."""
+    path = Path(path)
+    token_file = path / TOKEN_FILE if path.is_dir() else path
+    try:
+        text = token_file.read_text().strip()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no job token at {token_file}; create the run directory first "
+            f"(python -m eddis.smb.rundir create {path})"
+        ) from None
+    except PermissionError:
+        raise SMBPermissionError(f"cannot read the job token {token_file}: permission denied") from None
+    if not text:
+        raise ConfigError(f"the job token file {token_file} is empty; delete it and recreate the run directory")
+    return text
+
+
+def server_file(path, index):
+    return Path(path) / SERVERS_DIR / f"{int(index)}.json"
+
+
+def publish_server(path, index, info):
+    """Atomically write servers/<index>.json (write a temporary file, then rename)."""
+    target = server_file(path, index)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(info, fh)
+    os.replace(tmp, target)
+    return target
+
+
+def unpublish_server(path, index):
+    try:
+        server_file(path, index).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def read_servers(path):
+    """All published server records, sorted by index."""
+    folder = Path(path) / SERVERS_DIR
+    records = []
+    if folder.is_dir():
+        for entry in folder.glob("*.json"):
+            try:
+                records.append(json.loads(entry.read_text()))
+            except (OSError, ValueError):
+                continue  # being replaced right now; the next poll sees it
+    return sorted(records, key=lambda r: r["index"])
+
+
+def wait_for_servers(path, count, timeout=None):
+    """Wait until servers 0..count-1 have published; returns their records by index."""
+    if timeout is None:
+        timeout = settings.get("SMB_CONNECT_TIMEOUT")
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        records = {r["index"]: r for r in read_servers(path)}
+        missing = [i for i in range(count) if i not in records]
+        if not missing:
+            return [records[i] for i in range(count)]
+        if time.monotonic() >= deadline:
+            raise SMBTimeoutError(
+                f"SMB servers {missing} did not publish in {path}/{SERVERS_DIR} within {timeout:g} s; "
+                "check that smb-server runs on every node (its log) or raise SMB_CONNECT_TIMEOUT"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m eddis.smb.rundir", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    create = sub.add_parser("create", help="create a run directory and its token")
+    create.add_argument("dir", nargs="?", help="default: EDDIS_RUN_DIR or ~/.eddis/run/<job>")
+    wait = sub.add_parser("wait", help="wait until N servers have published")
+    wait.add_argument("dir")
+    wait.add_argument("count", type=int)
+    wait.add_argument("--timeout", type=float, default=None)
+    args = parser.parse_args(argv)
+    if args.command == "create":
+        print(create_run_dir(args.dir or default_run_dir()))
+    else:
+        for record in wait_for_servers(args.dir, args.count, args.timeout):
+            print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,454 @@
+"""smb-server: lends this node's memory to the job over UCX.
+
+The native core (eddis.smb._core) owns the UCX state and runs the request loop
+in a GIL-free progress thread; it answers HELLO, counters and vector ops itself
+and hands the named, stateful requests (regions, barriers, events, reductions)
+to :meth:`Server._handle` here, on that same thread.
+"""
+import atexit
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from .. import settings
+from ..errors import (EddisError, SMBBoundsError, SMBKeyError, SMBMemoryError, SMBPermissionError,
+                      SMBValueError)
+from . import rundir
+from .protocol import (CONTROL_SEPARATOR, DTYPES, ITEMSIZE, STATUS_BOUNDS, STATUS_INVALID,
+                       STATUS_NO_ELEM, STATUS_NO_MEMORY, STATUS_REJECTED, decode_control)
+
+log = logging.getLogger("eddis.smb.server")
+
+MAX_REGIONS = 65536
+SMALL_ALIGN = 64
+PAGE_ALIGN = 4096
+
+
+class ArenaAllocator:
+    """First-fit allocator with coalescing free list over [0, size)."""
+
+    def __init__(self, size):
+        self.size = size
+        self.free = [(0, size)]  # sorted (offset, length)
+
+    @staticmethod
+    def _align(nbytes):
+        return PAGE_ALIGN if nbytes >= PAGE_ALIGN else SMALL_ALIGN
+
+    def alloc(self, nbytes):
+        align = self._align(nbytes)
+        want = max(nbytes, 1)
+        for i, (off, length) in enumerate(self.free):
+            start = (off + align - 1) // align * align
+            end = start + want
+            end = (end + SMALL_ALIGN - 1) // SMALL_ALIGN * SMALL_ALIGN
+            if end <= off + length:
+                pieces = []
+                if start > off:
+                    pieces.append((off, start - off))
+                if end < off + length:
+                    pieces.append((end, off + length - end))
+                self.free[i:i + 1] = pieces
+                return start, end - start
+        return None
+
+    def release(self, off, length):
+        self.free.append((off, length))
+        self.free.sort()
+        merged = []
+        for o, n in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((o, n))
+        self.free = merged
+
+    def largest_free(self):
+        return max((n for _, n in self.free), default=0)
+
+
+class Region:
+    __slots__ = ("name", "index", "rid", "offset", "span", "nbytes", "slots", "length", "dtype",
+                 "meta", "addr", "rkey")
+
+    def describe(self):
+        return {"name": self.name, "id": self.rid, "offset": self.offset, "nbytes": self.nbytes,
+                "slots": self.slots, "length": self.length, "dtype": self.dtype,
+                "meta": self.meta, "addr": self.addr}
+
+
+def local_hostname():
+    """The node name used to decide same-node mapping (fake nodes set EDDIS_HOSTNAME)."""
+    return os.environ.get("EDDIS_HOSTNAME") or socket.gethostname()
+
+
+def arena_name(run_dir, index):
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return f"/eddis-smb-{digest}-{int(index)}"
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError):
+        return True
+    return True
+
+
+def _remove_stale_arena(run_dir, index, shm):
+    """Unlink the arena of a server with our run dir and index that died (SIGKILL) without cleanup."""
+    path = Path("/dev/shm") / shm.lstrip("/")
+    if not path.exists():
+        return
+    record = rundir.server_file(run_dir, index)
+    try:
+        pid = json.loads(record.read_text()).get("pid")
+    except (OSError, ValueError):
+        pid = None
+    if pid is not None and _pid_alive(pid) and int(pid) != os.getpid():
+        return  # a live server owns it: create_arena reports the conflict
+    log.warning("removing stale SMB arena %s left by a dead server", path)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    rundir.unpublish_server(run_dir, index)
+
+
+def _published_host():
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Server:
+    """One SMB server. ``start()`` returns once its address file is published."""
+
+    def __init__(self, run_dir, index=0, memory=None, host=None, port=0, token=None,
+                 hugepages=None):
+        from . import _core
+
+        self.run_dir = Path(run_dir)
+        self.index = int(index)
+        self.memory = int(settings.get("SMB_MEMORY") if memory is None else _parse_size(memory))
+        if self.memory <= 0:
+            raise SMBValueError("server memory must be positive (--memory / SMB_MEMORY, e.g. 1G)")
+        self.host = host
+        self.port = int(port or 0)
+        self.token = token
+        self.hugepages = settings.get("SMB_HUGEPAGES") if hugepages is None else bool(hugepages)
+        self.core = _core.ServerCore()
+        self.allocator = ArenaAllocator(self.memory)
+        self.regions = {}
+        self.free_indices = list(range(MAX_REGIONS - 1, -1, -1))
+        self.barriers = {}
+        self.events = {}
+        self.reductions = {}
+        self.started = False
+        self.info = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self):
+        token = self.token if self.token is not None else rundir.read_token(self.run_dir)
+        shm = arena_name(self.run_dir, self.index)
+        _remove_stale_arena(self.run_dir, self.index, shm)
+        note = self.core.create_arena(shm, self.memory, self.hugepages)
+        atexit.register(self._stop_at_exit)
+        if note:
+            log.warning(note)
+        try:
+            listen = self.host or "0.0.0.0"
+            published = self.host if self.host and self.host != "0.0.0.0" else _published_host()
+            hello = {"index": self.index, "hostname": local_hostname(), "shm": shm,
+                     "arena_size": self.memory, "pid": os.getpid()}
+            self.port = self.core.start(listen, self.port, token.encode(), json.dumps(hello).encode(),
+                                        self._handle)
+            self.core.run_in_thread()
+            self.started = True
+            self.info = {"index": self.index, "hostname": local_hostname(), "host": published,
+                         "port": self.port, "pid": os.getpid(), "memory": self.memory}
+            rundir.publish_server(self.run_dir, self.index, self.info)
+        except BaseException:
+            self.core.stop()
+            raise
+        log.info("smb-server %d serving %d bytes on %s:%d", self.index, self.memory, published, self.port)
+        return self
+
+    def _stop_at_exit(self):
+        try:
+            self.stop()
+        except Exception:  # interpreter shutdown: best effort, never mask the real exit
+            pass
+
+    def stop(self):
+        """Unpublish, stop the request loop, free the shared memory."""
+        atexit.unregister(self._stop_at_exit)
+        if self.info is not None:
+            rundir.unpublish_server(self.run_dir, self.index)
+            self.info = None
+        self.core.stop()
+        self.started = False
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    @property
+    def address(self):
+        return f"{self.info['host']}:{self.port}" if self.info else None
+
+    # ------------------------------------------------------------ requests
+    def _handle(self, conn, req_id, payload):
+        """Control requests; returns (status, reply) or None when the reply is deferred."""
+        try:
+            request, _ = decode_control(payload)
+            op = request.get("op")
+            method = getattr(self, "_op_" + str(op), None)
+            if method is None:
+                raise SMBValueError(f"unknown control op {op!r}")
+            return method(conn, req_id, request)
+        except EddisError as exc:
+            return _error_reply(exc)
+        except (KeyError, TypeError, ValueError) as exc:
+            return STATUS_INVALID, f"malformed request: {exc!r}".encode()
+
+    def _op_region_create(self, conn, req_id, q):
+        name = str(q["name"])
+        slots, length, dtype = int(q["slots"]), int(q["length"]), str(q["dtype"])
+        meta = q.get("meta")
+        if dtype not in DTYPES:
+            raise SMBValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        if slots < 1 or length < 0:
+            raise SMBValueError(f"region {name!r}: slots must be >= 1 and length >= 0")
+        region = self.regions.get(name)
+        created = False
+        if region is None:
+            if not q.get("create", True):
+                raise SMBKeyError(f"no region named {name!r} on server {self.index}")
+            region = self._create(name, slots, length, dtype, meta)
+            created = True
+            if "initial" in q:
+                self.core.write_int64(region.rid, 0, int(q["initial"]))
+        elif (region.slots, region.length, region.dtype, region.meta) != (slots, length, dtype, meta):
+            raise SMBValueError(
+                f"region {name!r} exists with slots={region.slots} length={region.length} "
+                f"dtype={region.dtype} meta={region.meta}, not slots={slots} length={length} "
+                f"dtype={dtype} meta={meta}; attach with the same parameters or free it first")
+        reply = dict(region.describe(), created=created)
+        return 0, json.dumps(reply).encode() + CONTROL_SEPARATOR + region.rkey
+
+    def _op_region_lookup(self, conn, req_id, q):
+        region = self.regions.get(str(q["name"]))
+        if region is None:
+            raise SMBKeyError(f"no region named {q['name']!r} on server {self.index}")
+        return 0, json.dumps(region.describe()).encode() + CONTROL_SEPARATOR + region.rkey
+
+    def _op_region_free(self, conn, req_id, q):
+        region = self.regions.pop(str(q["name"]), None)
+        if region is None:
+            raise SMBKeyError(f"no region named {q['name']!r} on server {self.index}")
+        self.core.region_unregister(region.rid)
+        self.allocator.release(region.offset, region.span)
+        self.free_indices.append(region.index)
+        return 0, b"{}"
+
+    def _create(self, name, slots, length, dtype, meta):
+        nbytes = slots * length * ITEMSIZE[dtype]
+        if not self.free_indices:
+            raise SMBMemoryError(f"server {self.index} holds {MAX_REGIONS} regions already; free some")
+        got = self.allocator.alloc(nbytes) if nbytes <= self.memory else None
+        if got is None:
+            raise SMBMemoryError(
+                f"region {name!r} needs {nbytes} bytes but server {self.index} has at most "
+                f"{self.allocator.largest_free()} contiguous bytes free of {self.memory}; "
+                "start smb-server with more --memory (SMB_MEMORY) or use more servers")
+        offset, span = got
+        index = self.free_indices.pop()
+        try:
+            rid, addr, rkey = self.core.region_register(index, offset, max(nbytes, 1), slots, length,
+                                                        DTYPES[dtype])
+        except BaseException:
+            self.free_indices.append(index)
+            self.allocator.release(offset, span)
+            raise
+        region = Region()
+        region.name, region.index, region.rid = name, index, rid
+        region.offset, region.span, region.nbytes = offset, span, nbytes
+        region.slots, region.length, region.dtype, region.meta = slots, length, dtype, meta
+        region.addr, region.rkey = addr, rkey
+        self.regions[name] = region
+        return region
+
+    # barriers: every arrival is deferred until `parties` are in, then all are released
+    def _op_barrier(self, conn, req_id, q):
+        name, parties = str(q["name"]), int(q["parties"])
+        if parties < 1:
+            raise SMBValueError("barrier parties must be >= 1")
+        state = self.barriers.setdefault(name, {"parties": parties, "waiting": [], "generation": 0})
+        if state["parties"] != parties:
+            raise SMBValueError(f"barrier {name!r} has {state['parties']} parties, not {parties}; "
+                                "every participant must pass the same count")
+        state["waiting"] = [(c, r) for c, r in state["waiting"] if self.core.conn_alive(c)]
+        state["waiting"].append((conn, req_id))
+        if len(state["waiting"]) < parties:
+            return None
+        generation = state["generation"]
+        state["generation"] += 1
+        reply = json.dumps({"generation": generation}).encode()
+        for c, r in state["waiting"]:
+            if (c, r) != (conn, req_id):
+                self.core.reply(c, r, 0, reply)
+        state["waiting"] = []
+        return 0, reply
+
+    # events: a version number; waits are deferred until it reaches the asked version
+    def _event(self, name):
+        return self.events.setdefault(name, {"version": 0, "waiting": []})
+
+    def _op_event_notify(self, conn, req_id, q):
+        state = self._event(str(q["name"]))
+        state["version"] += 1
+        version = state["version"]
+        keep = []
+        for c, r, want in state["waiting"]:
+            if want <= version:
+                self.core.reply(c, r, 0, json.dumps({"version": version}).encode())
+            elif self.core.conn_alive(c):
+                keep.append((c, r, want))
+        state["waiting"] = keep
+        return 0, json.dumps({"version": version}).encode()
+
+    def _op_event_wait(self, conn, req_id, q):
+        state = self._event(str(q["name"]))
+        want = int(q["version"])
+        if state["version"] >= want:
+            return 0, json.dumps({"version": state["version"]}).encode()
+        state["waiting"].append((conn, req_id, want))
+        return None
+
+    def _op_event_version(self, conn, req_id, q):
+        return 0, json.dumps({"version": self._event(str(q["name"]))["version"]}).encode()
+
+    # reductions: contributions collected per (destination, range, generation)
+    def _op_reduce(self, conn, req_id, q):
+        key = (int(q["dst"]), int(q["dst_slot"]), int(q["start"]), int(q["count"]), int(q["generation"]))
+        parties, average = int(q["parties"]), bool(q.get("average", True))
+        if parties < 1:
+            raise SMBValueError("reduce parties must be >= 1")
+        state = self.reductions.setdefault(key, {"parties": parties, "average": average, "items": []})
+        if state["parties"] != parties or state["average"] != average:
+            raise SMBValueError(
+                f"reduce generation {key[4]}: contributors disagree (parties {state['parties']} vs "
+                f"{parties}, average {state['average']} vs {average}); pass the same values everywhere")
+        state["items"].append((conn, req_id, int(q["src"]), int(q["src_slot"]), float(q["weight"])))
+        if len(state["items"]) < parties:
+            return None
+        del self.reductions[key]
+        items = state["items"]
+        total = sum(w for *_, w in items)
+        scale = 1.0
+        if average:
+            if total == 0:
+                return self._reply_all(items, conn, req_id, STATUS_INVALID,
+                                       b"reduce: the contributions' weights sum to 0; cannot average")
+            scale = 1.0 / total
+        try:
+            self.core.weighted_sum(key[0], key[1], key[2], key[3],
+                                   [(src, slot, w * scale) for _, _, src, slot, w in items])
+        except EddisError as exc:
+            status, message = _error_reply(exc)
+            return self._reply_all(items, conn, req_id, status, message)
+        return self._reply_all(items, conn, req_id, 0, json.dumps({"weight": total}).encode())
+
+    def _reply_all(self, items, conn, req_id, status, payload):
+        for c, r, *_ in items:
+            if (c, r) != (conn, req_id):
+                self.core.reply(c, r, status, payload)
+        return status, payload
+
+    def _op_stats(self, conn, req_id, q):
+        stats = dict(self.core.stats, regions=len(self.regions),
+                     free_bytes=sum(n for _, n in self.allocator.free))
+        return 0, json.dumps(stats).encode()
+
+
+def _error_reply(exc):
+    if isinstance(exc, SMBKeyError):
+        status = STATUS_NO_ELEM
+    elif isinstance(exc, SMBBoundsError):
+        status = STATUS_BOUNDS
+    elif isinstance(exc, SMBMemoryError):
+        status = STATUS_NO_MEMORY
+    elif isinstance(exc, SMBPermissionError):
+        status = STATUS_REJECTED
+    else:
+        status = STATUS_INVALID
+    return status, exc.message.encode()
+
+
+def _parse_size(value):
+    if isinstance(value, int):
+        return value
+    return settings.REGISTRY["SMB_MEMORY"].parse(str(value))
+
+
+# ---------------------------------------------------------------- CLI
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="smb-server",
+        description="Serve this node's memory to the EDDIS job (SMB over UCX). "
+                    "Runs until SIGTERM/SIGINT.")
+    parser.add_argument("--run-dir", help="job run directory (default: EDDIS_RUN_DIR or ~/.eddis/run/<job>)")
+    parser.add_argument("--index", type=int, default=None, help="server index (default: SLURM_NODEID or 0)")
+    parser.add_argument("--memory", default=None, help="bytes to lend, suffix K/M/G (default SMB_MEMORY)")
+    parser.add_argument("--host", default=None, help="IPv4 address to listen on (default: all, publishes this host's address)")
+    parser.add_argument("--port", type=int, default=None, help="TCP port (default SMB_PORT, 0: any)")
+    parser.add_argument("--expect-token-file", default=None, help="token file (default: <run dir>/token)")
+    parser.add_argument("--create-run-dir", action="store_true", help="create the run directory and token if absent")
+    parser.add_argument("--log-level", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level or settings.get("EDDIS_LOG_LEVEL"),
+                        format="smb-server %(levelname)s %(message)s")
+    run_dir = Path(args.run_dir) if args.run_dir else rundir.default_run_dir()
+    if args.create_run_dir:
+        rundir.create_run_dir(run_dir)
+    index = args.index if args.index is not None else int(os.environ.get("SLURM_NODEID", "0"))
+    token = rundir.read_token(args.expect_token_file or run_dir)
+    port = args.port if args.port is not None else settings.get("SMB_PORT")
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server = Server(run_dir, index=index, memory=args.memory, host=args.host, port=port,
+                        token=token).start()
+    except EddisError as exc:
+        print(f"smb-server: {exc}", file=sys.stderr)
+        return 1
+    print(f"smb-server {index} ready on {server.address} ({server.memory} bytes)", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Start real smb-server processes on this machine (tests, benchmarks, examples).
+
+    with LocalServers(2, memory="64M") as servers:
+        client = Client(servers.run_dir, expected_servers=2)
+
+Each server is a separate ``smb-server`` process (``python -m eddis.smb.server``)
+with its own fake node name (``EDDIS_HOSTNAME=<prefix><i>``) unless
+``same_node=True``; stop() sends SIGTERM and checks nothing is left behind.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import rundir
+
+
+def _env(extra=None):
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+class LocalServers:
+    def __init__(self, count, memory="64M", run_dir=None, env=None, hostnames=None, timeout=30):
+        self.count = count
+        self.memory = memory
+        self._own_dir = run_dir is None
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="eddis-smb-test-"))
+        self.env = env or {}
+        self.hostnames = hostnames
+        self.timeout = timeout
+        self.procs = []
+        self.records = []
+        self.leftovers = []
+
+    def start(self):
+        rundir.create_run_dir(self.run_dir)
+        try:
+            for i in range(self.count):
+                extra = dict(self.env)
+                if self.hostnames is not None:
+                    extra["EDDIS_HOSTNAME"] = self.hostnames[i]
+                argv = [sys.executable, "-m", "eddis.smb.server", "--run-dir", str(self.run_dir),
+                        "--index", str(i), "--memory", str(self.memory), "--host", "127.0.0.1"]
+                self.procs.append(subprocess.Popen(argv, env=_env(extra), stdout=subprocess.DEVNULL,
+                                                   stderr=subprocess.PIPE, text=True))
+            self.records = rundir.wait_for_servers(self.run_dir, self.count, self.timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kill(self, index, sig=signal.SIGKILL):
+        self.procs[index].send_signal(sig)
+        self.procs[index].wait(10)
+
+    def stop(self):
+        """SIGTERM every server; returns their stderr texts."""
+        errors = []
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                _, err = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            errors.append(err)
+        self.procs = []
+        # A SIGKILLed server cannot clean up: remove what it left, and report it.
+        from .server import arena_name
+
+        self.leftovers = []
+        for i in range(self.count):
+            path = Path("/dev/shm") / arena_name(self.run_dir, i).lstrip("/")
+            if path.exists():
+                self.leftovers.append(str(path))
+                path.unlink()
+        if self._own_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        return errors
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

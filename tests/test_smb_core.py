@@ -1,0 +1,255 @@
+"""SMB core against real smb-server processes and real UCX.
+
+Every test runs twice: over ``UCX_TLS=tcp`` with ``SMB_LOCAL_MAP=0`` and distinct
+fake node names (standing in for separate nodes), and on the same-node path
+(the clients map the servers' shared memory).
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import python_env
+
+from eddis.errors import SMBBoundsError, SMBKeyError, SMBValueError
+from eddis.smb import Client
+from eddis.smb.pool import numpy_dtype
+from eddis.smb.testing import LocalServers
+
+TRANSPORTS = {
+    "ucx-tcp": {"env": {"UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"},
+                "hostnames": ["smb-node0", "smb-node1", "smb-node2"], "client_host": "client-node"},
+    "same-node": {"env": {"SMB_LOCAL_MAP": "1"}, "hostnames": None, "client_host": None},
+}
+
+
+@pytest.fixture(params=list(TRANSPORTS), scope="module")
+def cluster(request):
+    spec = TRANSPORTS[request.param]
+    with LocalServers(3, memory="64M", env=spec["env"], hostnames=spec["hostnames"]) as servers:
+        servers.transport = request.param
+        servers.client_env = dict(spec["env"])
+        if spec["client_host"]:
+            servers.client_env["EDDIS_HOSTNAME"] = spec["client_host"]
+        yield servers
+    assert not servers.leftovers, f"servers left shared memory behind: {servers.leftovers}"
+
+
+@pytest.fixture
+def client(cluster, monkeypatch):
+    for key, value in cluster.client_env.items():
+        monkeypatch.setenv(key, value)
+    if "EDDIS_HOSTNAME" not in cluster.client_env:
+        monkeypatch.delenv("EDDIS_HOSTNAME", raising=False)
+    with Client(cluster.run_dir, expected_servers=3, timeout=20) as c:
+        local = [c.is_local(i) for i in range(c.num_servers)]
+        assert local == [cluster.transport == "same-node"] * 3
+        yield c
+
+
+def run_clients(cluster, n, code, args, timeout=90):
+    """Run n client processes concurrently; each prints one JSON line."""
+    env = python_env(cluster.client_env)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(cluster.run_dir), str(i), str(n), *args],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(n)]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("client process timed out")
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_pool_write_read_across_servers(client):
+    pool = client.pool("rw", 1001, dtype="float32", slots=3)
+    data = np.arange(1001, dtype=np.float32)
+    pool.write(data, slot=1)
+    np.testing.assert_array_equal(pool.read(slot=1), data)
+    # pieces that straddle server boundaries (1001 columns over 3 servers: 333/334/334)
+    pool.write(np.full(400, -1, np.float32), slot=1, start=300)
+    got = pool.read(slot=1)
+    want = data.copy()
+    want[300:700] = -1
+    np.testing.assert_array_equal(got, want)
+    out = np.zeros(10, np.float32)
+    assert pool.read(out, slot=1, start=695) is out
+    np.testing.assert_array_equal(out, want[695:705])
+    # other slots untouched, zero-initialized
+    np.testing.assert_array_equal(pool.read(slot=0), np.zeros(1001, np.float32))
+    # non-blocking: several transfers in flight at once
+    reqs = [pool.write_nb(np.full(1001, s + 10, np.float32), slot=s) for s in range(3)]
+    for r in reqs:
+        r.wait()
+    outs = [np.empty(1001, np.float32) for _ in range(3)]
+    reads = [pool.read_nb(outs[s], slot=s) for s in range(3)]
+    for s, r in enumerate(reads):
+        assert r.wait() is outs[s]
+        np.testing.assert_array_equal(outs[s], np.full(1001, s + 10, np.float32))
+    # attach by name from a second client sees the same data
+    same = client.pool("rw", 1001, dtype="float32", slots=3, create=False)
+    np.testing.assert_array_equal(same.read(slot=2), np.full(1001, 12, np.float32))
+    with pytest.raises(SMBValueError):
+        client.pool("rw", 1000, dtype="float32", slots=3)
+    pool.free()
+    with pytest.raises(SMBKeyError):
+        client.pool("rw", 1001, dtype="float32", slots=3, create=False)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float64", "int64", "uint8", "float16", "bfloat16"])
+def test_pool_dtypes_and_buffers(client, dtype):
+    import torch
+
+    n = 777
+    pool = client.pool("dt-" + dtype, n, dtype=dtype, slots=2)
+    np_dtype = numpy_dtype(dtype)
+    data = (np.arange(n) % 100).astype(np_dtype)
+    pool.write(data, slot=1)
+    np.testing.assert_array_equal(pool.read(slot=1).view(np.uint8), data.view(np.uint8))
+    # a memoryview and a torch tensor, written and read without copies
+    head = data[:50] if dtype != "bfloat16" else data[:50].view(np.uint16)  # no PEP 3118 code for bf16
+    pool.write(memoryview(head), slot=0, start=10)
+    tdtype = {"float64": torch.float64, "int64": torch.int64, "uint8": torch.uint8,
+              "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    tensor = torch.zeros(50, dtype=tdtype)
+    pool.read(tensor, slot=0, start=10)
+    assert torch.equal(tensor, torch.arange(50).to(tdtype))
+    with pytest.raises(SMBValueError):
+        pool.write(np.zeros(5, np.float32 if dtype != "float32" else np.float64))
+    with pytest.raises(SMBBoundsError):
+        pool.write(data, slot=0, start=1)
+    with pytest.raises(SMBBoundsError):
+        pool.read(slot=2)
+    pool.free()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_vector_ops_against_numpy(client, dtype):
+    n = 1000
+    rng = np.random.default_rng(1)
+    pool = client.pool("vec-" + dtype, n, dtype=dtype, slots=5)
+    grads = client.pool("grad-" + dtype, n, dtype="float32", slots=2)
+    np_dtype = numpy_dtype(dtype)
+    rows = [rng.standard_normal(n).astype(np.float32) for _ in range(4)]
+    for s, row in enumerate(rows):
+        pool.write(row.astype(np_dtype), slot=s)
+    stored = [pool.read(slot=s).astype(np.float32) for s in range(4)]
+    tol = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype]
+
+    def check(slot, want):
+        got = pool.read(slot=slot).astype(np.float32)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 4)
+
+    weights = [0.5, -1.25, 2.0, 0.125]
+    pool.weighted_sum(4, [0, 1, 2, 3], weights)
+    check(4, sum(w * r for w, r in zip(weights, stored)))
+    # a sub-range only: the rest of slot 4 keeps its value
+    pool.weighted_sum(4, [0], [3.0], start=100, count=500)
+    want = sum(w * r for w, r in zip(weights, stored))
+    want[100:600] = 3.0 * stored[0][100:600]
+    check(4, want)
+    pool.axpy(0, 1, 0.5)
+    check(0, stored[0] + 0.5 * stored[1])
+    pool.scale(1, -2.0)
+    check(1, -2.0 * stored[1])
+    pool.copy(2, 3)
+    check(2, stored[3])
+    # mixed dtypes: a float32 pool as source of a conversion and an axpy
+    g = rng.standard_normal(n).astype(np.float32)
+    grads.write(g, slot=1)
+    pool.copy(3, 1, src_pool=grads)
+    check(3, g)
+    pool.axpy(3, 1, 1.0, x_pool=grads)
+    check(3, 2 * g)
+    with pytest.raises(SMBValueError):
+        pool.weighted_sum(4, [0, 1], [1.0])
+    with pytest.raises(SMBBoundsError):
+        pool.axpy(0, 9, 1.0)
+    pool.free()
+    grads.free()
+
+
+@pytest.mark.timeout(120)
+def test_counter_barrier_event_single(client):
+    counter = client.counter("single", initial=40)
+    assert counter.read() == 40
+    assert counter.fetch_add(2) == 40
+    assert counter.fetch_add(-1) == 42
+    assert counter.compare_swap(0, 5) == 41       # no swap
+    assert counter.compare_swap(41, 5) == 41      # swap
+    assert counter.read() == 5
+    assert client.counter("single", initial=999).read() == 5   # attach keeps the value
+    barrier = client.barrier("solo", 1)
+    assert [barrier.wait() for _ in range(3)] == [0, 1, 2]
+    event = client.event("single")
+    assert event.version() == 0
+    assert event.notify() == 1
+    assert event.wait(1) == 1
+    with pytest.raises(TimeoutError):
+        event.wait(2, timeout=0.3)
+    assert event.notify() == 2
+
+
+CONCURRENT = r"""
+import json, sys
+import numpy as np
+from eddis.smb import Client
+run_dir, me, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+length = int(sys.argv[4])
+out = {}
+with Client(run_dir, expected_servers=3, timeout=30) as c:
+    pool = c.pool("shared", length, slots=2 + n)
+    counter = c.counter("hits")
+    barrier = c.barrier("all", n)
+    event = c.event("go")
+    # concurrent writers to separate ranges
+    part = length // n
+    pool.write(np.full(part, me + 1, np.float32), slot=0, start=me * part)
+    # concurrent atomics: no lost increments, every old value unique
+    olds = [counter.fetch_add(1) for _ in range(200)]
+    barrier.wait()
+    out["row"] = pool.read(slot=0).tolist()
+    out["olds"] = olds
+    out["total"] = counter.read()
+    # reduction with n contributors: each writes its own slot, then reduce_nb
+    contrib = np.arange(length, dtype=np.float32) * (me + 1)
+    pool.write(contrib, slot=2 + me)
+    req = pool.reduce_nb(2 + me, float(me + 1), n, 1, generation=7)
+    req.wait()
+    out["reduced"] = pool.read(slot=1).tolist()
+    # events: rank 0 notifies after the barrier, the others wait for it
+    barrier.wait()
+    if me == 0:
+        out["version"] = event.notify()
+    else:
+        out["version"] = event.wait(1, timeout=30)
+    barrier.wait()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_four_clients_concurrently(cluster):
+    n, length = 4, 1200
+    results = run_clients(cluster, n, CONCURRENT, [str(length)])
+    part = length // n
+    want_row = np.repeat(np.arange(1, n + 1, dtype=np.float32), part)
+    olds = sorted(o for r in results for o in r["olds"])
+    assert olds == list(range(200 * n))
+    weights = np.arange(1, n + 1, dtype=np.float64)
+    want_reduced = np.arange(length) * (weights * weights).sum() / weights.sum()
+    for r in results:
+        np.testing.assert_array_equal(np.array(r["row"], np.float32), want_row)
+        assert r["total"] == 200 * n
+        np.testing.assert_allclose(r["reduced"], want_reduced, rtol=1e-5)
+        assert r["version"] == 1
