@@ -22,6 +22,7 @@ from .errors import ConfigError, EddisError
 SUBCOMMANDS = [
     ("doctor", "eddis.doctor", "check UCX, InfiniBand, MPI, Slurm, GPUs and frameworks on this machine"),
     ("settings", "eddis.cli:SettingsCommand", "list every EDDIS_/SMB_ setting (markdown table) or check the environment"),
+    ("prof", "eddis.timeline.cli", "merge timelines (prof merge DIR) and report training profiles (prof report RUN.h5)"),
 ]
 
 

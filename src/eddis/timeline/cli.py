@@ -10,15 +10,8 @@ import json
 import sys
 
 
-def add_parser(subparsers):
-    """Register ``prof`` on the ``eddis`` command's subparsers; returns the parser."""
-    prof = subparsers.add_parser("prof", help="timeline merge and profile report",
-                                 description="Merge timelines and report training profiles.")
-    _fill(prof)
-    return prof
-
-
-def _fill(prof):
+def add_arguments(prof):
+    """The ``eddis prof`` arguments (``eddis.cli`` SUBCOMMANDS protocol)."""
     sub = prof.add_subparsers(dest="prof_command", metavar="{merge,report}")
     sub.required = True
     merge = sub.add_parser("merge", help="merge the per-rank/server traces of a timeline directory")
@@ -32,7 +25,10 @@ def _fill(prof):
     rep.add_argument("--no-plots", action="store_true", help="print the table only")
     rep.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     rep.set_defaults(func=_report)
-    prof.set_defaults(func=lambda args: prof.print_help() or 2)
+
+
+def run(args):
+    return args.func(args)
 
 
 def _merge(args):
@@ -70,9 +66,8 @@ def _report(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="eddis prof", description="Merge timelines and report training profiles.")
-    _fill(parser)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
