@@ -23,6 +23,7 @@ SUBCOMMANDS = [
     ("doctor", "eddis.doctor", "check UCX, InfiniBand, MPI, Slurm, GPUs and frameworks on this machine"),
     ("settings", "eddis.cli:SettingsCommand", "list every EDDIS_/SMB_ setting (markdown table) or check the environment"),
     ("prof", "eddis.timeline.cli", "merge timelines (prof merge DIR) and report training profiles (prof report RUN.h5)"),
+    ("submit", "eddis.slurm.submit", "write the sbatch script for GPU partitions (--gpus a100:4,v100:8) and submit it"),
 ]
 
 

@@ -1,0 +1,157 @@
+"""``eddis submit``: write the job script for the requested GPUs and submit it.
+
+``eddis submit --gpus a100:4,v100:8 [--nodes N] [--time T] [--mode M] train.py [args]``
+makes one hetjob component per GPU type (on a partition that offers it, the one
+with only that type when there is a choice), one rank per GPU, and submits the
+script of :func:`eddis.slurm.script.render_job_script` with ``sbatch``.
+``--dry-run`` prints it instead. Everything is checked against Slurm's
+partitions before anything is submitted.
+"""
+import argparse
+import math
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .. import settings
+from ..errors import ConfigError
+from .discovery import Partition, partitions
+from .script import JobComponent, render_job_script
+
+
+def parse_counts(text, what):
+    """``a100:4,v100:8`` -> [('a100', 4), ('v100', 8)]."""
+    items = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, count = item.rpartition(":")
+        if not sep or not name or not count.isdigit() or int(count) < 1:
+            raise ConfigError(f"{what} {item!r}: write NAME:COUNT with COUNT >= 1, e.g. a100:4,v100:8")
+        if any(n == name for n, _ in items):
+            raise ConfigError(f"{what}: {name} is given twice")
+        items.append((name, int(count)))
+    if not items:
+        raise ConfigError(f"{what} is empty: write e.g. a100:4,v100:8")
+    return items
+
+
+def _listing(parts):
+    return "; ".join(p.describe() for p in parts) or "(none)"
+
+
+def choose_partition(name, parts: Sequence[Partition]) -> Tuple[Partition, str]:
+    """The partition for a ``--gpus`` entry (a GPU type or a partition name) and its GPU type."""
+    by_name = {p.name: p for p in parts}
+    if name in by_name:
+        p = by_name[name]
+        if len(p.gpu_types) == 1:
+            return p, p.gpu_types[0]
+        if name in p.gpus_per_node:
+            return p, name
+        raise ConfigError(f"partition {name} offers GPU types {', '.join(p.gpu_types) or 'none'}: "
+                          f"ask for a type instead (e.g. --gpus {p.gpu_types[0] if p.gpu_types else 'a100'}:4). "
+                          f"Partitions: {_listing(parts)}")
+    offering = [p for p in parts if name in p.gpus_per_node]
+    if not offering:
+        raise ConfigError(f"no partition named {name!r} and none offering GPUs of type {name!r}. "
+                          f"Partitions: {_listing(parts)}")
+    # prefer a partition of that type only (a100, not the mixed 'all'), then an available one
+    offering.sort(key=lambda p: (len(p.gpu_types) != 1, not p.available, p.name))
+    return offering[0], name
+
+
+def plan_components(gpus: Sequence[Tuple[str, int]], parts: Sequence[Partition],
+                    nodes: Optional[Dict[str, int]] = None, default_nodes: Optional[int] = None) -> List[JobComponent]:
+    """One JobComponent per requested GPU type: nodes, one rank per GPU."""
+    components = []
+    used = set()
+    for name, count in gpus:
+        part, gpu_type = choose_partition(name, parts)
+        if part.name in used:
+            raise ConfigError(f"--gpus: two entries map to partition {part.name}; give the total once")
+        used.add(part.name)
+        per_node_max = part.gpus_per_node[gpu_type]
+        wanted_nodes = (nodes or {}).get(name, default_nodes)
+        if wanted_nodes is None:
+            wanted_nodes = math.ceil(count / per_node_max)
+        if count % wanted_nodes:
+            raise ConfigError(f"--gpus {name}:{count} over {wanted_nodes} node(s) is not a whole number per node; "
+                              f"ask for a multiple of {wanted_nodes} GPUs or other --nodes")
+        per_node = count // wanted_nodes
+        if per_node > per_node_max:
+            raise ConfigError(f"--gpus {name}:{count} on {wanted_nodes} node(s) needs {per_node} GPUs per node, "
+                              f"but partition {part.name} has {per_node_max} {gpu_type} per node; "
+                              f"use --nodes {math.ceil(count / per_node_max)} or fewer GPUs")
+        if wanted_nodes > part.nodes:
+            raise ConfigError(f"--gpus {name}:{count} needs {wanted_nodes} node(s) of partition {part.name}, "
+                              f"which has {part.nodes}. Partitions: {_listing(parts)}")
+        components.append(JobComponent(part.name, nodes=wanted_nodes, tasks_per_node=per_node,
+                                       gpu_type=gpu_type, gpus_per_node=per_node))
+    return components
+
+
+def _parse_nodes(text):
+    if text is None:
+        return None, None
+    if text.isdigit():
+        if int(text) < 1:
+            raise ConfigError("--nodes must be >= 1")
+        return None, int(text)
+    return dict(parse_counts(text, "--nodes")), None
+
+
+# ---------------------------------------------------------------- the `eddis submit` subcommand
+def add_arguments(parser):
+    parser.add_argument("--gpus", required=True, metavar="TYPE:N[,TYPE:N...]",
+                        help="GPUs per type (or partition name), one hetjob component each, e.g. a100:4,v100:8")
+    parser.add_argument("--nodes", default=None, metavar="N|TYPE:N,...",
+                        help="nodes per component (default: as few as hold the GPUs)")
+    parser.add_argument("--time", default="01:00:00", help="time limit of each component (default 01:00:00)")
+    mode_choices = settings.REGISTRY["EDDIS_MODE"].choices
+    parser.add_argument("--mode", default=None, choices=mode_choices, help="training mode (EDDIS_MODE)")
+    parser.add_argument("--job-name", default="eddis")
+    parser.add_argument("--output", default="eddis-%j.out", help="sbatch --output pattern")
+    parser.add_argument("--account", default=None)
+    parser.add_argument("--memory", default=None, help="memory each smb-server lends (SMB_MEMORY), e.g. 4G")
+    parser.add_argument("--server-wait", type=int, default=120, help="seconds for the smb-servers to publish")
+    parser.add_argument("--dry-run", action="store_true", help="print the job script; submit nothing")
+    parser.add_argument("train_command", nargs=argparse.REMAINDER, metavar="train.py [args]",
+                        help="training script and its arguments")
+
+
+def build_script(args, parts=None):
+    command = list(args.train_command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError("give the training script after the options: eddis submit --gpus a100:4 train.py [args]")
+    parts = partitions() if parts is None else parts
+    per_type_nodes, default_nodes = _parse_nodes(args.nodes)
+    components = plan_components(parse_counts(args.gpus, "--gpus"), parts, per_type_nodes, default_nodes)
+    extra = {}
+    if args.memory:
+        settings.REGISTRY["SMB_MEMORY"].parse(args.memory)  # a bad size fails here, not in the job
+        extra["SMB_MEMORY"] = args.memory
+    return render_job_script(components=components, command=tuple(command), job_name=args.job_name,
+                             time=args.time, output=args.output, account=args.account, mode=args.mode,
+                             settings=extra, server_wait=args.server_wait)
+
+
+def run(args):
+    script = build_script(args)
+    if args.dry_run:
+        sys.stdout.write(script)
+        return 0
+    try:
+        proc = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise ConfigError("sbatch is not on PATH: submit from a Slurm login node") from None
+    except subprocess.TimeoutExpired:
+        raise ConfigError("sbatch did not answer within 60 s; is slurmctld up? (scontrol ping)") from None
+    if proc.returncode != 0:
+        raise ConfigError(f"sbatch refused the job ({proc.returncode}): {proc.stderr.strip()}")
+    job_id = proc.stdout.strip().split(";")[0]
+    print(f"Submitted EDDIS job {job_id} (output: {args.output.replace('%j', job_id)})")
+    return 0

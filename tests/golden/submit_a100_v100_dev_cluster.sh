@@ -1,0 +1,111 @@
+#!/bin/bash
+# An EDDIS job: one smb-server per node, then the trainers (srun eddis-train).
+# Submit: sbatch eddis_job.sh train.py [args]   (eddis submit writes scripts like this one)
+#SBATCH --job-name=eddis
+#SBATCH --output=eddis-%j.out
+#SBATCH --partition=a100
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --gres=gpu:a100:2
+#SBATCH --time=00:10:00
+#SBATCH hetjob
+#SBATCH --partition=v100
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --gres=gpu:v100:2
+#SBATCH --time=00:10:00
+
+set -uo pipefail
+
+# What to run: the arguments after the script name (sbatch eddis_job.sh train.py --epochs 3),
+# else the command written here.
+if [ $# -gt 0 ]; then TRAIN=("$@"); else TRAIN=(train.py --epochs 1); fi
+
+# Settings of every rank and server: EDDIS_* and SMB_* (table in docs/user-guide.md).
+export EDDIS_MODE=sync
+export EDDIS_RUN_DIR=${EDDIS_RUN_DIR:-$HOME/.eddis/run/$SLURM_JOB_ID}
+SERVER_WAIT=120  # seconds for every smb-server to publish its address
+
+components=${SLURM_HET_SIZE:-1}
+if [ "$components" -gt 1 ]; then
+    job_ids=$(for ((g = 0; g < components; g++)); do v=SLURM_JOB_ID_HET_GROUP_$g; echo -n "${!v},"; done)
+else
+    job_ids=$SLURM_JOB_ID
+fi
+server_pids=()
+trainer_pid=
+
+# SIGTERM the steps with this name (scancel, not kill: srun answers SIGTERM with SIGKILL,
+# which would leave the servers' shared memory behind), then wait for their sruns.
+stop_steps() {
+    local name=$1; shift
+    local pids=("$@") deadline=$((SECONDS + 30)) pid steps
+    [ ${#pids[@]} -gt 0 ] || return 0
+    steps=$(squeue -h -s -j "${job_ids%,}" -o '%i %j' 2>/dev/null | awk -v n="$name" '$2 == n {print $1}')
+    [ -z "$steps" ] || scancel --signal=TERM $steps 2>/dev/null
+    for pid in "${pids[@]}"; do
+        while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    done
+    [ -z "$steps" ] || scancel $steps 2>/dev/null  # whatever did not stop in time
+    wait "${pids[@]}" 2>/dev/null
+}
+
+# scancel or the time limit: Slurm signals every step itself; wait for them (bounded) and go.
+on_signal() {
+    echo "eddis_job: $1 received, the trainers and smb-servers are stopping" >&2
+    local deadline=$((SECONDS + 30)) pid
+    for pid in $trainer_pid "${server_pids[@]}"; do
+        while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    done
+    exit 143
+}
+trap 'on_signal SIGTERM' TERM
+trap 'on_signal SIGINT' INT
+
+eddis-train --create-run-dir "$EDDIS_RUN_DIR" >/dev/null || exit 1
+echo "eddis_job: job $SLURM_JOB_ID, $components component(s), run dir $EDDIS_RUN_DIR"
+
+# One smb-server per node of every component: a background step beside the trainers.
+servers=0
+for ((g = 0; g < components; g++)); do
+    if [ "$components" -gt 1 ]; then het=(--het-group=$g); nodes_var=SLURM_JOB_NUM_NODES_HET_GROUP_$g
+    else het=(); nodes_var=SLURM_JOB_NUM_NODES; fi
+    nodes=${!nodes_var}
+    srun "${het[@]}" --job-name=smb-server --overlap --nodes="$nodes" --ntasks="$nodes" \
+        --ntasks-per-node=1 --gres=none --kill-on-bad-exit=1 \
+        bash -c "exec smb-server --run-dir \"\$EDDIS_RUN_DIR\" --index \$(($servers + SLURM_NODEID))" &
+    server_pids+=($!)
+    servers=$((servers + nodes))
+done
+
+watch=()
+for pid in "${server_pids[@]}"; do watch+=(--watch-pid "$pid"); done
+if ! eddis-train --wait-servers "$servers" --timeout "$SERVER_WAIT" "${watch[@]}"; then
+    stop_steps smb-server "${server_pids[@]}"
+    exit 1
+fi
+
+# The trainers: one rank per task of every component, one MPI world (pmix).
+if [ "$components" -gt 1 ]; then het=(--het-group=$(seq -s, 0 $((components - 1)))); else het=(); fi
+srun "${het[@]}" --job-name=eddis-train --mpi=pmix --kill-on-bad-exit=1 eddis-train "${TRAIN[@]}" &
+trainer_pid=$!
+
+status=0
+while :; do
+    finished=
+    wait -n -p finished "$trainer_pid" "${server_pids[@]}"
+    status=$?
+    [ "$finished" = "$trainer_pid" ] && break
+    echo "eddis_job: an smb-server step ended (status $status) during training; stopping the trainers" >&2
+    stop_steps eddis-train "$trainer_pid"
+    status=1
+    break
+done
+trainer_pid=
+
+stop_steps smb-server "${server_pids[@]}"
+if [ "$status" -ne 0 ]; then
+    eddis-train --report --exit-code "$status"
+fi
+echo "eddis_job: done, status $status"
+exit "$status"

@@ -1,0 +1,99 @@
+"""The job script renderer (pure), the partition planner (pure, over sinfo text) and the shipped
+scripts/eddis_job.sh, which must stay the renderer's output."""
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from eddis.errors import ConfigError
+from eddis.slurm.discovery import parse_gres, parse_sinfo
+from eddis.slurm.script import JobComponent, example_job_script, render_job_script
+from eddis.slurm.submit import parse_counts, plan_components
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+SINFO = """all|gpu:a100:2|1|4|up
+all|gpu:v100:2|1|4|up
+a100|gpu:a100:2|1|4|up
+v100|gpu:v100:2|1|4|up
+cpu|(null)|8|64|up
+big|gpu:h100:8(S:0-1)|4|128|down
+"""
+
+
+def test_shipped_job_script_is_the_renderers_output():
+    assert (REPO / "scripts" / "eddis_job.sh").read_text() == example_job_script(), \
+        "scripts/eddis_job.sh is stale: regenerate it from eddis.slurm.script.example_job_script()"
+
+
+def test_rendered_scripts_are_valid_bash():
+    for text in (example_job_script(),
+                 render_job_script(components=[JobComponent("cpu", nodes=2, tasks_per_node=4)],
+                                   command=["train.py", "--name", "it's"], mode="easgd",
+                                   settings={"SMB_MEMORY": "2G"})):
+        proc = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_render_matches_golden_file():
+    text = render_job_script(
+        components=[JobComponent("a100", nodes=2, tasks_per_node=4, gpu_type="a100", gpus_per_node=4),
+                    JobComponent("v100", nodes=1, tasks_per_node=8, gpu_type="v100", gpus_per_node=8)],
+        command=["train.py", "--epochs", "3"], job_name="resnet", time="02:00:00", mode="hybrid",
+        account="proj42", settings={"SMB_MEMORY": "8G"})
+    assert text == (GOLDEN / "render_a100x2_v100x1.sh").read_text()
+
+
+def test_unknown_option_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as err:
+        render_job_script(components=[JobComponent("a100", 1, 1)], partitions="a100")
+    message = str(err.value)
+    assert "unknown option partitions" in message
+    for name in ("components", "command", "time", "mode", "job_name", "account", "settings", "server_wait"):
+        assert name in message
+    with pytest.raises(ConfigError, match="keyword options only"):
+        render_job_script([JobComponent("a100", 1, 1)])
+    with pytest.raises(ConfigError, match="missing option components"):
+        render_job_script(command=["x.py"])
+    with pytest.raises(ConfigError, match="only EDDIS_"):
+        render_job_script(components=[JobComponent("a100", 1, 1)], settings={"PATH": "/x"})
+
+
+def test_one_component_is_not_a_hetjob():
+    text = render_job_script(components=[JobComponent("a100", nodes=1, tasks_per_node=2, gpu_type="a100",
+                                                      gpus_per_node=2)])
+    assert "#SBATCH hetjob" not in text and "#SBATCH --gres=gpu:a100:2" in text
+
+
+def test_sinfo_parsing():
+    parts = {p.name: p for p in parse_sinfo(SINFO)}
+    assert parts["all"].gpus_per_node == {"a100": 2, "v100": 2} and parts["all"].nodes == 2
+    assert parts["cpu"].gpus_per_node == {} and parts["cpu"].nodes == 8
+    assert parts["big"].gpus_per_node == {"h100": 8} and not parts["big"].available
+    assert parse_gres("gpu:4,gpu:t4:1") == {"gpu": 4, "t4": 1}
+
+
+def test_plan_prefers_the_partition_of_one_gpu_type():
+    parts = parse_sinfo(SINFO)
+    a, v = plan_components(parse_counts("a100:2,v100:1", "--gpus"), parts)
+    assert (a.partition, a.nodes, a.tasks_per_node, a.gpus_per_node) == ("a100", 1, 2, 2)
+    assert (v.partition, v.nodes, v.tasks_per_node) == ("v100", 1, 1)
+    (h,) = plan_components([("h100", 16)], parts)
+    assert (h.partition, h.nodes, h.gpus_per_node) == ("big", 2, 8)
+    (h,) = plan_components([("h100", 16)], parts, default_nodes=4)
+    assert (h.nodes, h.gpus_per_node) == (4, 4)
+
+
+def test_plan_errors_name_the_problem_and_the_partitions():
+    parts = parse_sinfo(SINFO)
+    with pytest.raises(ConfigError, match=r"no partition named 'p100'.*a100 \(a100 x2/node; 1 node\)"):
+        plan_components([("p100", 2)], parts)
+    with pytest.raises(ConfigError, match="needs 2 node"):
+        plan_components([("a100", 4)], parts)
+    with pytest.raises(ConfigError, match="not a whole number per node"):
+        plan_components([("h100", 9)], parts, default_nodes=2)
+    with pytest.raises(ConfigError, match="NAME:COUNT"):
+        parse_counts("a100", "--gpus")
+    with pytest.raises(ConfigError, match="ask for a type"):
+        plan_components([("all", 2)], parts)

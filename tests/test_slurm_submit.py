@@ -1,0 +1,36 @@
+"""`eddis submit` against the real local Slurm cluster (partitions all, a100, v100 from sinfo)."""
+import pytest
+
+from conftest import PYTHON
+
+GOLDEN = __import__("pathlib").Path(__file__).resolve().parent / "golden"
+
+
+def eddis(cluster, *args, check=False):
+    return cluster.run([PYTHON, "-m", "eddis.cli", *args], timeout=60, check=check)
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_matches_golden_file(slurm_cluster):
+    proc = eddis(slurm_cluster, "submit", "--gpus", "a100:2,v100:2", "--time", "00:10:00", "--mode", "sync",
+                 "--dry-run", "train.py", "--epochs", "1", check=True)
+    assert proc.stdout == (GOLDEN / "submit_a100_v100_dev_cluster.sh").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_nonexistent_partition_fails_before_submitting_and_lists_partitions(slurm_cluster):
+    name = "eddis-test-no-such-partition"
+    proc = eddis(slurm_cluster, "submit", "--gpus", "h100:2", "--job-name", name, "train.py")
+    assert proc.returncode != 0
+    assert "no partition named 'h100'" in proc.stderr
+    for listed in ("all (a100 x2/node, v100 x2/node; 2 nodes)", "a100 (a100 x2/node; 1 node)",
+                   "v100 (v100 x2/node; 1 node)"):
+        assert listed in proc.stderr
+    queue = slurm_cluster.run(["squeue", "-h", "-n", name, "-o", "%i"], timeout=30)
+    assert queue.stdout.strip() == "", "a job was submitted although the partition does not exist"
+
+
+@pytest.mark.timeout(120)
+def test_too_many_gpus_for_the_partition_is_refused(slurm_cluster):
+    proc = eddis(slurm_cluster, "submit", "--gpus", "v100:4", "--dry-run", "train.py")
+    assert proc.returncode != 0 and "needs 2 node(s) of partition v100, which has 1" in proc.stderr
