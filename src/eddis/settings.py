@@ -166,6 +166,37 @@ register("EDDIS_EMBEDDED_SERVER", "bool", True,
          "When no SMB server has published itself in the run directory (plain mpirun on one "
          "node), start one inside local rank 0; 0 makes that an error instead.")
 
+# ---------------------------------------------------------------- heterogeneity (easgd, hybrid, progress, balance)
+register("EDDIS_EASGD_TAU", "int", 4,
+         "easgd/hybrid: steps between two elastic-averaging exchanges of a worker (or group) "
+         "with the centre variable.")
+register("EDDIS_EASGD_ALPHA", "float", None,
+         "easgd/hybrid: moving rate alpha of an exchange (d = alpha (x - centre)); unset: "
+         "0.9 / (number of exchanging workers or groups), the EASGD paper's beta = 0.9.")
+register("EDDIS_TOTAL_ITERATIONS", "int", None,
+         "Total training iterations (one local mini-batch of one rank each) for the global "
+         "learning counter; eddis.should_stop() ends training when they are used up.")
+register("EDDIS_CLAIM_CHUNK", "int", 1,
+         "Iterations (group steps in sync/hybrid) a worker claims from the global learning "
+         "counter at once; larger chunks mean fewer counter round trips.")
+register("EDDIS_STALENESS", "int", -1,
+         "Staleness bound s: no rank starts step t while another is before step t - s; "
+         "-1: unbounded.")
+register("EDDIS_BALANCE", "bool", False,
+         "sync: give each rank a share of the global batch proportional to its measured "
+         "throughput (balanced sync).")
+register("EDDIS_BALANCE_WARMUP", "int", 5,
+         "Balanced sync: steps measured before the first rebalancing (the first step is not counted).")
+register("EDDIS_BALANCE_INTERVAL", "int", 50,
+         "Balanced sync: steps between two re-measurements of the ranks' throughput.")
+register("EDDIS_BALANCE_SMOOTHING", "float", 0.5,
+         "Balanced sync: weight of a new measurement when shares are updated "
+         "(1: jump to the measured shares, smaller: move towards them gradually).")
+register("EDDIS_SIMULATE_SLOWDOWN", "str", None,
+         "TESTING AID: make ranks compute slower by sleeping (factor-1) x their measured compute "
+         "time per step, e.g. '0:1.0,1:2.0' (rank:factor) or 'g1:2.0' (group:factor); "
+         "simulates mixed GPU generations on identical hardware.")
+
 # ---------------------------------------------------------------- SMB
 register("SMB_TIMEOUT", "float", 60.0,
          "Seconds any SMB wait (connect, reply, barrier, event) may take before it raises TimeoutError.")

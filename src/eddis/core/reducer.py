@@ -410,6 +410,8 @@ def _load_builtin_modes():
             from . import smb_sync  # noqa: F401  (registers "sync")
         except ImportError as exc:  # SMB extension not built
             log.debug("mode sync unavailable: %s", exc)
+    if "easgd" not in REDUCERS or "hybrid" not in REDUCERS:
+        from . import easgd, hybrid  # noqa: F401  (register "easgd" and "hybrid")
 
 
 def make_reducer(mode, plan, compression="none", op="average", timeout=None, name="grads"):

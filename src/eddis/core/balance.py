@@ -1,0 +1,181 @@
+"""Balanced synchronous training: shares of the global batch that follow each rank's speed.
+
+In plain ``sync`` every rank computes an equal share of the global batch, so a
+step takes as long as the slowest rank needs for its share. With balancing,
+rank r computes a share proportional to its measured throughput (samples per
+second of its own compute), so all ranks finish their shares at about the same
+time. The gradients are averaged weighted by sample count, so a step is still
+exactly the gradient of the whole global batch: the *math* of plain sync, the
+*speed* of the sum of the ranks.
+
+Schedule (all ranks decide together, over MPI, so they always agree):
+
+- step 0 is not measured (allocation and warm-up dominate it);
+- after ``warmup`` measured steps the shares jump to the measured throughputs;
+- every ``interval`` steps after that the throughputs are measured again and
+  the shares move towards them by ``smoothing`` (``new = (1 - smoothing) old +
+  smoothing measured``), so one noisy window cannot swing the split; changes
+  below 1% of a share are ignored.
+
+A decision taken at the end of step k applies from step ``k + 1``, or later when
+a data loader has already handed out batches beyond it (``note_served``), so
+every global batch is split with the same shares on every rank.
+
+    balancer = Balancer(size, rank, comm=runtime.comm())
+    balancer.global_batch = 256
+    sizes = balancer.sizes_for(step)        # per-rank sample counts, sum 256
+    part = balancer.slice_for(step)         # this rank's slice of the global batch
+    balancer.record(samples, seconds)       # this rank's compute of the step
+    balancer.end_step(step)                 # collective at decision steps
+
+Settings: EDDIS_BALANCE, EDDIS_BALANCE_WARMUP, EDDIS_BALANCE_INTERVAL,
+EDDIS_BALANCE_SMOOTHING.
+"""
+import logging
+
+import numpy as np
+
+from .. import settings
+from ..errors import ConfigError, UsageError
+from . import collectives
+from .sampler import split_sizes
+
+log = logging.getLogger("eddis.core.balance")
+
+MIN_CHANGE = 0.01
+
+
+def balanced_sizes(global_batch, shares):
+    """Per-rank sample counts proportional to ``shares``, summing to ``global_batch``,
+    with at least one sample per rank (a rank with no samples has no mean loss)."""
+    size = len(shares)
+    if global_batch < size:
+        raise ConfigError(f"the global batch ({global_batch}) must hold at least one sample per "
+                          f"rank ({size}); raise the global batch size")
+    shares = np.asarray(shares, dtype=np.float64)
+    # give every rank its one sample first, split the rest by share
+    rest = split_sizes(global_batch - size, shares) if global_batch > size else [0] * size
+    return [1 + r for r in rest]
+
+
+def throughput_shares(samples, seconds):
+    """Shares (sum 1) proportional to samples/second; ranks without a measurement
+    (no time recorded) get the mean throughput of the others."""
+    samples = np.asarray(samples, dtype=np.float64)
+    seconds = np.asarray(seconds, dtype=np.float64)
+    rates = np.full(len(samples), np.nan)
+    ok = (seconds > 0) & (samples > 0)
+    rates[ok] = samples[ok] / seconds[ok]
+    if not ok.any():
+        return np.full(len(samples), 1.0 / len(samples))
+    rates[~ok] = np.nanmean(rates[ok])
+    return rates / rates.sum()
+
+
+def smooth_shares(old, measured, smoothing):
+    new = (1.0 - smoothing) * np.asarray(old) + smoothing * np.asarray(measured)
+    new = new / new.sum()
+    if np.max(np.abs(new - old) / np.maximum(old, 1e-12)) < MIN_CHANGE:
+        return np.asarray(old)
+    return new
+
+
+class Balancer:
+    """Per-rank shares of the global batch, rebalanced from measured throughput."""
+
+    def __init__(self, size, rank, comm=None, warmup=None, interval=None, smoothing=None,
+                 global_batch=None, timeout=None):
+        self.size = int(size)
+        self.rank = int(rank)
+        self.comm = comm
+        self.warmup = settings.get("EDDIS_BALANCE_WARMUP") if warmup is None else int(warmup)
+        self.interval = settings.get("EDDIS_BALANCE_INTERVAL") if interval is None else int(interval)
+        self.smoothing = settings.get("EDDIS_BALANCE_SMOOTHING") if smoothing is None else float(smoothing)
+        self.timeout = timeout
+        if self.warmup < 1 or self.interval < 1:
+            raise ConfigError(f"EDDIS_BALANCE_WARMUP ({self.warmup}) and EDDIS_BALANCE_INTERVAL "
+                              f"({self.interval}) must be >= 1")
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ConfigError(f"EDDIS_BALANCE_SMOOTHING must be in (0, 1], got {self.smoothing}")
+        self.global_batch = None if global_batch is None else int(global_batch)
+        self.shares = np.full(self.size, 1.0 / self.size)
+        self.schedule = [(0, self.shares.copy())]   # (first step, shares), ascending
+        self.history = []                           # (decision step, measured shares, new shares)
+        self.served = -1                            # highest step a loader handed out here
+        self._samples = 0.0
+        self._seconds = 0.0
+
+    # ------------------------------------------------------------ schedule
+    def shares_for(self, step):
+        current = self.schedule[0][1]
+        for first, shares in self.schedule:
+            if first > step:
+                break
+            current = shares
+        return current
+
+    def sizes_for(self, step, global_batch=None):
+        batch = self._global_batch(global_batch)
+        return balanced_sizes(batch, self.shares_for(step))
+
+    def slice_for(self, step, global_batch=None):
+        sizes = self.sizes_for(step, global_batch)
+        start = sum(sizes[:self.rank])
+        return slice(start, start + sizes[self.rank])
+
+    def samples_for(self, step, global_batch=None):
+        return self.sizes_for(step, global_batch)[self.rank]
+
+    def note_served(self, step):
+        """A data loader handed out this rank's batch of ``step`` (it may prefetch)."""
+        self.served = max(self.served, int(step))
+
+    def _global_batch(self, global_batch):
+        if global_batch is not None:
+            global_batch = int(global_batch)
+            if self.global_batch is None:
+                self.global_batch = global_batch
+            elif global_batch != self.global_batch:
+                raise ConfigError(f"balanced sync: global batch size {global_batch} differs from the "
+                                  f"{self.global_batch} used so far; keep it constant")
+        if self.global_batch is None:
+            raise UsageError("balance=True needs the global batch size: iterate an "
+                             "eddis.BalancedBatchSampler(dataset, global_batch_size) or take "
+                             "optimizer.batch_slice(global_batch_size) of each global batch")
+        return self.global_batch
+
+    # ------------------------------------------------------------ measurement
+    def record(self, samples, seconds):
+        """This rank computed ``samples`` samples in ``seconds`` in the current step."""
+        self._samples += float(samples)
+        self._seconds += float(seconds)
+
+    def is_decision_step(self, step):
+        return step >= self.warmup and (step - self.warmup) % self.interval == 0
+
+    def end_step(self, step):
+        """Called by every rank after step ``step``; collective at decision steps.
+        Returns True when the shares changed."""
+        if step == 0:
+            self._samples = self._seconds = 0.0  # warm-up step: not representative
+            return False
+        if not self.is_decision_step(step):
+            return False
+        mine = (self._samples, self._seconds, self.served)
+        self._samples = self._seconds = 0.0
+        everyone = collectives.allgather_object(mine, comm=self.comm, timeout=self.timeout,
+                                                what="balanced sync (throughput exchange)")
+        measured = throughput_shares([e[0] for e in everyone], [e[1] for e in everyone])
+        smoothing = 1.0 if step == self.warmup else self.smoothing
+        new = smooth_shares(self.shares, measured, smoothing)
+        self.history.append((step, measured.tolist(), new.tolist()))
+        if new is self.shares or np.array_equal(new, self.shares):
+            return False
+        first = max(step + 1, max(e[2] for e in everyone) + 1)
+        self.shares = new
+        self.schedule.append((first, new.copy()))
+        if len(self.schedule) > 64:  # old entries are never consulted again
+            self.schedule = self.schedule[-64:]
+        log.info("balanced sync: step %d shares %s (measured %s), from step %d", step,
+                 np.round(new, 3).tolist(), np.round(measured, 3).tolist(), first)
+        return True

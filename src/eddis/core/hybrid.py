@@ -1,0 +1,177 @@
+"""Mode ``hybrid``: synchronous inside a group, elastic averaging between groups.
+
+A *group* is a set of ranks of one kind: one hetjob component (one partition,
+one GPU generation; the launcher exports EDDIS_GROUP), or, without a launcher,
+one node. Inside a group, GPUs are alike, so synchronous data parallelism loses
+nothing; between groups they are not, so the groups never wait for each other:
+
+- every step, the ranks of a group average their gradients through SMB (the
+  sync reduction: each rank writes its slot, the server computes the
+  sample-weighted average once all the group's contributions are in) and step
+  their optimizers alike, so a group's ranks hold the same parameters;
+- every ``tau`` steps the group's *leader* (its lowest rank) does one EASGD
+  exchange with the centre variable (``eddis.core.easgd``) for the whole group,
+  and broadcasts the move ``d = alpha (x - centre)`` to the group over MPI, so
+  every member applies the same ``x -= d`` and the group stays identical.
+
+Why one leader instead of every member exchanging with alpha / group size: the
+members would read the centre at different moments (other groups move it in
+between), apply different moves, and the group's copies would drift apart;
+the broadcast keeps them bit-identical and costs one intra-group message per
+exchange. The exchanging workers are therefore the groups: alpha defaults to
+0.9 / number of groups.
+
+``GroupSyncReducer`` is the reducer of mode ``hybrid`` (registered as such): the
+sync reduction restricted to this rank's group, on a pool per group (slots:
+one per member plus the result), with the same threads, bucket order, overlap
+and compression as every reducer (``eddis.core.reducer``).
+
+Helpers: ``group_comm()`` (MPI communicator of this rank's group, ranks in
+COMM_WORLD order), ``world_comm()`` (a private duplicate of the runtime's
+communicator), both created on first use (collective) and freed by
+``eddis.shutdown()``; ``group_members()``.
+"""
+import itertools
+
+import numpy as np
+
+from .. import settings
+from ..errors import ConfigError
+from . import collectives, runtime
+from .reducer import Reducer, register_mode
+
+_comms = {}
+_pool_ids = itertools.count()
+
+
+class _CommCloser:
+    """Frees the cached communicators at eddis.shutdown()."""
+
+    def close(self):
+        comms = list(_comms.values())
+        _comms.clear()
+        for comm in comms:
+            try:
+                comm.Free()
+            except Exception:
+                pass
+
+
+def _cached(key, make):
+    st = runtime._require("eddis group communicators")
+    entry = _comms.get(key)
+    if entry is not None and getattr(entry, "_eddis_owner", None) is st:
+        return entry
+    if not _comms:
+        runtime.register_closable(_CommCloser())
+    comm = make()
+    comm._eddis_owner = st
+    _comms[key] = comm
+    return comm
+
+
+def group_comm():
+    """MPI communicator of the ranks of this rank's group (collective on first call)."""
+    return _cached("group", lambda: runtime.comm().Split(runtime.group(), runtime.rank()))
+
+
+def world_comm():
+    """A private duplicate of the runtime's communicator (collective on first call)."""
+    return _cached("world", lambda: runtime.comm().Dup())
+
+
+def group_members():
+    """World ranks of every group: ``{group: [ranks]}`` (collective)."""
+    groups = collectives.allgather_object(runtime.group(), what="hybrid: group membership")
+    members = {}
+    for r, g in enumerate(groups):
+        members.setdefault(g, []).append(r)
+    return members
+
+
+def check_groups(members):
+    """Groups must be numbered 0..G-1: they index the centre's per-worker slots."""
+    ids = sorted(members)
+    if ids != list(range(len(ids))):
+        raise ConfigError(f"hybrid needs groups numbered 0..G-1, got {ids}; EDDIS_GROUP (the hetjob "
+                          "component) sets them, or unset it for one group per node")
+
+
+class GroupSyncReducer(Reducer):
+    """The sync reduction among the ranks of this rank's group (mode ``hybrid``)."""
+
+    mode = "hybrid"
+
+    def __init__(self, plan, compression="none", op="average", timeout=None, name="grads"):
+        super().__init__(plan, compression, op, timeout, name)
+        comm = group_comm()
+        self.group = runtime.group()
+        self.group_rank = comm.Get_rank()
+        self.group_size = comm.Get_size()
+        # one pool per group and instance; every member must get the same name
+        instance = collectives.broadcast_object(next(_pool_ids), root=0, comm=comm,
+                                                what="hybrid reducer set-up")
+        self.alone = self.group_size == 1   # nothing to average: the gradients stay as they are
+        client = runtime.smb_client()
+        self.pool = None if self.alone else client.pool(f"eddis.hybrid.{name}.{instance}.g{self.group}", plan.total,
+                                dtype=self.codec.smb_dtype, slots=self.group_size + 1)
+        self.result_slot = self.group_size
+        self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
+        self._generation = 0
+        collectives.barrier(comm=comm, what="hybrid reducer set-up")
+        self._start_threads()
+
+    def _prepare_step(self):
+        self._generation += 1
+
+    def _wire_view(self, k):
+        return self.plan.bucket_view(k) if self._wire is None else self.plan.bucket_view(k, self._wire)
+
+    def _submit(self, k):
+        if self.alone:
+            return None
+        bucket = self.plan.buckets[k]
+        view = self.plan.bucket_view(k)
+        wire = view if self._wire is None else self.codec.compress(view, out=self._wire_view(k))
+        self.pool.write(wire, slot=self.group_rank, start=bucket.start, timeout=self.timeout)
+        return self.pool.reduce_nb(self.group_rank, self._step_weight, self.group_size,
+                                   self.result_slot, self._generation, start=bucket.start,
+                                   count=bucket.count, average=self.op == "average")
+
+    def _finish(self, k, request):
+        if request is None:
+            return
+        request.wait(self.timeout)
+        bucket = self.plan.buckets[k]
+        wire = self._wire_view(k)
+        self.pool.read(out=wire, slot=self.result_slot, start=bucket.start, timeout=self.timeout)
+        if self._wire is not None:
+            self.codec.decompress(wire, self.plan.bucket_view(k))
+
+    # The pool is not freed on close: another member may still be reading its last
+    # result; the job's servers release all memory when the job ends.
+
+
+def default_alpha(workers):
+    """EASGD's moving rate: beta = workers x alpha = 0.9 (Zhang, Choromanska, LeCun 2015)."""
+    alpha = settings.get("EDDIS_EASGD_ALPHA")
+    return 0.9 / max(1, int(workers)) if alpha is None else float(alpha)
+
+
+register_mode("hybrid", GroupSyncReducer)
+
+
+def exchange_group(averager, x, comm):
+    """One hybrid exchange: the group leader moves ``x`` (flat float32) and the centre,
+    then every member applies the leader's move (kept in ``averager.scratch``).
+    Collective over ``comm``."""
+    leader = comm.Get_rank() == 0
+    if leader:
+        delta = averager.exchange(x)
+        if comm.Get_size() > 1:
+            collectives.broadcast_array(delta, root=0, comm=comm, what="hybrid exchange (group broadcast)")
+        return delta
+    delta = averager.scratch
+    collectives.broadcast_array(delta, root=0, comm=comm, what="hybrid exchange (group broadcast)")
+    np.subtract(x, delta, out=x)
+    return delta

@@ -1,0 +1,291 @@
+"""Progress control: the global learning counter and the staleness bound.
+
+Training length is a number of *iterations*, one local mini-batch of one rank
+each, counted for the whole job in one 64-bit SMB counter (``Counter.fetch_add``,
+atomic on the server). Before each step a rank takes an iteration from a chunk
+it claimed from the counter; when the counter has reached the total, the rank
+stops. So fast ranks simply do more iterations than slow ones, and the job
+does exactly the total::
+
+    while not eddis.should_stop():       # claims, waits for the staleness bound
+        ...one training step...
+    eddis.global_step()                  # iterations started job-wide before this step
+
+Lockstep units. Ranks that step together must stop together: in ``sync`` (and
+``allreduce``) all ranks form one unit, in ``hybrid`` the ranks of one group
+(EDDIS_GROUP) do, in ``easgd`` each rank is its own unit. A unit's leader
+claims ``chunk`` unit steps (``chunk x unit size`` iterations) and tells the
+other members over MPI; a unit step uses ``unit size`` iterations. With a total
+that is not a multiple of a unit's size, that unit leaves the remainder to
+smaller units (it warns at start).
+
+Exactness. A claim ``fetch_add(n)`` that crosses the total keeps only the
+iterations below it and gives the surplus back (``fetch_add(-surplus)``); a
+claim that finds the total reached gives all of it back. The first crossing
+claim always sees the counter without any surplus, so the iterations handed out
+are exactly ``[0, total)``, each once, and once every rank has stopped the
+counter reads exactly the total.
+
+Staleness bound ``s`` (EDDIS_STALENESS, -1: off). No rank starts its step t
+while another rank has completed fewer than ``t - s`` steps. Each rank
+publishes its completed steps in its own SMB counter (and a huge value when it
+stops, so finished ranks never hold anyone back); a rank about to start step t
+reads the others' counters only when the smallest value it saw so far is too
+low, and then polls them with a growing delay (0.1 ms to 10 ms) until the bound
+holds or EDDIS_COMM_TIMEOUT passes (:class:`ProgressTimeoutError`, naming the
+ranks it waited for). With ``s = 0`` ranks advance in lockstep.
+
+``record=True`` keeps ``(time.monotonic_ns(), event, step)`` for ``start``
+(a step starts, after any staleness wait), ``done`` (a step completed, logged
+before it is published) and ``finish`` (the rank stopped): enough to check the
+bound afterwards from every rank's log (the monotonic clock is shared by the
+processes of one host).
+
+Module API (what ``eddis.torch`` exposes): ``configure(total=None, chunk=None,
+staleness=None, mode=None, record=False)`` (collective; otherwise the first
+``should_stop()`` configures from the settings), ``should_stop()``,
+``global_step()``, ``controller()``, ``reset()``.
+
+Settings: EDDIS_TOTAL_ITERATIONS, EDDIS_CLAIM_CHUNK, EDDIS_STALENESS,
+EDDIS_COMM_TIMEOUT.
+"""
+import itertools
+import logging
+import time
+import warnings
+
+from .. import settings, timeline
+from ..errors import ConfigError, EddisError, UsageError
+from . import collectives, runtime
+
+log = logging.getLogger("eddis.core.progress")
+
+DONE = 1 << 60   # the progress a finished rank publishes: larger than any step
+LOCKSTEP_MODES = ("sync", "allreduce")
+
+
+class ProgressTimeoutError(EddisError, TimeoutError):
+    """The staleness bound kept a rank waiting longer than EDDIS_COMM_TIMEOUT."""
+
+
+def usable_iterations(old, requested, total, unit=1):
+    """How many of ``requested`` iterations claimed at counter value ``old`` lie
+    below ``total``, in whole units of ``unit`` iterations."""
+    usable = min(int(requested), max(0, int(total) - int(old)))
+    return usable - usable % int(unit)
+
+
+class ProgressController:
+    """One rank's view of the global learning counter (see the module docstring).
+
+    ``lockstep_comm``: an MPI communicator of the ranks that step together
+    (None: this rank alone); its rank 0 claims for all of them.
+    """
+
+    def __init__(self, client, total, rank, size, chunk=None, staleness=None, lockstep_comm=None,
+                 name="eddis.progress", timeout=None, record=False):
+        self.total = int(total)
+        if self.total < 0:
+            raise ConfigError(f"the total number of iterations must be >= 0, got {total}; "
+                              "set EDDIS_TOTAL_ITERATIONS or pass total=")
+        self.chunk = settings.get("EDDIS_CLAIM_CHUNK") if chunk is None else int(chunk)
+        if self.chunk < 1:
+            raise ConfigError(f"EDDIS_CLAIM_CHUNK must be >= 1, got {self.chunk}")
+        self.staleness = settings.get("EDDIS_STALENESS") if staleness is None else int(staleness)
+        if self.staleness < -1:
+            raise ConfigError(f"EDDIS_STALENESS must be -1 (off) or >= 0, got {self.staleness}")
+        self.timeout = settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
+        self.rank = int(rank)
+        self.size = int(size)
+        self.name = name
+        self.comm = lockstep_comm
+        self.unit = 1 if lockstep_comm is None else lockstep_comm.Get_size()
+        self.leader = lockstep_comm is None or lockstep_comm.Get_rank() == 0
+        self.counter = client.counter(f"{name}.counter", initial=0)
+        self._mine = None
+        self._others = []
+        if self.staleness >= 0:
+            peers = [client.counter(f"{name}.rank{r}", initial=0) for r in range(self.size)]
+            self._mine = peers[self.rank]
+            self._others = [(r, c) for r, c in enumerate(peers) if r != self.rank]
+        self.steps_done = 0           # steps this rank completed
+        self.started = False          # a step is running (should_stop returned False)
+        self.finished = False
+        self.reserved = 0             # unit steps left in the current claim
+        self.position = 0             # counter position of the current step
+        self._next_position = 0
+        self._min_seen = -1           # lowest progress of the others seen so far
+        self.claims = 0
+        self.waited = 0.0             # seconds spent waiting for the staleness bound
+        self.history = [] if record else None
+        if self.leader and self.total % self.unit:
+            warnings.warn(f"the total of {self.total} iterations is not a multiple of the {self.unit} "
+                          f"ranks that step together here; they leave the last "
+                          f"{self.total % self.unit} iteration(s) to others (or unused)", stacklevel=3)
+
+    # ------------------------------------------------------------ the loop
+    def should_stop(self):
+        """True when training is over for this rank; else this rank may run one step."""
+        if self.finished:
+            return True
+        if self.started:
+            self._complete_step()
+        if self.reserved == 0:
+            self._claim()
+            if self.reserved == 0:
+                self._finish()
+                return True
+        if self.staleness >= 0:
+            self._wait_for_bound(self.steps_done)
+        self.reserved -= 1
+        self.position = self._next_position
+        self._next_position += self.unit
+        self.started = True
+        self._log("start", self.steps_done)
+        return False
+
+    def global_step(self):
+        """Iterations started job-wide before this rank's current (or next) step."""
+        return self.position if self.started else self._next_position
+
+    def close(self):
+        """Stop taking part (training loop left early, or shutdown)."""
+        if not self.finished:
+            if self.started:
+                self._complete_step()
+            self._finish()
+
+    # ------------------------------------------------------------ internals
+    def _log(self, event, step):
+        if self.history is not None:
+            self.history.append((time.monotonic_ns(), event, step))
+
+    def _complete_step(self):
+        self.started = False
+        self._log("done", self.steps_done)
+        self.steps_done += 1
+        if self._mine is not None:
+            self._mine.fetch_add(1)
+
+    def _finish(self):
+        self.finished = True
+        self._log("finish", self.steps_done)
+        if self._mine is not None:
+            self._mine.fetch_add(DONE)
+
+    def _claim(self):
+        with timeline.span(timeline.COUNTER_CLAIM, args={"step": self.steps_done}):
+            result = None
+            if self.leader:
+                requested = self.chunk * self.unit
+                old = self.counter.fetch_add(requested)
+                usable = usable_iterations(old, requested, self.total, self.unit)
+                if usable < requested:
+                    self.counter.fetch_add(usable - requested)
+                result = (old, usable)
+            if self.comm is not None:
+                result = collectives.broadcast_object(result, root=0, comm=self.comm, timeout=self.timeout,
+                                                      what="global learning counter (claim)")
+        old, usable = result
+        self.claims += 1
+        self.reserved = usable // self.unit
+        self._next_position = old
+
+    def _wait_for_bound(self, step):
+        need = step - self.staleness
+        if need <= self._min_seen:
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout
+        delay = 1e-4
+        with timeline.span(timeline.WAIT, args={"reason": "staleness", "step": step}):
+            while True:
+                values = [(r, c.read()) for r, c in self._others]
+                low = min((v for _, v in values), default=DONE)
+                self._min_seen = low
+                if low >= need:
+                    break
+                if time.monotonic() > deadline:
+                    behind = ", ".join(f"rank {r} at step {v}" for r, v in values if v < need)
+                    raise ProgressTimeoutError(
+                        f"rank {self.rank} waited {self.timeout:g} s to start step {step} under the "
+                        f"staleness bound {self.staleness}: {behind} did not progress. A rank died or "
+                        "stalls; raise EDDIS_STALENESS or EDDIS_COMM_TIMEOUT if it is only slow.")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+        self.waited += time.monotonic() - start
+
+
+# ---------------------------------------------------------------- module API
+_controller = None
+_instance = itertools.count()
+_mode_hint = None
+
+
+def set_mode_hint(mode):
+    """The training mode of the job's DistributedOptimizer (decides the lockstep units)."""
+    global _mode_hint
+    _mode_hint = mode
+
+
+def _lockstep_comm(mode):
+    if runtime.size() == 1 or mode == "easgd":
+        return None
+    from . import hybrid
+
+    if mode == "hybrid":
+        return hybrid.group_comm()
+    if mode in LOCKSTEP_MODES:
+        return hybrid.world_comm()
+    raise ConfigError(f"progress control does not know mode {mode!r}")
+
+
+def configure(total=None, chunk=None, staleness=None, mode=None, record=False):
+    """Set up the global learning counter (collective). Returns the controller."""
+    global _controller
+    runtime._require("eddis progress control")
+    if total is None:
+        total = settings.get("EDDIS_TOTAL_ITERATIONS")
+        if total is None:
+            raise ConfigError("progress control needs the total number of iterations: set "
+                              "EDDIS_TOTAL_ITERATIONS or call configure_progress(total=N) first")
+    mode = (mode or _mode_hint or settings.get("EDDIS_MODE")).lower()
+    if _controller is not None and not _controller.finished:
+        raise UsageError("progress control is already configured and training is not over; "
+                         "call it once per training run (reset_progress() to start over)")
+    comm = _lockstep_comm(mode)
+    name = f"eddis.progress.{next(_instance)}"
+    _controller = ProgressController(runtime.smb_client(), total, runtime.rank(), runtime.size(),
+                                      chunk=chunk, staleness=staleness, lockstep_comm=comm,
+                                      name=name, record=record)
+    runtime.register_closable(_controller)
+    collectives.barrier(what="progress control set-up")
+    return _controller
+
+
+def controller():
+    """The current :class:`ProgressController`, or None before configure()/should_stop()."""
+    return _controller
+
+
+def should_stop():
+    """True when this rank should stop training (see the module docstring)."""
+    ctl = _controller if _controller is not None else configure()
+    return ctl.should_stop()
+
+
+def global_step():
+    """Iterations started job-wide before this rank's current step (0 before the first)."""
+    return 0 if _controller is None else _controller.global_step()
+
+
+def reset():
+    """Forget the controller (after training), so that another run can configure anew."""
+    global _controller
+    if _controller is not None:
+        _controller.close()
+        try:
+            runtime.unregister_closable(_controller)
+        except Exception:
+            pass
+    _controller = None
