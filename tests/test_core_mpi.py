@@ -19,7 +19,7 @@ def case_reduce(modes):
     for mode in modes:
         for comp in ("none", "fp16", "bf16"):
             for op in ("average", "sum"):
-                red = core.make_reducer(mode, plan, compression=comp, op=op)
+                red = core.make_reducer(mode, plan, compression=comp, op=op, name=f"t{mode}{comp}{op}")
                 errors = []
                 for step in range(3):
                     base = np.sin(np.arange(plan.total) + step).astype(np.float64)

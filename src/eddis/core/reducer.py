@@ -245,10 +245,10 @@ class Reducer:
                         fence = self._fences[k]
                     if fence is not None:
                         fence.synchronize()
-                    if k == 0:
-                        self._prepare_step()
                     nbytes = self.plan.buckets[k].count * self.codec.itemsize
                     self._emit("push_start", k, nbytes)
+                    if k == 0:
+                        self._prepare_step()
                     token = self._submit(k)
                     self._emit("push_end", k, nbytes)
                     self.stats["bytes_sent"] += nbytes

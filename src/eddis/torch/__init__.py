@@ -1,0 +1,55 @@
+"""EDDIS for PyTorch: ``import eddis.torch as eddis`` (or ``as hvd`` in a Horovod script).
+
+    eddis.init()
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters())
+    eddis.broadcast_parameters(model.state_dict(), root_rank=0)
+    eddis.broadcast_optimizer_state(optimizer, root_rank=0)
+    sampler = eddis.DistributedSampler(dataset)
+    for epoch in ...:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()    # buckets go on the wire during backward
+            optimizer.step()                   # waits only for what is not done yet
+
+Names and signatures follow Horovod's (see docs/pytorch-conversion.md for the
+differences). The machinery lives in :mod:`eddis.core`.
+"""
+from ..core.runtime import (group, hostname, init, is_initialized, local_rank, local_size,
+                            num_groups, rank, shutdown, size)
+from .compression import Compression
+from .functions import broadcast_optimizer_state, broadcast_parameters
+from .ops import (Adasum, Average, Max, Min, ReduceOp, Sum, allgather, allgather_object, allreduce,
+                  allreduce_, barrier, broadcast, broadcast_, broadcast_object)
+from .optimizer import DistributedOptimizer
+from .sampler import DistributedSampler
+
+
+def cross_rank():
+    """Index of this rank's node (Horovod's cross_rank)."""
+    from ..core import runtime
+    return runtime._require("eddis.cross_rank()").node_index
+
+
+def cross_size():
+    """Number of nodes (Horovod's cross_size)."""
+    from ..core import runtime
+    return runtime._require("eddis.cross_size()").num_nodes
+
+
+def mpi_threads_supported():
+    from ..core import runtime
+    return runtime.thread_multiple()
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
+    "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
+    "DistributedOptimizer", "Compression", "Average", "Sum", "Min", "Max", "Adasum", "ReduceOp",
+    "broadcast_parameters", "broadcast_optimizer_state", "allreduce", "allreduce_", "broadcast",
+    "broadcast_", "allgather", "allgather_object", "broadcast_object", "barrier",
+    "DistributedSampler",
+]

@@ -1,0 +1,65 @@
+"""``Compression.none``, ``Compression.fp16``, ``Compression.bf16`` (Horovod's names).
+
+Pass one to ``DistributedOptimizer(..., compression=Compression.fp16)``: gradients
+then travel as fp16 (or bf16) and are accumulated in fp32 on the reducing side.
+The ``compress``/``decompress`` static methods work on tensors like Horovod's.
+"""
+import torch
+
+from ..core import compression as _codecs
+
+
+class Compressor:
+    codec = _codecs.NONE
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class NoneCompressor(Compressor):
+    codec = _codecs.NONE
+
+
+class FP16Compressor(Compressor):
+    codec = _codecs.FP16
+    wire = torch.float16
+
+    @classmethod
+    def compress(cls, tensor):
+        if tensor.dtype.is_floating_point and tensor.dtype != cls.wire:
+            return tensor.to(cls.wire), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class BF16Compressor(FP16Compressor):
+    codec = _codecs.BF16
+    wire = torch.bfloat16
+
+
+class Compression:
+    """Gradient wire formats for :class:`DistributedOptimizer`."""
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor
+
+
+def codec_of(compression):
+    """The core codec for a Compression member, a codec name, or None (EDDIS_COMPRESSION)."""
+    from .. import settings
+
+    if compression is None:
+        return _codecs.get_codec(settings.get("EDDIS_COMPRESSION"))
+    if isinstance(compression, type) and issubclass(compression, Compressor):
+        return compression.codec
+    if isinstance(compression, Compressor):
+        return compression.codec
+    return _codecs.get_codec(compression)

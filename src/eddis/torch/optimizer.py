@@ -1,0 +1,289 @@
+"""``DistributedOptimizer``: any torch optimizer, with gradients averaged over all ranks.
+
+How a step goes:
+
+1. At wrap time the parameters are laid out in a :class:`eddis.core.BucketPlan`
+   (reverse order of definition, buckets of EDDIS_BUCKET_BYTES) and every rank
+   checks that all ranks have the same layout (an MPI allgather of its digest).
+2. During ``loss.backward()`` a post-accumulate-grad hook per parameter copies
+   its final gradient into the plan's flat fp32 buffer (CPU: a memcpy, or
+   nothing when ``.grad`` already is the buffer's view; CUDA: an asynchronous
+   copy into pinned host memory on a side stream). When all parameters of a
+   bucket are in, the bucket is marked ready and the reducer's background
+   thread puts it on the wire while backward goes on.
+3. ``step()`` (or ``synchronize()``) marks any bucket not yet ready (parameters
+   that got no gradient contribute zeros), waits only for buckets not done yet,
+   hands the averaged gradients to ``.grad`` (CPU fp32: ``.grad`` becomes a view
+   of the buffer, no copy) and runs the wrapped optimizer's own ``step()``.
+"""
+import contextlib
+import threading
+
+import torch
+
+from .. import settings
+from ..core import BucketPlan, collectives, make_reducer, runtime
+from ..errors import ConfigError, UsageError
+from .compression import codec_of
+from .ops import Average, ReduceOp, _resolve_op
+
+
+class _CudaFence:
+    """A CUDA event the communication thread waits on before reading host memory."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def synchronize(self):
+        self.event.synchronize()
+
+
+class _DistributedOptimizer:
+    """Methods mixed into a subclass of the user's optimizer class."""
+
+    def _eddis_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                     mode, bucket_bytes):
+        params = []
+        seen = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen and p.requires_grad:
+                    seen.add(id(p))
+                    params.append(p)
+        names = _parameter_names(params, named_parameters)
+        if backward_passes_per_step < 1:
+            raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        op = _resolve_op(op, None)
+        if op.name not in ("average", "sum"):
+            raise ConfigError(f"DistributedOptimizer reduces gradients with op=Average or Sum, not {op!r}")
+        bucket_bytes = settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes)
+        plan = BucketPlan([(n, tuple(p.shape)) for n, p in zip(names, params)], bucket_bytes)
+        devices = {p.device.type for p in params}
+        if "cuda" in devices:
+            pinned = torch.zeros(plan.total, dtype=torch.float32, pin_memory=True)
+            plan.use_buffer(pinned.numpy())
+            self._eddis_flat = pinned
+            self._eddis_stream = torch.cuda.Stream(device=next(p.device for p in params if p.is_cuda))
+        else:
+            self._eddis_flat = torch.from_numpy(plan.buffer)
+            self._eddis_stream = None
+        layout = plan.signature() + "\n" + f"bpps:{backward_passes_per_step} op:{op.name}"
+        collectives.check_same(
+            layout, "DistributedOptimizer: the model's parameters (names and shapes, in order)",
+            "Build the same model on every rank (same constructor arguments, same parameter "
+            "order) and wrap the same optimizer; set EDDIS_BUCKET_BYTES and "
+            "backward_passes_per_step alike everywhere.")
+        self._eddis_params = params
+        self._eddis_plan = plan
+        self._eddis_views = [self._eddis_flat[s.start:s.start + s.count].view(s.shape) for s in plan.slots]
+        self._eddis_bpps = int(backward_passes_per_step)
+        self._eddis_counts = [0] * len(params)
+        self._eddis_left = [len(b.params) for b in plan.buckets]
+        self._eddis_events = [None] * len(plan.buckets)
+        self._eddis_lock = threading.Lock()
+        self._eddis_synchronized = False
+        self._eddis_skip_sync = False
+        self.reducer = make_reducer(mode, plan, compression=codec_of(compression), op=op.name,
+                                    name=f"torch.{_next_instance_id()}")
+        self._eddis_hooks = [p.register_post_accumulate_grad_hook(self._eddis_make_hook(i))
+                             for i, p in enumerate(params)]
+
+    # ------------------------------------------------------------ hooks
+    def _eddis_make_hook(self, index):
+        def hook(param):
+            self._eddis_on_grad(index, param)
+        return hook
+
+    def _eddis_on_grad(self, index, param):
+        with self._eddis_lock:
+            count = self._eddis_counts[index] + 1
+            if count > self._eddis_bpps:
+                raise UsageError(
+                    f"parameter {self._eddis_plan.slots[index].name} got a gradient "
+                    f"{count} times before optimizer.step(), but backward_passes_per_step="
+                    f"{self._eddis_bpps}. Call optimizer.step() (or synchronize()) after each "
+                    "backward, or wrap with backward_passes_per_step=N for N accumulation passes.")
+            self._eddis_counts[index] = count
+            if count < self._eddis_bpps:
+                return
+            self._eddis_stage(index, param.grad)
+            bucket = self._eddis_plan.slots[index].bucket
+            self._eddis_left[bucket] -= 1
+            ready = self._eddis_left[bucket] == 0
+        if ready:
+            self._eddis_mark(bucket)
+
+    def _eddis_stage(self, index, grad):
+        """Copy one final gradient into the flat buffer (no-op when it already is there)."""
+        view = self._eddis_views[index]
+        if grad is None:
+            view.zero_()
+            return
+        if grad.is_cuda:
+            stream = self._eddis_stream
+            stream.wait_stream(torch.cuda.current_stream(grad.device))
+            with torch.cuda.stream(stream):
+                view.copy_(grad, non_blocking=True)
+            grad.record_stream(stream)
+            return
+        if grad.layout != torch.strided:
+            grad = grad.to_dense()
+        if grad.data_ptr() != view.data_ptr() or grad.dtype != view.dtype:
+            view.copy_(grad)
+
+    def _eddis_mark(self, bucket):
+        fence = None
+        if self._eddis_stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._eddis_stream)
+            fence = _CudaFence(event)
+        self.reducer.mark_ready(bucket, fence)
+
+    # ------------------------------------------------------------ public API
+    def set_sample_count(self, samples):
+        """Weight of this rank in the gradient average from the next step on: the
+        number of samples it computes its (mean) loss over. Ranks with unequal
+        batch shares then still get the gradient of the whole global batch."""
+        self.reducer.set_weight(samples)
+
+    def synchronize(self):
+        """Finish this step's gradient averaging; afterwards ``.grad`` holds the result."""
+        plan = self._eddis_plan
+        with self._eddis_lock:
+            missing = []
+            for k, bucket in enumerate(plan.buckets):
+                if self._eddis_left[k] == 0:
+                    continue
+                for i in bucket.params:
+                    if self._eddis_counts[i] < self._eddis_bpps:
+                        # no (or not every) backward reached it: send what it has
+                        self._eddis_stage(i, self._eddis_params[i].grad)
+                missing.append(k)
+        for k in missing:
+            self._eddis_mark(k)
+        self.reducer.wait()
+        self._eddis_unstage()
+        with self._eddis_lock:
+            self._eddis_counts = [0] * len(self._eddis_params)
+            self._eddis_left = [len(b.params) for b in plan.buckets]
+        self._eddis_synchronized = True
+
+    def _eddis_unstage(self):
+        with torch.no_grad():
+            for p, view in zip(self._eddis_params, self._eddis_views):
+                if p.device.type == "cpu" and p.dtype == torch.float32:
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view  # the averaged gradient, without a copy
+                elif p.grad is None:
+                    p.grad = view.to(device=p.device, dtype=p.dtype, non_blocking=True)
+                else:
+                    p.grad.copy_(view, non_blocking=True)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside, ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._eddis_skip_sync = True
+        try:
+            yield
+        finally:
+            self._eddis_skip_sync = False
+
+    def step(self, closure=None):
+        if self._eddis_skip_sync:
+            if not self._eddis_synchronized:
+                raise UsageError("step() inside skip_synchronize() without synchronize() first: "
+                                 "call optimizer.synchronize() before the with-block")
+        elif not self._eddis_synchronized:
+            self.synchronize()
+        self._eddis_synchronized = False
+        return super(_DistributedOptimizer, self).step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        if self.reducer.in_progress:
+            raise UsageError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(); move zero_grad() before "
+                "backward() (or to after step()).")
+        return super(_DistributedOptimizer, self).zero_grad(set_to_none=set_to_none)
+
+    def close(self):
+        """Remove the hooks and stop the communication threads."""
+        for h in self._eddis_hooks:
+            h.remove()
+        self._eddis_hooks = []
+        self.reducer.close()
+
+
+_instances = [0]
+
+
+def _next_instance_id():
+    _instances[0] += 1
+    return _instances[0]
+
+
+def _parameter_names(params, named_parameters):
+    if named_parameters is None:
+        return [f"param.{i}" for i in range(len(params))]
+    pairs = list(named_parameters)
+    if any(not (isinstance(x, tuple) and len(x) == 2) for x in pairs):
+        raise ConfigError("named_parameters must be a sequence of (name, parameter) pairs, "
+                          "e.g. model.named_parameters()")
+    names = [n for n, _ in pairs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"named_parameters has duplicate names: {', '.join(dupes[:5])}")
+    by_id = {id(p): n for n, p in pairs}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if unnamed:
+        raise ConfigError(
+            f"named_parameters was given, but {len(unnamed)} parameter(s) of the optimizer "
+            "are not in it; pass model.named_parameters() of the model the optimizer trains.")
+    return [by_id[id(p)] for p in params]
+
+
+def _unwrapped_step(*args, **kwargs):
+    raise UsageError(
+        "step() was called on the original optimizer after it was wrapped: gradients would "
+        "not be averaged over the ranks. Use the optimizer returned by "
+        "eddis.DistributedOptimizer(...) (optimizer = eddis.DistributedOptimizer(optimizer, ...)).")
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
+                         mode=None, bucket_bytes=None):
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
+
+    Horovod's signature; EDDIS adds ``mode`` ("sync" through SMB, "allreduce"
+    through MPI; default EDDIS_MODE) and ``bucket_bytes`` (default
+    EDDIS_BUCKET_BYTES). ``compression`` defaults to EDDIS_COMPRESSION
+    (Compression.none unless set). Gradients of ``backward_passes_per_step``
+    backward passes are summed locally (autograd's accumulation) before the
+    average over ranks. The returned object is an instance of a subclass of the
+    optimizer's class sharing its state; use it instead of the original.
+    """
+    runtime._require("eddis.DistributedOptimizer()")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        hint = (" (you passed the model: wrap the optimizer, "
+                "e.g. eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)))"
+                if isinstance(optimizer, torch.nn.Module) else "")
+        raise ConfigError(f"DistributedOptimizer needs a torch.optim.Optimizer, got "
+                          f"{type(optimizer).__name__}{hint}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise UsageError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+    if gradient_predivide_factor != 1.0:
+        raise ConfigError("gradient_predivide_factor is not supported (the reduction accumulates "
+                          "in fp32, so there is no overflow to avoid); leave it at 1.0")
+    if groups is not None or num_groups:
+        raise ConfigError("groups/num_groups (Horovod's tensor fusion groups) are not supported: "
+                          "EDDIS buckets by size; set bucket_bytes or EDDIS_BUCKET_BYTES instead")
+    if process_set is not None:
+        raise ConfigError("process sets are not supported by EDDIS")
+    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    wrapped = cls.__new__(cls)
+    # an LR scheduler may have patched step() on the instance: keep only the class's
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
+    wrapped._eddis_setup(named_parameters, compression, backward_passes_per_step, op, mode, bucket_bytes)
+    optimizer.step = _unwrapped_step
+    return wrapped

@@ -1,0 +1,164 @@
+"""Misuse of the PyTorch API gives an error that names the problem and the fix,
+and never a hang. This file is also the worker:
+``mpirun -n N python tests/test_torch_misuse.py CASE``.
+"""
+import sys
+
+
+def _setup(width=5):
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, width), nn.ReLU(), nn.Linear(width, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def case_no_init():
+    import eddis.torch as eddis
+
+    model, opt = _setup()
+    eddis.DistributedOptimizer(opt)
+
+
+def case_shapes_differ():
+    import eddis.torch as eddis
+
+    eddis.init()
+    model, opt = _setup(width=5 if eddis.rank() == 0 else 6)
+    eddis.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+
+
+def case_original_optimizer_step():
+    import torch
+    import eddis.torch as eddis
+
+    eddis.init()
+    model, opt = _setup()
+    wrapped = eddis.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    model(torch.randn(4, 10)).sum().backward()
+    wrapped.synchronize()
+    opt.step()  # the original, not the wrapper
+
+
+def case_backward_twice():
+    import torch
+    import eddis.torch as eddis
+
+    eddis.init()
+    model, opt = _setup()
+    opt = eddis.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    x = torch.randn(4, 10)
+    model(x).sum().backward()
+    model(x).sum().backward()
+
+
+def case_zero_grad_before_step():
+    import torch
+    import eddis.torch as eddis
+
+    eddis.init()
+    model, opt = _setup()
+    opt = eddis.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    model(torch.randn(4, 10)).sum().backward()
+    opt.zero_grad()
+
+
+def case_wrap_model():
+    import eddis.torch as eddis
+
+    eddis.init()
+    model, _ = _setup()
+    eddis.DistributedOptimizer(model)
+
+
+def case_accumulation_ok():
+    """backward_passes_per_step=2: two backwards then one step is fine."""
+    import torch
+    import eddis.torch as eddis
+
+    eddis.init()
+    model, opt = _setup()
+    opt = eddis.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                     backward_passes_per_step=2)
+    for _ in range(2):
+        x = torch.randn(4, 10)
+        model(x).sum().backward()
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    print("ACCUMULATION OK", flush=True)
+    eddis.shutdown()
+
+
+def case_all_caught():
+    """Every recoverable misuse in one run: each error is printed, the run goes on."""
+    import eddis.torch as eddis
+
+    cases = ["no_init", "original_optimizer_step", "backward_twice", "zero_grad_before_step",
+             "wrap_model", "accumulation_ok"]
+    for case in cases:
+        try:
+            globals()["case_" + case]()
+        except Exception as exc:
+            print(f"CASE {case}: {type(exc).__name__}: {exc}", flush=True)
+    print("SURVIVED", flush=True)
+
+
+if __name__ == "__main__":
+    globals()["case_" + sys.argv[1]]()
+    sys.exit(0)
+
+import pytest  # noqa: E402
+
+from conftest import PYTHON  # noqa: E402
+
+CAUGHT = {
+    "no_init": ["UsageError", "call eddis.init() first"],
+    "original_optimizer_step": ["UsageError", "original optimizer", "eddis.DistributedOptimizer("],
+    "backward_twice": ["UsageError", "backward_passes_per_step=1"],
+    "zero_grad_before_step": ["UsageError", "zero_grad() was called after loss.backward()"],
+    "wrap_model": ["ConfigError", "you passed the model"],
+}
+
+
+@pytest.fixture(scope="module")
+def caught_run(request):
+    from conftest import python_env, run_process_group
+    import os
+    import tempfile
+    import shutil
+
+    shm = tempfile.mkdtemp(prefix="eddis-test-ompi-", dir="/dev/shm")
+    env = python_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                      "OMPI_MCA_btl_vader_backing_directory": shm, "EDDIS_MODE": "allreduce"})
+    try:
+        return run_process_group(["mpirun", "--oversubscribe", "-n", "2", PYTHON, __file__, "all_caught"],
+                                 env, 150)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", sorted(CAUGHT))
+def test_misuse_error_names_problem_and_fix(caught_run, case):
+    lines = [l for l in caught_run.stdout.splitlines() if l.startswith(f"CASE {case}: ")]
+    assert len(lines) == 2, f"expected the error on both ranks:\n{caught_run.stdout}\n{caught_run.stderr[-2000:]}"
+    for word in CAUGHT[case]:
+        assert word in lines[0], f"{word!r} missing from {lines[0]!r}"
+
+
+@pytest.mark.timeout(180)
+def test_ranks_survive_caught_misuse_and_accumulation_works(caught_run):
+    assert caught_run.returncode == 0, caught_run.stderr[-3000:]
+    assert caught_run.stdout.count("ACCUMULATION OK") == 2
+    assert caught_run.stdout.count("SURVIVED") == 2
+
+
+@pytest.mark.timeout(90)
+def test_shape_mismatch_fails_every_rank_fast(run_mpi):
+    proc = run_mpi(2, [PYTHON, __file__, "shapes_differ"], env={"EDDIS_MODE": "allreduce"}, timeout=80)
+    assert proc.returncode != 0
+    for word in ["ConfigError", "differs between ranks", "0.weight", "rank 1",
+                 "Build the same model on every rank"]:
+        assert word in proc.stderr, f"{word!r} missing from:\n{proc.stderr[-3000:]}"
