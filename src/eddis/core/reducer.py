@@ -40,6 +40,7 @@ import numpy as np
 
 from .. import settings
 from ..errors import ConfigError, EddisError, UsageError
+from ..timeline import instrument as timeline_instrument
 from . import runtime
 from .compression import get_codec
 
@@ -93,6 +94,7 @@ class Reducer:
         self._error = None
         self._closed = False
         self._threads = []
+        timeline_instrument.attach_reducer(self)  # timeline/profile listener, only when on
 
     # ------------------------------------------------------------ lifecycle
     def _start_threads(self):
@@ -189,6 +191,7 @@ class Reducer:
         """Wait until every bucket of this step is reduced; then start the next step."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        waited_from = time.perf_counter_ns()
         with self._cond:
             self._check_usable()
             while not all(self._done) and self._error is None:
@@ -208,6 +211,7 @@ class Reducer:
             self._nready = 0
             self.step += 1
             self.stats["steps"] += 1
+        timeline_instrument.reducer_waited(self, waited_from)
 
     def reduce(self, weight=None):
         """Reduce the whole buffer now (for frameworks without per-parameter hooks)."""

@@ -101,6 +101,9 @@ def init():
         settings.check_environment()
         logging.getLogger("eddis").setLevel(settings.get("EDDIS_LOG_LEVEL"))
         _state = _Runtime()
+        from ..timeline import instrument  # EDDIS_TIMELINE / EDDIS_PROFILE (collective)
+
+        instrument.on_init(_state.comm, _state.rank, _state.size, _state.hostname)
         atexit.register(_exit_hook)
         if sys.excepthook is _previous_excepthook:
             sys.excepthook = _excepthook
@@ -256,6 +259,12 @@ def shutdown():
             except Exception as exc:  # keep shutting down the rest
                 errors.append(exc)
         st.closables.clear()
+        try:
+            from ..timeline import instrument  # closes the timeline; rank 0 merges the profile
+
+            instrument.on_shutdown(st.comm)
+        except Exception as exc:
+            errors.append(exc)
         try:
             if st.client is not None or st.server is not None:
                 collectives.barrier(comm=st.comm, what="eddis.shutdown")

@@ -13,7 +13,7 @@ supervisor killed with SIGKILL.
 """
 import ctypes
 import os
-import shutil
+import select
 import signal
 import subprocess
 import sys
@@ -36,6 +36,14 @@ def _die_with_parent():
     except (OSError, AttributeError):
         pass
     os.setsid()  # own process group: stop the trainer and its workers together
+
+
+def _exit_notifier(pid):
+    """A pidfd that becomes readable when ``pid`` exits (Linux >= 5.3), else None (we poll)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def trainer_command(argv):
@@ -120,7 +128,12 @@ class Supervisor:
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame):
+        # Pass it on at once: on scancel srun follows with SIGKILL within moments, and the
+        # trainer's exit must be seen and cleaned up before that.
+        first = self.stop_signal is None
         self.stop_signal = signum
+        if first and self.child is not None and self.child.returncode is None:
+            self._signal_child(signal.SIGTERM)
 
     def _install_signal_handlers(self):
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
@@ -203,9 +216,15 @@ class Supervisor:
             "gpu": self.info.gpu})
 
         why = "exited"
+        exit_fd = _exit_notifier(self.child.pid)
         while True:
+            if exit_fd is not None:
+                try:  # wakes the moment the trainer exits
+                    select.select([exit_fd], [], [], POLL_SECONDS)
+                except InterruptedError:
+                    pass
             try:
-                self.child.wait(timeout=POLL_SECONDS)
+                self.child.wait(timeout=0 if exit_fd is not None else POLL_SECONDS)
                 break
             except subprocess.TimeoutExpired:
                 pass
@@ -222,6 +241,10 @@ class Supervisor:
                 self.stop_child()
                 break
         ended = time.time()
+        if exit_fd is not None:
+            os.close(exit_fd)
+        # first the shared memory: on scancel a SIGKILL may follow soon
+        shm.cleanup(self.info.local_rank, last=False)
         for pump in pumps:  # drain what the trainer wrote before it ended
             pump.join(timeout=10)
 
@@ -243,7 +266,6 @@ class Supervisor:
                      f"{describe_exit(code, sig)}; stopping the other ranks")
             self._wait_for_peers(self.stop_grace + 10)
         self.records.finish(self.info.rank, self._record(code, sig, ended, why, None, []))
-        shm.cleanup(self.info.local_rank, last=False)
         if why == "stopped":
             return STOPPED_EXIT_CODE
         return code if sig is None else 128 + sig

@@ -35,6 +35,12 @@ def build_parser():
     p.add_argument("--memory", default=None, metavar="SIZE",
                    help="memory the local smb-server lends, e.g. 1G (default: SMB_MEMORY)")
     p.add_argument("--mode", default=None, help="training mode, exported as EDDIS_MODE")
+    p.add_argument("--timeline", default=None, metavar="DIR",
+                   help="Chrome-trace timeline of every rank and server into DIR (EDDIS_TIMELINE); "
+                        "merge with `eddis prof merge DIR`")
+    p.add_argument("--profile", action="store_true",
+                   help="record per-step figures into <run dir>/profile.h5 (EDDIS_PROFILE=1); "
+                        "read with `eddis prof report`")
     p.add_argument("--run-dir", default=None, metavar="DIR",
                    help="run directory (default: EDDIS_RUN_DIR, else ~/.eddis/run/<job>)")
     helpers = p.add_argument_group("helpers for job scripts")
@@ -68,6 +74,10 @@ def _dispatch(args):
 
     if args.mode is not None:
         os.environ["EDDIS_MODE"] = args.mode
+    if args.timeline is not None:
+        os.environ["EDDIS_TIMELINE"] = os.path.abspath(os.path.expanduser(args.timeline))
+    if args.profile:
+        os.environ["EDDIS_PROFILE"] = "1"
     if args.run_dir is not None:
         os.environ["EDDIS_RUN_DIR"] = os.path.abspath(os.path.expanduser(args.run_dir))
     if args.create_run_dir:

@@ -19,6 +19,7 @@ from pathlib import Path
 from .. import settings
 from ..errors import (EddisError, SMBBoundsError, SMBKeyError, SMBMemoryError, SMBPermissionError,
                       SMBValueError)
+from .. import timeline
 from . import rundir
 from .protocol import (CONTROL_SEPARATOR, DTYPES, ITEMSIZE, STATUS_BOUNDS, STATUS_INVALID,
                        STATUS_NO_ELEM, STATUS_NO_MEMORY, STATUS_REJECTED, decode_control)
@@ -155,10 +156,12 @@ class Server:
         self.reductions = {}
         self.started = False
         self.info = None
+        self.timeline = timeline.NULL_TIMELINE
 
     # ------------------------------------------------------------ lifecycle
     def start(self):
         token = self.token if self.token is not None else rundir.read_token(self.run_dir)
+        self.timeline = timeline.for_server(self.index, metadata={"memory": self.memory})
         shm = arena_name(self.run_dir, self.index)
         _remove_stale_arena(self.run_dir, self.index, shm)
         note = self.core.create_arena(shm, self.memory, self.hugepages)
@@ -197,6 +200,7 @@ class Server:
             self.info = None
         self.core.stop()
         self.started = False
+        self.timeline.close()
 
     def __enter__(self):
         return self.start()
@@ -217,6 +221,7 @@ class Server:
             method = getattr(self, "_op_" + str(op), None)
             if method is None:
                 raise SMBValueError(f"unknown control op {op!r}")
+            self.timeline.instant("smb_request", args={"op": op, "name": request.get("name")})
             return method(conn, req_id, request)
         except EddisError as exc:
             return _error_reply(exc)
@@ -363,12 +368,15 @@ class Server:
                 return self._reply_all(items, conn, req_id, STATUS_INVALID,
                                        b"reduce: the contributions' weights sum to 0; cannot average")
             scale = 1.0 / total
+        started = timeline.now_ns()
         try:
             self.core.weighted_sum(key[0], key[1], key[2], key[3],
                                    [(src, slot, w * scale) for _, _, src, slot, w in items])
         except EddisError as exc:
             status, message = _error_reply(exc)
             return self._reply_all(items, conn, req_id, status, message)
+        self.timeline.complete(timeline.REDUCE, started, args={
+            "generation": key[4], "parties": parties, "start": key[2], "count": key[3]})
         return self._reply_all(items, conn, req_id, 0, json.dumps({"weight": total}).encode())
 
     def _reply_all(self, items, conn, req_id, status, payload):

@@ -1,0 +1,81 @@
+"""Helpers of the launcher tests: entry-point wrappers on PATH, leftovers of a run, job polling."""
+import os
+import stat
+import time
+from pathlib import Path
+
+from conftest import PYTHON, REPO, SRC
+
+TRAINER = REPO / "tests" / "launch_scripts" / "mpi_trainer.py"
+
+
+def make_bin(directory):
+    """eddis-train and smb-server as the installed entry points would be, running this checkout."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, target in (("eddis-train", "eddis.launch.train"), ("smb-server", "eddis.smb.server")):
+        path = directory / name
+        path.write_text(f"#!/bin/sh\nexport PYTHONPATH={SRC}${{PYTHONPATH:+:$PYTHONPATH}}\n"
+                        f"exec {PYTHON} -c 'import sys; from {target} import main; sys.exit(main())' \"$@\"\n")
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return directory
+
+
+def processes_with_env(name, value):
+    """PIDs of live processes whose environment has name=value (our run dir marks every process of a job)."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    with open(f"/proc/{entry}/cmdline", "rb") as c:
+                        found.append((int(entry), c.read().replace(b"\0", b" ").decode(errors="replace")))
+        except OSError:
+            continue
+    return found
+
+
+def shm_leftovers(run_dir, launch_marker):
+    """Shared-memory files of this run still in /dev/shm: SMB arenas and Open MPI segments of its launches."""
+    from eddis.smb.server import arena_name
+
+    arena_prefix = arena_name(run_dir, 0)[1:].rsplit("-", 1)[0] + "-"
+    left = []
+    for root, dirs, files in os.walk("/dev/shm"):
+        for name in dirs + files:
+            if name.startswith(arena_prefix) or name.startswith(launch_marker):
+                left.append(os.path.join(root, name))
+    return left
+
+
+def wait_until(predicate, timeout, interval=0.2, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def job_state(cluster, job_id):
+    """(state, exit code) of a job from scontrol (no accounting on the dev cluster); None once forgotten."""
+    proc = cluster.run(["scontrol", "show", "job", "-o", str(job_id)], timeout=30, check=False)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return None
+    first = proc.stdout.splitlines()[0]  # the het leader (component 0) carries the batch script's exit
+    fields = dict(f.split("=", 1) for f in first.split() if "=" in f)
+    return fields.get("JobState"), fields.get("ExitCode")
+
+
+def wait_job_end(cluster, job_id, timeout):
+    """Block until the job has ended and Slurm has reaped its processes; returns (state, exit code)."""
+    def ended():
+        state = job_state(cluster, job_id)
+        if state is None:
+            return ("FORGOTTEN", None)
+        return state if state[0] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED") else None
+    return wait_until(ended, timeout, interval=0.5, what=f"job {job_id} to end")

@@ -1,0 +1,100 @@
+"""`eddis-train --local`: a real smb-server and real Open MPI ranks on this machine, no Slurm."""
+import os
+import re
+import subprocess
+
+import pytest
+
+from conftest import REPO, python_env, run_process_group
+from launch_helpers import TRAINER, make_bin, processes_with_env, shm_leftovers
+
+pytest.importorskip("eddis.smb.server", reason="the SMB server (eddis.smb.server) is not in this checkout")
+
+
+def local_env(tmp_path):
+    bin_dir = make_bin(tmp_path / "bin")
+    return python_env({
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "EDDIS_RUN_DIR": str(tmp_path / "run"),
+        "SMB_MEMORY": "64M",
+        # Nothing of Slurm may be needed: a config that does not exist, and the variables of an
+        # enclosing job, which --local must drop (or mpirun would try to join that job).
+        "SLURM_CONF": "/nonexistent/slurm.conf",
+        # (a batch script's environment: SLURM_PROCID without SLURM_STEP_ID, so not an srun task)
+        "SLURM_JOB_ID": "999999", "SLURM_PROCID": "0", "SLURM_NODELIST": "n1",
+    })
+
+
+def eddis_train(tmp_path, *args, timeout=120):
+    return run_process_group(["eddis-train", *map(str, args)], local_env(tmp_path), timeout, cwd=str(REPO))
+
+
+def assert_clean(tmp_path):
+    run_dir = tmp_path / "run"
+    assert processes_with_env("EDDIS_RUN_DIR", str(run_dir)) == []
+    launches = [p.name for p in (run_dir / "launch").iterdir()]
+    assert launches, "no launch records were written"
+    for key in launches:
+        assert shm_leftovers(run_dir, f"eddis-{key}-") == []
+    assert list((run_dir / "servers").glob("*.json")) == []
+
+
+@pytest.mark.timeout(180)
+def test_local_two_ranks(tmp_path):
+    proc = eddis_train(tmp_path, "--local", "-n", "2", TRAINER, "--steps", "3", "--no-newline-at-end")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert re.search(rf"^\[{rank}@\S+\] eddis-train: rank {rank}/2 local {rank}/2 group 0/1 .* gpu cpu",
+                         proc.stdout, re.M)
+        env_line = re.search(rf"^\[{rank}@\S+\] ENV (.*)$", proc.stdout, re.M).group(1)
+        assert f"EDDIS_RANK={rank} EDDIS_SIZE=2 EDDIS_LOCAL_RANK={rank} EDDIS_LOCAL_SIZE=2" in env_line
+        assert f"MPI_RANK={rank} MPI_SIZE=2" in env_line and f"EDDIS_RUN_DIR={tmp_path / 'run'}" in env_line
+        assert f"[{rank}@" in proc.stderr and f"warning line from rank {rank}" in proc.stderr
+        # the last line has no newline and still arrives, prefixed, whole
+        assert re.search(rf"^\[{rank}@\S+\] DONE$", proc.stdout, re.M)
+    # every line of the ranks carries the prefix
+    for line in proc.stdout.splitlines():
+        assert line.startswith("[") or line.startswith("smb-server") or line.startswith("eddis-train:"), line
+    assert_clean(tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_local_rank_exception_fails_fast_with_report(tmp_path):
+    proc = eddis_train(tmp_path, "--local", "-n", "2", TRAINER, "--steps", "500", "--step-seconds", "0.1",
+                       "--fail-rank", "1", "--fail-step", "3")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = proc.stderr[proc.stderr.index("ROOT CAUSE"):]
+    assert re.search(r"ROOT CAUSE: rank 1 on host \S+ exited with code 1", report)
+    assert "RuntimeError: injected failure on rank 1 at step 3" in report
+    assert 'mpi_trainer.py", line' in report and "child.py" not in report
+    assert "stopped by the launcher: rank 0" in report
+    assert "step 499" not in proc.stdout  # rank 0 was stopped, not left to finish
+    assert_clean(tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_local_sys_exit_code_is_the_jobs_code(tmp_path):
+    proc = eddis_train(tmp_path, "--local", "-n", "2", TRAINER, "--steps", "500", "--step-seconds", "0.1",
+                       "--fail-rank", "0", "--fail-step", "2", "--how", "exit")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert re.search(r"ROOT CAUSE: rank 0 on host \S+ exited with code 3", proc.stderr)
+    assert_clean(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_without_local_and_launcher_runs_one_rank(tmp_path):
+    proc = eddis_train(tmp_path, TRAINER, "--steps", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^\[0@\S+\] eddis-train: rank 0/1 ", proc.stdout, re.M)
+    assert_clean(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_bad_usage_is_explained(tmp_path):
+    proc = eddis_train(tmp_path, "--local", "-n", "2")
+    assert proc.returncode == 2 and "give the training script" in proc.stderr
+    env = local_env(tmp_path)
+    env["EDDIS_STOP_GRACE"] = "soon"
+    bad = subprocess.run(["eddis-train", "--local", str(TRAINER)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "EDDIS_STOP_GRACE='soon' is not a valid float" in bad.stderr

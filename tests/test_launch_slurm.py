@@ -1,0 +1,124 @@
+"""The Slurm launch path on the local cluster: real sbatch/srun, hetjob over n1 (a100) and n2 (v100),
+real Open MPI ranks (pmix), real smb-servers. Every wait is bounded."""
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, REPO
+from launch_helpers import (TRAINER, job_state, make_bin, processes_with_env, shm_leftovers, wait_job_end,
+                            wait_until)
+
+pytest.importorskip("eddis.smb.server", reason="the SMB server (eddis.smb.server) is not in this checkout")
+
+JOB_SCRIPT = REPO / "scripts" / "eddis_job.sh"
+EXPECTED = {0: ("n1", 0, 0, "a100", "0"), 1: ("n1", 1, 0, "a100", "1"),
+            2: ("n2", 0, 1, "v100", "0"), 3: ("n2", 1, 1, "v100", "1")}
+
+
+@pytest.fixture
+def job_env(slurm_cluster, tmp_path):
+    bin_dir = make_bin(tmp_path / "bin")
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
+            "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1"}
+
+
+def sbatch(cluster, env, out, *args):
+    proc = cluster.run(["sbatch", "--parsable", f"--output={out}", JOB_SCRIPT, *map(str, args)], env=env,
+                       timeout=60)
+    return proc.stdout.strip().split(";")[0]
+
+
+def assert_rank_lines(text):
+    for rank, (host, local, group, gpu_type, gpu) in EXPECTED.items():
+        assert re.search(rf"^\[{rank}@{host}\] eddis-train: rank {rank}/4 local {local}/2 group {group}/2 "
+                         rf"host {host} gpu {gpu_type}:{gpu} CUDA_VISIBLE_DEVICES={gpu}$", text, re.M), text
+        env = re.search(rf"^\[{rank}@{host}\] ENV (.*)$", text, re.M).group(1)
+        for want in (f"EDDIS_RANK={rank}", "EDDIS_SIZE=4", f"EDDIS_LOCAL_RANK={local}", "EDDIS_LOCAL_SIZE=2",
+                     f"EDDIS_GROUP={group}", "EDDIS_NUM_GROUPS=2", f"EDDIS_GPU_TYPE={gpu_type}",
+                     f"EDDIS_HOSTNAME={host}", f"CUDA_VISIBLE_DEVICES={gpu}", f"MPI_RANK={rank}", "MPI_SIZE=4"):
+            assert want in env.split(), (want, env)
+
+
+def assert_job_left_nothing(run_dir, job_id):
+    # Slurm reports the job ended only after its steps' processes are gone; ours must be gone too.
+    assert wait_until(lambda: processes_with_env("EDDIS_RUN_DIR", str(run_dir)) == [] or None, 15,
+                      what="the job's processes to exit") is True
+    assert shm_leftovers(run_dir, f"eddis-{job_id}.") == []
+    assert list(Path(run_dir, "servers").glob("*.json")) == []
+
+
+def wait_for_training(run_dir, out, ranks=4, timeout=120):
+    def running():
+        text = out.read_text() if out.exists() else ""
+        started = len(list(Path(run_dir).glob("launch/*/ranks/*.json")))
+        return started == ranks and all(f"[{r}@" in text and re.search(rf"^\[{r}@\S+\] step 2 ", text, re.M)
+                                        for r in range(ranks))
+    wait_until(running, timeout, interval=0.5, what="all ranks to be training")
+
+
+@pytest.mark.timeout(300)
+def test_submit_hetjob_trains_and_exits_zero(slurm_cluster, job_env, tmp_path):
+    """eddis submit (for real) of a100:2 + v100:2: four ranks, one MPI world, right groups and GPUs."""
+    out = tmp_path / "job-%j.out"
+    proc = slurm_cluster.run([PYTHON, "-m", "eddis.cli", "submit", "--gpus", "a100:2,v100:2", "--time", "00:10:00",
+                              "--output", out, TRAINER, "--steps", "4"], env=job_env, timeout=60)
+    job_id = re.search(r"Submitted EDDIS job (\d+)", proc.stdout).group(1)
+    state, code = wait_job_end(slurm_cluster, job_id, 180)
+    text = Path(str(out).replace("%j", job_id)).read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), text
+    assert_rank_lines(text)
+    for rank in range(4):
+        assert re.search(rf"^\[{rank}@n[12]\] DONE$", text, re.M)
+    assert "smb-servers ready: 0@" in text and "eddis_job: done, status 0" in text
+    assert_job_left_nothing(job_env["EDDIS_RUN_DIR"], job_id)
+
+
+@pytest.mark.timeout(300)
+def test_killed_rank_stops_the_job_with_a_report(slurm_cluster, job_env, tmp_path):
+    out = tmp_path / "job.out"
+    job_id = sbatch(slurm_cluster, job_env, out, TRAINER, "--steps", "3000", "--step-seconds", "0.1")
+    run_dir = Path(job_env["EDDIS_RUN_DIR"])
+    wait_for_training(run_dir, out)
+    (record,) = run_dir.glob("launch/*/ranks/1.json")
+    victim = __import__("json").loads(record.read_text())
+    os.kill(victim["trainer_pid"], signal.SIGKILL)
+    # the acceptance bound: the whole job ends within 60 s of the kill
+    state, code = wait_job_end(slurm_cluster, job_id, 60)
+    text = out.read_text()
+    assert state == "FAILED" and code != "0:0", (state, code, text)
+    assert re.search(r"ROOT CAUSE: rank 1 on host n1 was killed by signal 9 \(SIGKILL\)", text), text
+    assert "stopped by the launcher: rank 0, 2, 3" in text
+    assert "step 2999" not in text
+    assert_job_left_nothing(run_dir, job_id)
+
+
+@pytest.mark.timeout(300)
+def test_rank_exception_report_has_the_traceback(slurm_cluster, job_env, tmp_path):
+    out = tmp_path / "job.out"
+    job_id = sbatch(slurm_cluster, job_env, out, TRAINER, "--steps", "3000", "--step-seconds", "0.1",
+                    "--fail-rank", "2", "--fail-step", "5")
+    state, code = wait_job_end(slurm_cluster, job_id, 180)
+    text = out.read_text()
+    assert state == "FAILED", text
+    report = text[text.index("ROOT CAUSE"):]
+    assert re.search(r"ROOT CAUSE: rank 2 on host n2 exited with code 1", report)
+    assert "RuntimeError: injected failure on rank 2 at step 5" in report
+    assert_job_left_nothing(job_env["EDDIS_RUN_DIR"], job_id)
+
+
+@pytest.mark.timeout(300)
+def test_scancel_leaves_nothing_behind(slurm_cluster, job_env, tmp_path):
+    out = tmp_path / "job.out"
+    job_id = sbatch(slurm_cluster, job_env, out, TRAINER, "--steps", "3000", "--step-seconds", "0.1")
+    run_dir = Path(job_env["EDDIS_RUN_DIR"])
+    wait_for_training(run_dir, out)
+    slurm_cluster.run(["scancel", job_id], timeout=30)
+    state, _ = wait_job_end(slurm_cluster, job_id, 60)
+    assert state == "CANCELLED", state
+    assert_job_left_nothing(run_dir, job_id)
+    text = out.read_text()
+    assert "ROOT CAUSE" not in text  # a cancelled job is not a rank failure
