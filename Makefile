@@ -1,0 +1,98 @@
+# The two commands of the README:
+#   make test   set everything up on Debian 12 (apt packages, .venv, build, local Slurm) and run the tests
+#   make demo   same set-up, then submit the example training job to the local Slurm cluster and show its output
+# Every set-up step is idempotent and quick when already done (stamp files under .eddis-dev/).
+
+SHELL        := /bin/bash
+.SHELLFLAGS  := -eu -o pipefail -c
+REPO         := $(CURDIR)
+VENV         := $(REPO)/.venv
+PY           := $(VENV)/bin/python
+PIP          := $(PY) -m pip
+STAMPS       := $(REPO)/.eddis-dev
+SYSTEM_PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS  ?=
+export EDDIS_DEV_CLUSTER_DIR ?= /tmp/eddis-dev-cluster
+SLURM_CONF_DEV := $(EDDIS_DEV_CLUSTER_DIR)/slurm.conf
+DEMO_SCRIPT  ?= examples/torch_train.py
+DEMO_OUT     ?= $(STAMPS)/demo-%j.out
+
+APT_PACKAGES := build-essential pkg-config python3-dev python3-venv \
+	slurm-wlm munge libpmix2 openmpi-bin libopenmpi-dev \
+	libucx-dev ucx-utils libibverbs-dev librdmacm-dev rdma-core ibverbs-utils lmod
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+NATIVE_SOURCES := setup.py setup.cfg $(wildcard cython/*.pyx cython/*.pxd cython/*.h)
+
+.PHONY: test demo setup system-packages cluster cluster-down build clean-build help
+
+help:
+	@echo "make test   set up (apt, .venv, build, local Slurm cluster) and run the test suite"
+	@echo "make demo   set up, then sbatch the example training job on the local cluster"
+	@echo "make cluster / cluster-down   start / stop the local Slurm cluster"
+
+setup: system-packages $(STAMPS)/build.stamp cluster
+
+# apt: only what is missing (dpkg-query is instant when all is there).
+system-packages:
+	@missing=""; for p in $(APT_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+$(PY):
+	$(SYSTEM_PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Python packages: torch pinned; mpi4py compiled against the system MPI so the
+# MPI extension and mpi4py share one libmpi.
+$(STAMPS)/pip.stamp: requirements-dev.txt | $(PY)
+	@mkdir -p $(STAMPS)
+	$(PIP) install -q -r requirements-dev.txt
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PY) -c "import importlib.metadata as m, sys; sys.exit('manylinux' in m.distribution('mpi4py').read_text('WHEEL'))" 2>/dev/null || \
+	  MPICC=mpicc $(PIP) install -q --force-reinstall --no-deps --no-binary=mpi4py --no-build-isolation "mpi4py>=4"
+	$(PIP) install -q tensorflow-cpu
+	touch $@
+
+# Native extensions in place (src/eddis/*.so), and the console scripts
+# (eddis, eddis-train, smb-server) in .venv/bin from an editable install.
+$(STAMPS)/build.stamp: $(NATIVE_SOURCES) $(STAMPS)/pip.stamp
+	$(PY) setup.py -q build_ext --inplace
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build: system-packages $(STAMPS)/build.stamp
+
+cluster: system-packages
+	scripts/eddis-dev-cluster up
+
+cluster-down:
+	scripts/eddis-dev-cluster down
+
+# make turns every failing status into 2; pytest's own status is kept in
+# .eddis-dev/pytest.rc so .ci/run can tell "no tests collected" (5) from failures.
+test: setup
+	@rm -f $(STAMPS)/pytest.rc
+	cd $(REPO) && OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; echo $$rc > $(STAMPS)/pytest.rc; exit $$rc; }
+
+demo: setup
+	@for f in scripts/eddis_job.sh $(DEMO_SCRIPT); do \
+	  [ -f "$$f" ] || { echo "make demo: $$f is missing (it comes with the launcher/runtime issues)"; exit 1; }; \
+	done
+	@mkdir -p $(STAMPS)
+	@echo "sbatch --wait scripts/eddis_job.sh $(DEMO_SCRIPT)   (SLURM_CONF=$(SLURM_CONF_DEV))"
+	@set +e; \
+	out=$$(PATH=$(VENV)/bin:$$PATH SLURM_CONF=$(SLURM_CONF_DEV) PYTHONPATH=$(REPO)/src \
+	  sbatch --parsable --wait --output=$(DEMO_OUT) scripts/eddis_job.sh $(DEMO_SCRIPT)); rc=$$?; \
+	job=$${out%%;*}; job=$${job##*$$'\n'}; \
+	file=$$(echo "$(DEMO_OUT)" | sed "s/%j/$$job/"); \
+	echo "---- job $$job output ($$file) ----"; cat "$$file" 2>/dev/null || echo "(no output file)"; \
+	echo "---- job $$job exit status $$rc ----"; exit $$rc
+
+clean-build:
+	rm -rf build $(STAMPS)/build.stamp src/eddis/*.so src/eddis/*/*.so cython/*.c
