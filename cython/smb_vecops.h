@@ -24,9 +24,11 @@
  * float64 -> float16/bfloat16 goes through a round-to-odd float32, which
  * makes the two-step rounding exact.
  *
- * float16 conversion uses the F16C instructions when the CPU has them
- * (checked once at run time, so a generic x86-64 build still uses them) and a
- * portable branch-free software routine otherwise.
+ * The loops (smb_vecops_loops.h) are compiled twice on x86: for the build's
+ * target and for AVX2 + F16C, picked once at run time, so a generic x86-64
+ * build still runs 256-bit loops and hardware float16 conversion where the
+ * CPU has them; elsewhere float16 goes through a portable branch-free
+ * software routine.
  *
  * Every kernel returns 0 or a negative SMB_VECOPS_E* code.
  */
@@ -200,30 +202,33 @@ static inline float smb_f64_to_f32_odd(double d)
 }
 
 /* ------------------------------------------------------------------------ */
-/* Instruction-set selection for float16                                    */
+/* Instruction sets: the loops exist twice, picked once at run time          */
 /* ------------------------------------------------------------------------ */
 
-enum { SMB_ISA_AUTO = -1, SMB_ISA_GENERIC = 0, SMB_ISA_F16C = 1 };
+/* SMB_ISA_GENERIC: whatever the compiler targets (SSE2 on x86-64), software
+   float16.  SMB_ISA_AVX2: 256-bit loops and F16C float16 conversion, for
+   x86 CPUs with AVX2 and F16C.  Both give identical bits (no FMA anywhere). */
+enum { SMB_ISA_AUTO = -1, SMB_ISA_GENERIC = 0, SMB_ISA_AVX2 = 1 };
 
-/* One flag per translation unit: which float16 path the kernels take. */
+/* One flag per translation unit: the path the kernels take. */
 static int smb_vecops_isa_state = SMB_ISA_AUTO;
 
-static inline int smb_vecops_cpu_has_f16c(void)
+static inline int smb_vecops_cpu_has_avx2(void)
 {
 #if SMB_VECOPS_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 #else
     return 0;
 #endif
 }
 
-/* The float16 path in use: SMB_ISA_F16C or SMB_ISA_GENERIC. */
+/* The path in use: SMB_ISA_AVX2 or SMB_ISA_GENERIC. */
 static inline int smb_vecops_isa(void)
 {
     int isa = smb_vecops_isa_state;
     if (isa == SMB_ISA_AUTO) {
-        isa = smb_vecops_cpu_has_f16c() ? SMB_ISA_F16C : SMB_ISA_GENERIC;
+        isa = smb_vecops_cpu_has_avx2() ? SMB_ISA_AVX2 : SMB_ISA_GENERIC;
         smb_vecops_isa_state = isa;
     }
     return isa;
@@ -232,115 +237,65 @@ static inline int smb_vecops_isa(void)
 /* Force a path (tests compare both); SMB_ISA_AUTO picks the best again. */
 static inline int smb_vecops_set_isa(int isa)
 {
-    if (isa == SMB_ISA_F16C && !smb_vecops_cpu_has_f16c())
+    if (isa == SMB_ISA_AVX2 && !smb_vecops_cpu_has_avx2())
         return SMB_VECOPS_EISA;
-    if (isa != SMB_ISA_AUTO && isa != SMB_ISA_GENERIC && isa != SMB_ISA_F16C)
+    if (isa != SMB_ISA_AUTO && isa != SMB_ISA_GENERIC && isa != SMB_ISA_AVX2)
         return SMB_VECOPS_EISA;
     smb_vecops_isa_state = isa;
     return SMB_VECOPS_OK;
 }
 
-/* ------------------------------------------------------------------------ */
-/* Array conversions (one loop each; they vectorize)                         */
-/* ------------------------------------------------------------------------ */
-
-static inline void smb_cvt_f16_f32_generic(float *SMB_RESTRICT dst,
-                                           const uint16_t *SMB_RESTRICT src, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        dst[i] = smb_f16_to_f32(src[i]);
-}
-
-static inline void smb_cvt_f32_f16_generic(uint16_t *SMB_RESTRICT dst,
-                                           const float *SMB_RESTRICT src, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        dst[i] = smb_f32_to_f16(src[i]);
-}
+#define SMB_LOOP(name) name##_generic
+#define SMB_LOOP_ATTR
+#include "smb_vecops_loops.h"
+#undef SMB_LOOP
+#undef SMB_LOOP_ATTR
 
 #if SMB_VECOPS_X86
-__attribute__((target("avx,f16c")))
-static inline void smb_cvt_f16_f32_f16c(float *SMB_RESTRICT dst,
-                                        const uint16_t *SMB_RESTRICT src, size_t n)
-{
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    for (; i < n; i++)
-        dst[i] = smb_f16_to_f32(src[i]);
-}
-
-__attribute__((target("avx,f16c")))
-static inline void smb_cvt_f32_f16_f16c(uint16_t *SMB_RESTRICT dst,
-                                        const float *SMB_RESTRICT src, size_t n)
-{
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(dst + i),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++)
-        dst[i] = smb_f32_to_f16(src[i]);
-}
+#define SMB_LOOP(name) name##_avx2
+#define SMB_LOOP_ATTR __attribute__((target("avx2,f16c")))
+#define SMB_LOOP_F16C 1
+#include "smb_vecops_loops.h"
+#undef SMB_LOOP
+#undef SMB_LOOP_ATTR
+#undef SMB_LOOP_F16C
+#define SMB_DISPATCH(name, ...) \
+    (smb_vecops_isa() == SMB_ISA_AVX2 ? name##_avx2 : name##_generic)(__VA_ARGS__)
+#else
+#define SMB_DISPATCH(name, ...) name##_generic(__VA_ARGS__)
 #endif
 
-static inline void smb_cvt_f16_f32(float *SMB_RESTRICT dst, const uint16_t *SMB_RESTRICT src,
-                                   size_t n)
-{
-#if SMB_VECOPS_X86
-    if (smb_vecops_isa() == SMB_ISA_F16C) {
-        smb_cvt_f16_f32_f16c(dst, src, n);
-        return;
-    }
-#endif
-    smb_cvt_f16_f32_generic(dst, src, n);
-}
-
-static inline void smb_cvt_f32_f16(uint16_t *SMB_RESTRICT dst, const float *SMB_RESTRICT src,
-                                   size_t n)
-{
-#if SMB_VECOPS_X86
-    if (smb_vecops_isa() == SMB_ISA_F16C) {
-        smb_cvt_f32_f16_f16c(dst, src, n);
-        return;
-    }
-#endif
-    smb_cvt_f32_f16_generic(dst, src, n);
-}
-
-static inline void smb_cvt_bf16_f32(float *SMB_RESTRICT dst, const uint16_t *SMB_RESTRICT src,
-                                    size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        dst[i] = smb_bf16_to_f32(src[i]);
-}
-
-static inline void smb_cvt_f32_bf16(uint16_t *SMB_RESTRICT dst, const float *SMB_RESTRICT src,
-                                    size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        dst[i] = smb_f32_to_bf16(src[i]);
-}
-
-static inline void smb_cvt_f32_f64(double *SMB_RESTRICT dst, const float *SMB_RESTRICT src,
-                                   size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        dst[i] = (double)src[i];
-}
-
-static inline void smb_cvt_f64_f32(float *SMB_RESTRICT dst, const double *SMB_RESTRICT src,
-                                   size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        dst[i] = (float)src[i];
-}
-
-static inline void smb_cvt_f64_f32_odd(float *SMB_RESTRICT dst, const double *SMB_RESTRICT src,
-                                       size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        dst[i] = smb_f64_to_f32_odd(src[i]);
-}
+/* One dispatching entry per loop; the kernels below call these per chunk. */
+static inline void smb_cvt_f16_f32(float *dst, const uint16_t *src, size_t n)
+{ SMB_DISPATCH(smb_cvt_f16_f32, dst, src, n); }
+static inline void smb_cvt_f32_f16(uint16_t *dst, const float *src, size_t n)
+{ SMB_DISPATCH(smb_cvt_f32_f16, dst, src, n); }
+static inline void smb_cvt_bf16_f32(float *dst, const uint16_t *src, size_t n)
+{ SMB_DISPATCH(smb_cvt_bf16_f32, dst, src, n); }
+static inline void smb_cvt_f32_bf16(uint16_t *dst, const float *src, size_t n)
+{ SMB_DISPATCH(smb_cvt_f32_bf16, dst, src, n); }
+static inline void smb_cvt_f32_f64(double *dst, const float *src, size_t n)
+{ SMB_DISPATCH(smb_cvt_f32_f64, dst, src, n); }
+static inline void smb_cvt_f64_f32(float *dst, const double *src, size_t n)
+{ SMB_DISPATCH(smb_cvt_f64_f32, dst, src, n); }
+static inline void smb_cvt_f64_f32_odd(float *dst, const double *src, size_t n)
+{ SMB_DISPATCH(smb_cvt_f64_f32_odd, dst, src, n); }
+static inline void smb_mul_f32(float *acc, float w, const float *x, size_t n)
+{ SMB_DISPATCH(smb_mul_f32, acc, w, x, n); }
+static inline void smb_muladd_f32(float *acc, float w, const float *x, size_t n)
+{ SMB_DISPATCH(smb_muladd_f32, acc, w, x, n); }
+static inline void smb_mul_f64(double *acc, double w, const double *x, size_t n)
+{ SMB_DISPATCH(smb_mul_f64, acc, w, x, n); }
+static inline void smb_muladd_f64(double *acc, double w, const double *x, size_t n)
+{ SMB_DISPATCH(smb_muladd_f64, acc, w, x, n); }
+static inline void smb_axpy_inplace_f32(float *y, float a, const float *x, size_t n)
+{ SMB_DISPATCH(smb_axpy_inplace_f32, y, a, x, n); }
+static inline void smb_axpy_inplace_f64(double *y, double a, const double *x, size_t n)
+{ SMB_DISPATCH(smb_axpy_inplace_f64, y, a, x, n); }
+static inline void smb_scale_inplace_f32(float *x, float a, size_t n)
+{ SMB_DISPATCH(smb_scale_inplace_f32, x, a, n); }
+static inline void smb_scale_inplace_f64(double *x, double a, size_t n)
+{ SMB_DISPATCH(smb_scale_inplace_f64, x, a, n); }
 
 /* ------------------------------------------------------------------------ */
 /* Chunk loaders and storers: any dtype <-> the accumulation type            */
@@ -412,63 +367,6 @@ static inline void smb_store_f64(void *dst, int dtype, size_t off, const double 
         smb_store_f32(dst, dtype, off, tmp32, n);
         break;
     }
-}
-
-/* ------------------------------------------------------------------------ */
-/* Arithmetic on one chunk (accumulation type only)                          */
-/* ------------------------------------------------------------------------ */
-
-static inline void smb_mul_f32(float *SMB_RESTRICT acc, float w, const float *SMB_RESTRICT x,
-                               size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        acc[i] = w * x[i];
-}
-
-static inline void smb_muladd_f32(float *SMB_RESTRICT acc, float w,
-                                  const float *SMB_RESTRICT x, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        acc[i] = acc[i] + w * x[i];
-}
-
-static inline void smb_mul_f64(double *SMB_RESTRICT acc, double w,
-                               const double *SMB_RESTRICT x, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        acc[i] = w * x[i];
-}
-
-static inline void smb_muladd_f64(double *SMB_RESTRICT acc, double w,
-                                  const double *SMB_RESTRICT x, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        acc[i] = acc[i] + w * x[i];
-}
-
-/* y += a*x in place; x may be y itself, hence no restrict */
-static inline void smb_axpy_inplace_f32(float *y, float a, const float *x, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        y[i] = y[i] + a * x[i];
-}
-
-static inline void smb_axpy_inplace_f64(double *y, double a, const double *x, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        y[i] = y[i] + a * x[i];
-}
-
-static inline void smb_scale_inplace_f32(float *SMB_RESTRICT x, float a, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        x[i] = a * x[i];
-}
-
-static inline void smb_scale_inplace_f64(double *SMB_RESTRICT x, double a, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        x[i] = a * x[i];
 }
 
 static inline size_t smb_chunk_len(size_t off, size_t count)

@@ -19,7 +19,7 @@ cdef extern from "smb_vecops.h" nogil:
     enum:
         SMB_ISA_AUTO
         SMB_ISA_GENERIC
-        SMB_ISA_F16C
+        SMB_ISA_AVX2
 
     enum:
         SMB_VECOPS_CHUNK
@@ -33,7 +33,7 @@ cdef extern from "smb_vecops.h" nogil:
     uint16_t smb_f32_to_bf16(float f)
     float smb_bf16_to_f32(uint16_t b)
 
-    int smb_vecops_cpu_has_f16c()
+    int smb_vecops_cpu_has_avx2()
     int smb_vecops_isa()
     int smb_vecops_set_isa(int isa)
 

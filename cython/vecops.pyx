@@ -30,8 +30,8 @@ cnp.import_array()
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
-ISA_NAMES = {SMB_ISA_GENERIC: "generic", SMB_ISA_F16C: "f16c"}
-ISA_CODES = {"auto": SMB_ISA_AUTO, "generic": SMB_ISA_GENERIC, "f16c": SMB_ISA_F16C}
+ISA_NAMES = {SMB_ISA_GENERIC: "generic", SMB_ISA_AVX2: "avx2"}
+ISA_CODES = {"auto": SMB_ISA_AUTO, "generic": SMB_ISA_GENERIC, "avx2": SMB_ISA_AVX2}
 CODECS = ("float16", "bfloat16")
 CHUNK = SMB_VECOPS_CHUNK
 
@@ -147,7 +147,7 @@ def weighted_sum(dst, srcs, weights, *, dtype=None, src_dtypes=None):
         raise SMBValueError(
             f"weighted_sum: {len(weights)} weights for {nsrc} sources; pass one weight per source")
     if src_dtypes is None:
-        src_dtypes = [None] * nsrc
+        src_dtypes = [None] * len(srcs)
     elif <size_t>len(src_dtypes) != nsrc:
         raise SMBValueError(
             f"weighted_sum: {len(src_dtypes)} src_dtypes for {nsrc} sources")
@@ -275,25 +275,25 @@ def decompress_inplace(buf, codec, count=None):
     return b.array.reshape(-1)[:n]
 
 
-def cpu_has_f16c():
-    """True when this CPU converts float16 in hardware (x86 F16C + AVX)."""
-    return bool(smb_vecops_cpu_has_f16c())
+def available_isas():
+    """The kernel paths this CPU can run, best last: ['generic'] or ['generic', 'avx2']."""
+    return ["generic", "avx2"] if smb_vecops_cpu_has_avx2() else ["generic"]
 
 
 def isa():
-    """The float16 conversion path in use: 'f16c' or 'generic'."""
+    """The path in use: 'avx2' (AVX2 loops, F16C float16) or 'generic'."""
     return ISA_NAMES[smb_vecops_isa()]
 
 
 def set_isa(name):
-    """Force the float16 path of this module ('generic', 'f16c' or 'auto').
+    """Force the kernel path of this module ('generic', 'avx2' or 'auto').
 
     Only this extension's kernels are affected (the server has its own copy);
     tests use it to check both paths give identical bits.
     """
     if name not in ISA_CODES:
-        raise SMBValueError(f"unknown isa {name!r}: use 'auto', 'generic' or 'f16c'")
+        raise SMBValueError(f"unknown isa {name!r}: use 'auto', 'generic' or 'avx2'")
     if smb_vecops_set_isa(ISA_CODES[name]) < 0:
         raise SMBNotImplementedError(
-            f"this CPU cannot run the {name!r} path (no F16C/AVX); use 'generic'")
+            f"this CPU cannot run the {name!r} path (needs AVX2 and F16C); use 'generic'")
     return isa()
