@@ -8,7 +8,8 @@ trainer (SIGTERM, then SIGKILL after ``EDDIS_STOP_GRACE`` seconds) instead of
 letting it wait forever in a collective. The failed rank's supervisor waits
 (bounded) until its peers have stopped before it exits, so that the launcher
 (``srun --kill-on-bad-exit``, or ``mpirun``), which kills hard, only meets
-stragglers. The trainer gets ``PR_SET_PDEATHSIG``, so it cannot outlive a
+stragglers: a rank stopped because of a peer exits 0 for the same reason, and the
+step's status is the failed rank's. The trainer gets ``PR_SET_PDEATHSIG``, so it cannot outlive a
 supervisor killed with SIGKILL.
 """
 import ctypes
@@ -267,7 +268,10 @@ class Supervisor:
             self._wait_for_peers(self.stop_grace + 10)
         self.records.finish(self.info.rank, self._record(code, sig, ended, why, None, []))
         if why == "stopped":
-            return STOPPED_EXIT_CODE
+            # Stopped because a peer failed: exit 0, so that srun --kill-on-bad-exit does not
+            # SIGKILL the ranks still cleaning up; the failed rank exits last, with its own
+            # status, which becomes the step's. Stopped by a signal (scancel): 143.
+            return STOPPED_EXIT_CODE if self.stop_signal is not None else 0
         return code if sig is None else 128 + sig
 
     def _record(self, code, sig, ended, why, traceback, tail):
