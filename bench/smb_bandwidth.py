@@ -12,7 +12,8 @@ it measures, for message sizes 4 KiB .. 64 MiB:
   - ucx_perftest ucp_put_bw, ucp_get and ucp_am_bw, run as a real server/client
     pair on loopback with the same UCX_TLS;
   - memcpy of the same size;
-and the latency of counter.fetch_add beside ucx_perftest ucp_fadd. Figures are
+and the latency of counter.fetch_add (a blocking round trip) beside the
+ucp_am_lat round trip and ucp_fadd's pipelined time per operation. Figures are
 GB/s (1e9 bytes/s) and microseconds; ratios are SMB/ucx_perftest and
 SMB/memcpy (targets: >= 0.9 of ucx_perftest for 1 MiB and more, >= 0.8 of
 memcpy on the same-node path).
@@ -138,28 +139,183 @@ def perftest_table(transport, sizes, bytes_per_size):
     for size in sizes:
         iters = iterations(size, bytes_per_size)
         rows[size] = {test: run_perftest(test, size, iters, env)[1] for test in PERFTEST_TESTS}
-    fadd_latency = run_perftest("ucp_fadd", 8, 20000, env)[0]
-    return rows, fadd_latency
+    small_ops = {
+        # ucp_fadd streams fetch-adds (many in flight): time per operation, not a round trip
+        "ucp_fadd_per_op_us": run_perftest("ucp_fadd", 8, 20000, env)[0],
+        # ucp_am_lat is a ping-pong and reports half the round trip
+        "ucp_am_rtt_us": 2 * run_perftest("ucp_am_lat", 8, 20000, env)[0],
+    }
+    return rows, small_ops
+
+
+# ---------------------------------------------------------------------------
+# SMB: one real smb-server process, the client in a child process
+# ---------------------------------------------------------------------------
+
+def timed_pipeline(post, n, window):
+    """Seconds to complete n requests from post(i), keeping up to window in flight."""
+    in_flight = []
+    t0 = time.perf_counter()
+    for i in range(n):
+        if len(in_flight) >= window:
+            in_flight.pop(0).wait()
+        in_flight.append(post(i))
+    for req in in_flight:
+        req.wait()
+    return time.perf_counter() - t0
+
+
+def smb_child(transport, run_dir, sizes, bytes_per_size, window, repeat):
+    """Runs in a child process (its own UCX_TLS); prints one JSON line."""
+    from eddis.smb import Client
+
+    results = {"sizes": {}}
+    with Client(run_dir, expected_servers=1, timeout=60) as client:
+        want_local = transport == "same-node"
+        if client.is_local(0) != want_local:
+            raise SystemExit(f"{transport}: expected is_local={want_local}, got {client.is_local(0)}")
+        pool = client.pool("bench-bandwidth", max(sizes), dtype="uint8")
+        for size in sizes:
+            n = iterations(size, bytes_per_size)
+            depth = max(1, min(window, (256 << 20) // size))
+            src = np.ones(size, np.uint8)
+            outs = [np.empty(size, np.uint8) for _ in range(depth)]
+            pool.write(src)
+            pool.read(outs[0])
+            put = min(timed_pipeline(lambda i: pool.write_nb(src), n, depth) for _ in range(repeat))
+            get = min(timed_pipeline(lambda i: pool.read_nb(outs[i % depth]), n, depth)
+                      for _ in range(repeat))
+            if not (outs[0] == 1).all():
+                raise SystemExit(f"{transport}: read back wrong data at size {size}")
+            results["sizes"][size] = {"put": size * n / put / 1e9, "get": size * n / get / 1e9}
+        pool.free()
+        counter = client.counter("bench-fetch-add")
+        for _ in range(200):
+            counter.fetch_add(1)
+        samples = []
+        for _ in range(3000 if want_local else 1000):
+            t0 = time.perf_counter()
+            counter.fetch_add(1)
+            samples.append(time.perf_counter() - t0)
+        results["fetch_add_median_us"] = statistics.median(samples) * 1e6
+        results["fetch_add_mean_us"] = statistics.fmean(samples) * 1e6
+    print(json.dumps(results))
+
+
+def smb_table(transport, sizes, bytes_per_size, window, repeat):
+    sys.path.insert(0, str(SRC))
+    from eddis.smb.testing import LocalServers
+
+    spec = TRANSPORTS[transport]
+    hostnames = [spec["server_host"]] if spec["server_host"] else None
+    memory = f"{max(sizes) * 2 // (1 << 20) + 64}M"
+    with LocalServers(1, memory=memory, env=spec["env"], hostnames=hostnames) as servers:
+        env = dict(os.environ)
+        env.update(spec["env"])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
+        if spec["client_host"]:
+            env["EDDIS_HOSTNAME"] = spec["client_host"]
+        else:
+            env.pop("EDDIS_HOSTNAME", None)
+        argv = [sys.executable, __file__, "--child", transport, "--run-dir", str(servers.run_dir),
+                "--sizes", ",".join(map(str, sizes)), "--bytes-per-size", str(bytes_per_size),
+                "--window", str(window), "--repeat", str(repeat)]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"SMB client ({transport}) failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if servers.leftovers:
+        print(f"warning: the server left {servers.leftovers} behind", file=sys.stderr)
+    result["sizes"] = {int(k): v for k, v in result["sizes"].items()}
+    return result
+
+
+# ---------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------
+
+def describe(transport):
+    if transport == "ucx-tcp":
+        return ("ucx-tcp: UCX_TLS=tcp, SMB_LOCAL_MAP=0, server on fake node smb-node0 "
+                "(stands in for another node)")
+    return "same-node: the client maps the server's shared memory; ucx_perftest on UCX's default (shared memory) transports"
+
+
+def report(transport, smb, perf, small_ops, memcpy, sizes, markdown):
+    cols = ["size", "SMB put", "ucp_put_bw", "put ratio", "SMB get", "ucp_get", "get ratio",
+            "ucp_am_bw", "memcpy", "put/memcpy", "get/memcpy"]
+    rows = []
+    for size in sizes:
+        s, p, m = smb["sizes"][size], perf[size], memcpy[size]
+        rows.append([size_label(size), f"{s['put']:.2f}", f"{p['ucp_put_bw']:.2f}",
+                     f"{s['put'] / p['ucp_put_bw']:.2f}", f"{s['get']:.2f}", f"{p['ucp_get']:.2f}",
+                     f"{s['get'] / p['ucp_get']:.2f}", f"{p['ucp_am_bw']:.2f}", f"{m:.2f}",
+                     f"{s['put'] / m:.2f}", f"{s['get'] / m:.2f}"])
+    print()
+    print(("### " if markdown else "") + describe(transport))
+    print("bandwidth in GB/s (1e9 bytes/s); ratios: SMB / ucx_perftest and SMB / memcpy")
+    if markdown:
+        print()
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        print()
+    else:
+        widths = [max(len(c), *(len(r[i]) for r in rows)) + 2 for i, c in enumerate(cols)]
+        print("".join(c.rjust(w) for c, w in zip(cols, widths)))
+        for row in rows:
+            print("".join(v.rjust(w) for v, w in zip(row, widths)))
+    rtt = small_ops["ucp_am_rtt_us"]
+    print(f"fetch_add (one blocking round trip): SMB median {smb['fetch_add_median_us']:.1f} us "
+          f"(mean {smb['fetch_add_mean_us']:.1f} us); ucx_perftest ucp_am_lat round trip "
+          f"{rtt:.1f} us (ratio SMB/ucp_am_lat {smb['fetch_add_median_us'] / rtt:.2f}); "
+          f"ucp_fadd pipelined {small_ops['ucp_fadd_per_op_us']:.2f} us per op")
+    big = [s for s in sizes if s >= 1 << 20]
+    if big:
+        put_ok = min(smb["sizes"][s]["put"] / perf[s]["ucp_put_bw"] for s in big)
+        get_ok = min(smb["sizes"][s]["get"] / perf[s]["ucp_get"] for s in big)
+        line = (f"sizes >= 1 MiB: worst SMB/ucx_perftest put {put_ok:.2f}, get {get_ok:.2f} "
+                "(target 0.9)")
+        if transport == "same-node":
+            put_m = min(smb["sizes"][s]["put"] / memcpy[s] for s in big)
+            get_m = min(smb["sizes"][s]["get"] / memcpy[s] for s in big)
+            line += f"; worst SMB/memcpy put {put_m:.2f}, get {get_m:.2f} (target 0.8)"
+        print(line)
+    sys.stdout.flush()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transports", default="ucx-tcp,same-node")
-    parser.add_argument("--sizes", default=DEFAULT_SIZES)
+    parser.add_argument("--transports", default="ucx-tcp,same-node",
+                        help="comma-separated: ucx-tcp, same-node")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes, e.g. 4K,1M,64M")
     parser.add_argument("--bytes-per-size", default="256M",
                         help="bytes moved per measurement (iterations = this / size)")
+    parser.add_argument("--window", type=int, default=16, help="SMB requests kept in flight")
+    parser.add_argument("--repeat", type=int, default=2, help="SMB runs per figure (best kept)")
+    parser.add_argument("--markdown", action="store_true", help="print markdown tables")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     bytes_per_size = parse_size(args.bytes_per_size)
-    for transport in args.transports.split(","):
-        rows, fadd = perftest_table(transport, sizes, bytes_per_size)
-        print(f"\n{transport}")
-        print(f"{'size':>10}{'put_bw':>10}{'get':>10}{'am_bw':>10}{'memcpy':>10}")
-        for size in sizes:
-            r = rows[size]
-            print(f"{size_label(size):>10}{r['ucp_put_bw']:>10.2f}{r['ucp_get']:>10.2f}"
-                  f"{r['ucp_am_bw']:>10.2f}{memcpy_gbs(size, bytes_per_size):>10.2f}")
-        print(f"ucp_fadd latency {fadd:.2f} us")
+    if args.child:
+        smb_child(args.child, args.run_dir, sizes, bytes_per_size, args.window, args.repeat)
+        return
+    transports = [t.strip() for t in args.transports.split(",")]
+    unknown = [t for t in transports if t not in TRANSPORTS]
+    if unknown:
+        parser.error(f"unknown transport(s) {unknown}: use {', '.join(TRANSPORTS)}")
+    print(f"SMB bandwidth benchmark: sizes {', '.join(size_label(s) for s in sizes)}, "
+          f"{size_label(bytes_per_size)} per figure, window {args.window}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    memcpy = {size: memcpy_gbs(size, bytes_per_size) for size in sizes}
+    for transport in transports:
+        smb = smb_table(transport, sizes, bytes_per_size, args.window, args.repeat)
+        perf, small_ops = perftest_table(transport, sizes, bytes_per_size)
+        report(transport, smb, perf, small_ops, memcpy, sizes, args.markdown)
+        print(f"load average after {transport}: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
