@@ -266,13 +266,16 @@ def shutdown():
         except Exception as exc:
             errors.append(exc)
         try:
-            if st.client is not None or st.server is not None:
+            # smb_client() is collective, so either every rank has a client or none has;
+            # only rank 0 knows whether it also runs the embedded server
+            connected = st.client is not None or st.server is not None
+            if connected:
                 collectives.barrier(comm=st.comm, what="eddis.shutdown")
             if st.client is not None:
                 st.client.close()
                 st.client = None
-            if st.server is not None:
-                # every client must have left before the server goes away
+            if connected:
+                # every client must have left before an embedded server goes away
                 collectives.barrier(comm=st.comm, what="eddis.shutdown (server)")
         except Exception as exc:
             errors.append(exc)
