@@ -122,3 +122,40 @@ def test_scancel_leaves_nothing_behind(slurm_cluster, job_env, tmp_path):
     assert_job_left_nothing(run_dir, job_id)
     text = out.read_text()
     assert "ROOT CAUSE" not in text  # a cancelled job is not a rank failure
+
+
+@pytest.mark.timeout(300)
+def test_servers_that_cannot_start_fail_the_job_clearly(slurm_cluster, job_env, tmp_path):
+    out = tmp_path / "job.out"
+    job_id = sbatch(slurm_cluster, dict(job_env, SMB_MEMORY="plenty"), out, TRAINER, "--steps", "1")
+    state, code = wait_job_end(slurm_cluster, job_id, 120)
+    text = out.read_text()
+    assert state == "FAILED", text
+    assert "SMB_MEMORY='plenty' is not a valid size" in text
+    assert re.search(r"the smb-server step \(pid [\d, ]+\) ended before all 2 servers published", text), text
+    assert "eddis-train: rank" not in text  # no trainer was started
+    assert_job_left_nothing(job_env["EDDIS_RUN_DIR"], job_id)
+
+
+@pytest.mark.timeout(300)
+def test_dead_server_stops_the_trainers(slurm_cluster, job_env, tmp_path):
+    out = tmp_path / "job.out"
+    job_id = sbatch(slurm_cluster, job_env, out, TRAINER, "--steps", "3000", "--step-seconds", "0.1")
+    run_dir = Path(job_env["EDDIS_RUN_DIR"])
+    wait_for_training(run_dir, out)
+    server = __import__("json").loads((run_dir / "servers" / "1.json").read_text())
+    os.kill(server["pid"], signal.SIGKILL)
+    state, code = wait_job_end(slurm_cluster, job_id, 60)
+    text = out.read_text()
+    assert state == "FAILED", text
+    assert "an smb-server step ended (status" in text and "stopping the trainers" in text
+    assert "step 2999" not in text
+    # the killed server could not remove its own files; everything else must be gone
+    assert wait_until(lambda: processes_with_env("EDDIS_RUN_DIR", str(run_dir)) == [] or None, 15,
+                      what="the job's processes to exit") is True
+    from eddis.smb.server import arena_name
+
+    killed_arena = "/dev/shm" + arena_name(run_dir, 1)
+    assert [p for p in shm_leftovers(run_dir, f"eddis-{job_id}.") if p != killed_arena] == []
+    if os.path.exists(killed_arena):  # ours to tidy (a SIGKILLed server cannot)
+        os.unlink(killed_arena)

@@ -124,8 +124,8 @@ def format_report(first, failures, exits, run_dir=None, job_code=None):
     lines = []
     if first is None:
         what = f"exited with code {job_code}" if job_code is not None else "failed"
-        lines.append(f"eddis-train: the job {what}, but no rank recorded a failure "
-                     "(a launcher or node died, or the job was cancelled).")
+        lines.append(f"eddis-train: the job {what}, but no rank recorded a failure: see the lines "
+                     "above (an smb-server, srun or node died, or the job was cancelled).")
         if run_dir is not None:
             lines.append(f"  run dir: {run_dir}")
         return "\n".join(lines)
