@@ -62,8 +62,8 @@ def wait_servers(path, count, timeout=None, watch_pids=()):
             servers = wait_for_servers(path, count, timeout=max(0.0, min(1.0, left)))
         except SMBTimeoutError as exc:
             if left <= 1.0:
-                print(f"eddis-train: error: {exc}. The servers did not start within {timeout:.0f} s "
-                      "(SMB_CONNECT_TIMEOUT); see the smb-server lines above.", file=sys.stderr, flush=True)
+                print(f"eddis-train: error: {exc}. The servers did not publish within {timeout:.0f} s "
+                      "(SERVER_WAIT in eddis_job.sh); see the smb-server lines above.", file=sys.stderr, flush=True)
                 return 1
             continue
         print("eddis-train: smb-servers ready: " + ", ".join(
