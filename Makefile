@@ -69,10 +69,10 @@ $(STAMPS)/build.stamp: $(NATIVE_SOURCES) $(STAMPS)/pip.stamp
 build: system-packages $(STAMPS)/build.stamp
 
 cluster: system-packages
-	scripts/eddis-dev-cluster up
+	$(SUDO) env EDDIS_DEV_CLUSTER_DIR=$(EDDIS_DEV_CLUSTER_DIR) scripts/eddis-dev-cluster up
 
 cluster-down:
-	scripts/eddis-dev-cluster down
+	$(SUDO) env EDDIS_DEV_CLUSTER_DIR=$(EDDIS_DEV_CLUSTER_DIR) scripts/eddis-dev-cluster down
 
 # make turns every failing status into 2; pytest's own status is kept in
 # .eddis-dev/pytest.rc so .ci/run can tell "no tests collected" (5) from failures.

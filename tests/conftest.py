@@ -142,9 +142,26 @@ def slurm_cluster():
     if missing:
         pytest.skip(f"slurm-wlm/munge not installed (missing {', '.join(missing)}): "
                     "apt-get install slurm-wlm munge libpmix2, or run `make test`")
+    cluster = DevCluster(dev_cluster_dir())
+    if _nodes_idle(cluster):  # already up (make test starts it): nothing to do
+        return cluster
     proc = subprocess.run([str(DEV_CLUSTER), "up"], capture_output=True, text=True, timeout=180,
                           env=python_env())
     if proc.returncode != 0:
         pytest.fail(f"scripts/eddis-dev-cluster up failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}",
                     pytrace=False)
-    return DevCluster(dev_cluster_dir())
+    return cluster
+
+
+def _nodes_idle(cluster):
+    if not cluster.conf.exists():
+        return False
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=cluster.env, capture_output=True,
+                              text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return False
+    states = dict(line.split() for line in proc.stdout.splitlines() if len(line.split()) == 2)
+    # "idle*" (trailing star) is a node that stopped responding.
+    return proc.returncode == 0 and all(
+        states.get(n, "").startswith(("idle", "mix", "alloc")) and not states[n].endswith("*") for n in ("n1", "n2"))
