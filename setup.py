@@ -205,7 +205,7 @@ def configure():
             sys.exit("error: EDDIS_WITH_%s=1 but %s" % (dep.key, dep.missing_message()))
 
 
-def summary(built):
+def summary(built, left_out=()):
     lines = ["", "EDDIS build configuration", "-" * 60]
     for dep in DEPENDENCIES.values():
         if dep.state == "skipped":
@@ -216,6 +216,8 @@ def summary(built):
             status = "no: " + dep.reason
         lines.append(f"  {dep.description:<26} [{dep.state:>8}] {status}")
     lines.append("  extensions: " + (", ".join(built) or "none"))
+    for name, missing in left_out:
+        lines.append(f"  left out:   {name} (needs {', '.join(missing)})")
     lines.append("-" * 60)
     print("\n".join(lines), file=sys.stderr)
 
@@ -224,10 +226,11 @@ def extensions():
     import numpy
 
     configure()
-    built, exts = [], []
+    built, exts, left_out = [], [], []
     for name, (sources, needs) in EXTENSIONS.items():
         deps = [DEPENDENCIES[k] for k in needs]
         if not all(d.found for d in deps):
+            left_out.append((name, [d.description for d in deps if not d.found]))
             continue
         ext = Extension(
             name,
@@ -241,7 +244,7 @@ def extensions():
         )
         exts.append(ext)
         built.append(name)
-    summary(built)
+    summary(built, left_out)
     from Cython.Build import cythonize
 
     return cythonize(
