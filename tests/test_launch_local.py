@@ -98,3 +98,49 @@ def test_bad_usage_is_explained(tmp_path):
     bad = subprocess.run(["eddis-train", "--local", str(TRAINER)], env=env, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "EDDIS_STOP_GRACE='soon' is not a valid float" in bad.stderr
+
+
+@pytest.mark.timeout(300)
+def test_local_pytorch_example(tmp_path):
+    example = REPO / "examples" / "torch_train.py"
+    if not example.exists():
+        pytest.skip("examples/torch_train.py is not in this checkout")
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    # a server file of an earlier, killed run in the same run dir must not be taken for the new server
+    servers = tmp_path / "run" / "servers"
+    servers.mkdir(parents=True)
+    (servers / "0.json").write_text('{"index": 0, "hostname": "x", "host": "127.0.0.1", "port": 9, "pid": 999999999}')
+    proc = eddis_train(tmp_path, "--local", "-n", "2", example, "--epochs", "2", timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = [float(x) for x in re.findall(r"^\[0@\S+\] epoch +\d+ +train loss ([\d.]+)", proc.stdout, re.M)]
+    assert len(losses) == 2 and losses[1] < losses[0], proc.stdout
+    assert re.search(r"^\[0@\S+\] ranks 2  mode sync ", proc.stdout, re.M), proc.stdout
+    assert_clean(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_usr1_reaches_the_trainer_without_stopping_it(tmp_path):
+    script = tmp_path / "usr1.py"
+    script.write_text(
+        "import signal, sys, time\n"
+        "got = []\n"
+        "signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))\n"
+        "print('ready', flush=True)\n"
+        "deadline = time.time() + 60\n"
+        "while not got and time.time() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print('checkpoint on USR1' if got else 'no USR1', flush=True)\n"
+        "sys.exit(0 if got else 1)\n")
+    env = local_env(tmp_path)
+    env.update({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"})  # one supervised rank, no mpirun
+    sup = subprocess.Popen(["eddis-train", str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "eddis-train: rank 0/1" in sup.stdout.readline()
+        assert sup.stdout.readline().strip().endswith("ready")
+        sup.send_signal(__import__("signal").SIGUSR1)
+        out, _ = sup.communicate(timeout=60)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert sup.returncode == 0 and "checkpoint on USR1" in out

@@ -29,7 +29,7 @@ def create_run_dir(path):
     return Path(create(Path(path).expanduser().resolve()))
 
 
-def _process_alive(pid):
+def process_alive(pid):
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -51,7 +51,7 @@ def wait_servers(path, count, timeout=None, watch_pids=()):
     timeout = settings.get("SMB_CONNECT_TIMEOUT") if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while True:
-        dead = [pid for pid in watch_pids if not _process_alive(pid)]
+        dead = [pid for pid in watch_pids if not process_alive(pid)]
         if dead:
             print(f"eddis-train: error: the smb-server step (pid {', '.join(map(str, dead))}) ended before "
                   f"all {count} servers published in {path}/servers; see its output above.",

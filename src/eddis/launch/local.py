@@ -7,6 +7,7 @@ root-cause report when a rank failed. Ctrl-C or SIGTERM stops everything.
 Slurm's variables are removed from the ranks' environment, so this also works
 inside an allocation without joining it.
 """
+import json
 import os
 import shutil
 import signal
@@ -61,6 +62,7 @@ def run_local(argv, ranks=1, memory=None):
         raise ConfigError(f"-n {ranks}: give at least one rank")
     run_dir = jobsteps.create_run_dir(jobsteps.run_dir())
     shutil.rmtree(run_dir / LAUNCH_DIR, ignore_errors=True)  # records of an earlier run in this dir
+    _remove_dead_server_files(run_dir)
     env = _clean_environment()
     env["EDDIS_RUN_DIR"] = str(run_dir)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
@@ -113,6 +115,17 @@ def run_local(argv, ranks=1, memory=None):
         _stop(server)
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _remove_dead_server_files(run_dir):
+    """Address files left by servers that were killed: the wait must not take them for ours."""
+    for path in (run_dir / "servers").glob("*.json"):
+        try:
+            pid = int(json.loads(path.read_text()).get("pid", 0))
+        except (OSError, ValueError, AttributeError):
+            pid = 0
+        if pid <= 0 or not jobsteps.process_alive(pid):
+            path.unlink(missing_ok=True)
 
 
 def _wait_or_kill(proc, timeout=30.0):

@@ -136,9 +136,16 @@ class Supervisor:
         if first and self.child is not None and self.child.returncode is None:
             self._signal_child(signal.SIGTERM)
 
+    def _forward_signal(self, signum, frame):
+        # e.g. sbatch --signal=USR1@120: the trainer's cue to checkpoint, not to stop
+        if self.child is not None and self.child.returncode is None:
+            self._signal_child(signum)
+
     def _install_signal_handlers(self):
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, self._forward_signal)
 
     def _signal_child(self, sig):
         try:
