@@ -5,8 +5,8 @@ The SMB server calls the C kernels directly; these wrappers exist for tests,
 benchmarks and the runtime's fp16/bf16 compression codecs. Every call checks
 its arguments, then runs the kernel with the GIL released.
 
-Buffers are numpy arrays (or anything ``numpy.asarray`` views without a copy,
-such as CPU torch tensors), C-contiguous. The dtype comes from the array:
+Buffers are numpy arrays or anything ``numpy.asarray`` views without a copy
+(CPU torch tensors, bfloat16 ones included), C-contiguous and aligned. The dtype comes from the array:
 float32, float16, float64, and bfloat16 either as an ``ml_dtypes``-style
 ``bfloat16`` dtype or as raw bits in a uint16 array. A ``dtype=`` argument
 names it explicitly (``"bfloat16"`` on an int16/uint16 array, for instance).
@@ -71,6 +71,10 @@ cdef class _Operand:
 
 cdef _Operand _operand(obj, str role, dtype=None, bint writable=False):
     cdef _Operand op = _Operand()
+    if type(obj).__module__.startswith("torch") and str(getattr(obj, "dtype", "")) == "torch.bfloat16":
+        import torch  # numpy has no bfloat16: view the tensor's bits instead
+        obj = obj.view(torch.int16)
+        dtype = "bfloat16" if dtype is None else dtype
     try:
         arr = np.asarray(obj)
     except Exception as exc:

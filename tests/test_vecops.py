@@ -613,3 +613,16 @@ def test_header_compiles_standalone_and_never_contracts_to_fma(tmp_path):
     assert driver.run(ptr(out), ptr(a), ptr(b), ctypes.c_size_t(n)) == 0
     want = np.float32(0.3) * a + np.float32(-1.7) * b.astype(np.float32)
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.timeout(60)
+def test_cpu_torch_tensors_in_place():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(3000)
+    grad16 = torch.empty(3000, dtype=torch.bfloat16)
+    vecops.convert(grad16, x)  # the bf16 codec straight into a torch tensor
+    assert torch.equal(grad16, x.to(torch.bfloat16))  # torch rounds to nearest even too
+    y = torch.ones(3000, dtype=torch.float16)
+    vecops.axpy(y, grad16, 0.5)
+    want = (torch.ones(3000) + 0.5 * x.to(torch.bfloat16).float()).to(torch.float16)
+    assert torch.equal(y, want)
