@@ -1195,6 +1195,12 @@ cdef class ClientCore:
         self.nconns += 1
         return ci
 
+    def progress(self):
+        """Progress the worker once (lets UCX report a dead peer)."""
+        if self.cl != NULL:
+            with nogil:
+                ucp.ucp_worker_progress(self.cl.worker)
+
     def conn_failed(self, int ci):
         return bool(self.conns[ci].failed)
 

@@ -151,6 +151,20 @@ class Client:
         """True when server's memory is mapped into this process (same node)."""
         return bool(self.servers[server]["base"])
 
+    def check_alive(self, servers, what):
+        """Raise SMBConnectionError if any of these servers' connections failed.
+
+        Same-node transfers are plain memory copies and would not notice a dead
+        server otherwise; one worker progress lets UCX report the lost peer."""
+        self._core.progress()
+        for server in servers:
+            conn = self.servers[server]["conn"]
+            if self._core.conn_failed(conn):
+                code = self._core.conn_status(conn)
+                raise SMBConnectionError(
+                    f"{what}: lost SMB server {server} ({self.address(conn)}): "
+                    f"{self._status_text(code)}; the server died or was stopped", code or -25)
+
     def _status_text(self, code):
         from . import _core
 
@@ -257,20 +271,26 @@ class Counter:
         return Request(client, pending, f"counter {self.name!r}",
                        lambda replies: COUNTER_REPLY.unpack(replies[0])[0], [self.server]).wait()
 
+    def _check(self):
+        self._client.check_alive([self.server], f"counter {self.name!r}")
+
     def fetch_add(self, n=1):
         """Add n; returns the value before."""
         if self._local:
+            self._check()
             return self._core.local_fetch_add(self._local, int(n))
         return self._remote(self._core.COUNTER_FETCH_ADD, int(n))
 
     def compare_swap(self, expected, desired):
         """Set to desired if it equals expected; returns the value before."""
         if self._local:
+            self._check()
             return self._core.local_compare_swap(self._local, int(expected), int(desired))
         return self._remote(self._core.COUNTER_COMPARE_SWAP, int(expected), int(desired))
 
     def read(self):
         if self._local:
+            self._check()
             return self._core.local_load(self._local)
         return self._remote(self._core.COUNTER_READ)
 

@@ -156,16 +156,19 @@ class Pool:
         pending = client._pending()
         pending.keep = arr
         base = arr.ctypes.data
-        servers = []
+        servers, local = [], []
         for seg, col, n, off in self._pieces(start, count):
             nbytes = n * self.itemsize
             src = base + off * self.itemsize
             dst = self._remote_addr(seg, slot, col)
             if seg.local:
                 _core.memcpy_nogil(seg.local + dst - seg.addr, src, nbytes)
+                local.append(seg.server)
             else:
                 client._core.post_put(pending, seg.conn, src, nbytes, dst, seg.rkey)
                 servers.append(seg.conn)
+        if local:
+            client.check_alive(local, f"pool {self.name!r} write")
         for conn in servers:
             # puts complete locally first; the flush makes them visible at the server
             client._core.post_flush(pending, conn)
@@ -191,16 +194,19 @@ class Pool:
         pending = client._pending()
         pending.keep = arr
         base = arr.ctypes.data
-        servers = []
+        servers, local = [], []
         for seg, col, n, off in self._pieces(start, count):
             nbytes = n * self.itemsize
             dst = base + off * self.itemsize
             src = self._remote_addr(seg, slot, col)
             if seg.local:
                 _core.memcpy_nogil(dst, seg.local + src - seg.addr, nbytes)
+                local.append(seg.server)
             else:
                 client._core.post_get(pending, seg.conn, dst, nbytes, src, seg.rkey)
                 servers.append(seg.conn)
+        if local:
+            client.check_alive(local, f"pool {self.name!r} read")
         return Request(client, pending, f"pool {self.name!r} read", lambda _: out, servers)
 
     def read(self, out=None, slot=0, start=0, count=None, timeout=None):

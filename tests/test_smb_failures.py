@@ -1,0 +1,154 @@
+"""SMB refusals and failures: bad token, bad requests, dead servers.
+
+Each refusal must give the documented error and leave the server serving
+others; a SIGKILLed server must give clients an error, never a hang. Both
+transports: UCX over TCP between fake nodes, and the same-node path.
+"""
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from eddis.errors import (SMBBoundsError, SMBConnectionError, SMBError, SMBKeyError, SMBMemoryError,
+                          SMBPermissionError, SMBTimeoutError, SMBValueError)
+from eddis.smb import Client, _core
+from eddis.smb.client import Request
+from eddis.smb.protocol import COUNTER_REQUEST, VEC_REQUEST, VEC_SOURCE, encode_control
+from eddis.smb.server import arena_name
+from eddis.smb.testing import LocalServers
+
+TRANSPORTS = {
+    "ucx-tcp": ({"UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"}, ["smb-node0", "smb-node1"], "client-node"),
+    "same-node": ({"SMB_LOCAL_MAP": "1"}, None, None),
+}
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def transport(request, monkeypatch):
+    env, hostnames, client_host = TRANSPORTS[request.param]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if client_host:
+        monkeypatch.setenv("EDDIS_HOSTNAME", client_host)
+    else:
+        monkeypatch.delenv("EDDIS_HOSTNAME", raising=False)
+    return env, hostnames
+
+
+def raw_request(client, server, op, payload, what="raw request"):
+    pending = client._pending()
+    client._post(pending, server, op, payload)
+    return Request(client, pending, what, lambda replies: replies[0], [server]).wait(10)
+
+
+@pytest.mark.timeout(120)
+def test_refusals_keep_the_server_serving(transport):
+    env, hostnames = transport
+    with LocalServers(2, memory="8M", env=env, hostnames=hostnames) as servers:
+        # wrong token: refused with a permission error
+        with pytest.raises(SMBPermissionError, match="token"):
+            Client(addresses=[f"127.0.0.1:{r['port']}" for r in servers.records], token="not-the-token",
+                   timeout=10)
+        client = Client(servers.run_dir, expected_servers=2, timeout=10)
+        pool = client.pool("p", 1000, dtype="float32", slots=2)
+        rid = pool.segments[0].rid
+        # out-of-bounds: caught by the client, and by the server for crafted requests
+        with pytest.raises(SMBBoundsError):
+            pool.write(np.zeros(10, np.float32), start=995)
+        with pytest.raises(SMBBoundsError):
+            pool.read(slot=2)
+        with pytest.raises(SMBBoundsError):
+            raw_request(client, 0, _core.OP_VECOP,
+                        VEC_REQUEST.pack(_core.VEC_SCALE, 0, rid, 0, 400, 200, 2.0))
+        with pytest.raises(SMBBoundsError):
+            raw_request(client, 0, _core.OP_VECOP,
+                        VEC_REQUEST.pack(_core.VEC_COPY, 1, rid, 0, 0, 10, 0.0) + VEC_SOURCE.pack(rid, 7, 1.0))
+        counter = client.counter("c")
+        with pytest.raises(SMBBoundsError):
+            raw_request(client, counter.server, _core.OP_COUNTER,
+                        COUNTER_REQUEST.pack(counter._rid, _core.COUNTER_FETCH_ADD, 1, 1, 0))
+        # a float op on an integer region, malformed payloads
+        with pytest.raises(SMBValueError):
+            raw_request(client, counter.server, _core.OP_VECOP,
+                        VEC_REQUEST.pack(_core.VEC_SCALE, 0, counter._rid, 0, 0, 1, 2.0))
+        with pytest.raises(SMBValueError):
+            raw_request(client, 0, _core.OP_VECOP, b"\x01\x02")
+        with pytest.raises(SMBValueError):
+            raw_request(client, 0, _core.OP_CONTROL, b"{not json")
+        with pytest.raises(SMBValueError):
+            raw_request(client, 0, 99, b"")
+        # unknown keys: region names, region ids
+        with pytest.raises(SMBKeyError):
+            client.pool("missing", 10, create=False)
+        with pytest.raises(SMBKeyError):
+            raw_request(client, 0, _core.OP_COUNTER,
+                        COUNTER_REQUEST.pack(0xFFFF0FFF, _core.COUNTER_READ, 0, 0, 0))
+        # oversized allocation
+        with pytest.raises(SMBMemoryError):
+            client.pool("huge", 8 << 20, dtype="float32")
+        # inconsistent use
+        with pytest.raises(SMBValueError):
+            client.pool("p", 1000, dtype="float16", slots=2)
+        client.barrier("b2", 2)  # creating the object sends nothing
+        # still serving: this client and a new one
+        pool.write(np.arange(1000, dtype=np.float32), slot=1)
+        other = Client(servers.run_dir, expected_servers=2, timeout=10)
+        np.testing.assert_array_equal(other.pool("p", 1000, slots=2).read(slot=1),
+                                      np.arange(1000, dtype=np.float32))
+        assert other.counter("c").fetch_add(3) == 0
+        assert client.stats(0)["refused"] >= 6
+        other.close()
+        client.close()
+    assert not servers.leftovers
+
+
+@pytest.mark.timeout(120)
+def test_server_sigkill_gives_errors_not_hangs(transport):
+    env, hostnames = transport
+    with LocalServers(2, memory="8M", env=env, hostnames=hostnames) as servers:
+        client = Client(servers.run_dir, expected_servers=2, timeout=8)
+        pool = client.pool("p", 1000, slots=1)
+        pool.write(np.ones(1000, np.float32))
+        names = [n for n in (f"k{i}" for i in range(50)) if client.server_for("counter:" + n) == 1]
+        counter = client.counter(names[0])
+        barrier_name = next(n for n in (f"b{i}" for i in range(50)) if client.server_for("barrier:" + n) == 1)
+        pending = client.barrier(barrier_name, 2)
+        servers.kill(1, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises((SMBConnectionError, SMBTimeoutError)):
+            pool.read()
+        with pytest.raises((SMBConnectionError, SMBTimeoutError)):
+            pool.write(np.zeros(1000, np.float32))
+        with pytest.raises((SMBConnectionError, SMBTimeoutError)):
+            counter.fetch_add(1)
+        with pytest.raises((SMBConnectionError, SMBTimeoutError)):
+            pending.wait(timeout=8)
+        with pytest.raises((SMBConnectionError, SMBTimeoutError)):
+            client.pool("other", 10)
+        elapsed = time.monotonic() - start
+        # the part on the surviving server still works (the failed write landed there)
+        np.testing.assert_array_equal(pool.read(start=0, count=500), np.zeros(500, np.float32))
+        pool.write(np.full(500, 2, np.float32))
+        np.testing.assert_array_equal(pool.read(count=500), np.full(500, 2, np.float32))
+        client.close()
+        print(f"errors after SIGKILL took {elapsed:.2f} s in all")
+    # the killed server could not clean up; the harness removed its arena
+    assert servers.leftovers == ["/dev/shm" + arena_name(servers.run_dir, 1)]
+
+
+@pytest.mark.timeout(60)
+def test_client_without_servers_times_out(tmp_path, transport):
+    from eddis.smb import create_run_dir
+
+    run_dir = create_run_dir(tmp_path / "run")
+    os.environ["SMB_CONNECT_TIMEOUT"] = "0.5"
+    try:
+        with pytest.raises(SMBTimeoutError, match="servers"):
+            Client(run_dir, expected_servers=2)
+    finally:
+        del os.environ["SMB_CONNECT_TIMEOUT"]
+    # a published address nobody listens on: a connection error, not a hang
+    with pytest.raises(SMBError):
+        Client(addresses=["127.0.0.1:1"], token="x", timeout=5)
