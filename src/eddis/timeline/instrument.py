@@ -1,0 +1,143 @@
+"""The few calls the EDDIS runtime makes into the timeline and the profile.
+
+    on_init(comm, rank, size, hostname)      # eddis.init(): EDDIS_TIMELINE / EDDIS_PROFILE
+    attach_reducer(reducer)                  # a gradient reducer was built
+    reducer_waited(reducer, start_ns)        # the training thread waited in reducer.wait()
+    on_shutdown(comm)                        # eddis.shutdown(): close, merge the profile
+
+Everything here costs nothing measurable when both are off: ``attach_reducer``
+adds no listener, ``reducer_waited`` returns after two global lookups.
+
+From the reducer's events (``ready``, ``push_start``, ``push_end``, ``done``) the
+observer records BUCKET_READY (instant), PUSH (or ALLREDUCE in mode allreduce:
+the collective itself), and PULL: the finish thread's time on the bucket, from
+the later of its push end and the previous bucket's completion. Their durations
+and bytes also feed the profile's ``t_comm``, ``bytes_sent`` and ``bytes_recv``.
+One profile row is closed per ``reducer.wait()`` of the first reducer (the
+step's gradient synchronisation): ``t_step`` runs from the previous one, so it
+holds the whole iteration (data, forward, backward, optimizer).
+"""
+import logging
+import os
+
+from . import trace
+from .events import ALLREDUCE, BUCKET_READY, PULL, PUSH, WAIT
+
+log = logging.getLogger("eddis.timeline")
+
+_profiler = None
+_primary = None  # the reducer whose wait() closes profile rows
+_batch = [0]     # samples of the current step noted by module hooks (0: unknown)
+
+
+def profiler():
+    """The active :class:`~eddis.timeline.profile.StepProfiler`, or None."""
+    return _profiler
+
+
+def note_samples(n):
+    """The current step's sample count on this rank (module hooks call it from forward)."""
+    _batch[0] = int(n)
+
+
+def on_init(comm, rank, size, hostname=None, run_dir=None):
+    """Start the timeline (EDDIS_TIMELINE; collective clock sync over ``comm``) and the profile."""
+    global _profiler
+    from .. import settings
+
+    if settings.get("EDDIS_TIMELINE"):
+        trace.start_timeline(rank=rank, comm=comm, metadata={"size": size, "hostname": hostname})
+    if settings.get("EDDIS_PROFILE") and _profiler is None:
+        from .profile import StepProfiler
+
+        run_dir = run_dir or settings.get("EDDIS_RUN_DIR")
+        if not run_dir:
+            # Without EDDIS_RUN_DIR each rank's default differs (local-<pid>): take rank 0's,
+            # where the embedded SMB server of a plain mpirun run puts its files too.
+            from ..smb import rundir
+
+            run_dir = rundir.default_run_dir() if rank == 0 else None
+            if comm is not None and size > 1:
+                from ..core import collectives
+
+                run_dir = collectives.broadcast_object(str(run_dir) if run_dir else None, comm=comm,
+                                                       what="eddis profile (run directory)")
+        _profiler = StepProfiler(run_dir, rank, size=size, host=hostname,
+                                 gpu_type=os.environ.get("EDDIS_GPU_TYPE"),
+                                 mode=settings.get("EDDIS_MODE") if "EDDIS_MODE" in settings.REGISTRY else None,
+                                 group=int(os.environ.get("EDDIS_GROUP") or 0))
+
+
+def on_shutdown(comm=None):
+    """Close the timeline; close the profile and (collective) let rank 0 merge it."""
+    global _profiler, _primary
+    trace.stop_timeline()
+    prof, _profiler = _profiler, None
+    _primary = None
+    if prof is not None:
+        path = prof.finalize(comm)
+        if path is not None:
+            log.info("profile written to %s (eddis prof report %s)", path, path)
+        return path
+    return None
+
+
+def attach_reducer(reducer):
+    """Observe ``reducer``'s bucket events (only when the timeline or the profile is on)."""
+    global _primary
+    if trace._timeline is None and _profiler is None:
+        return
+    if _primary is None:
+        _primary = reducer
+    reducer.add_listener(_ReducerObserver(reducer))
+
+
+def reducer_waited(reducer, start_ns):
+    """``reducer.wait()`` blocked the training thread from ``start_ns`` until now."""
+    tl, prof = trace._timeline, _profiler
+    if tl is None and prof is None:
+        return
+    end_ns = trace.perf_ns()
+    if tl is not None:
+        tl.record("X", WAIT, None, start_ns, end_ns - start_ns, {"step": reducer.step - 1, "mode": reducer.mode})
+    if prof is not None:
+        prof.add_wait((end_ns - start_ns) / 1e9)
+        if reducer is _primary:
+            samples = _batch[0] or max(1, int(round(getattr(reducer, "_step_weight", 1.0))))
+            prof.step_end(samples)
+
+
+class _ReducerObserver:
+    """Turns one reducer's events into timeline events and profile figures."""
+
+    def __init__(self, reducer):
+        self.reducer = reducer
+        self.push_name = ALLREDUCE if reducer.mode == "allreduce" else PUSH
+        self.push_start = {}
+        self.push_end = {}
+        self.last_done = 0
+
+    def __call__(self, event, step, bucket, nbytes, t_ns):
+        tl, prof = trace._timeline, _profiler
+        if event == "ready":
+            if tl is not None:
+                tl.record("i", BUCKET_READY, None, t_ns, 0, {"step": step, "bucket": bucket})
+        elif event == "push_start":
+            self.push_start[bucket] = t_ns
+        elif event == "push_end":
+            start = self.push_start.pop(bucket, t_ns)
+            self.push_end[bucket] = t_ns
+            if tl is not None:
+                tl.record("X", self.push_name, None, start, t_ns - start,
+                          {"step": step, "bucket": bucket, "bytes": nbytes})
+            if prof is not None:
+                prof.add_comm((t_ns - start) / 1e9, bytes_sent=nbytes)
+        elif event == "done":
+            start = max(self.push_end.pop(bucket, t_ns), self.last_done)
+            self.last_done = t_ns
+            r = self.reducer
+            nbytes = nbytes or r.plan.buckets[bucket].count * r.codec.itemsize
+            if tl is not None:
+                tl.record("X", PULL, None, start, t_ns - start, {"step": step, "bucket": bucket, "bytes": nbytes})
+            if prof is not None:
+                prof.add_comm((t_ns - start) / 1e9, bytes_recv=nbytes)
