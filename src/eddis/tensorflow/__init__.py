@@ -1,0 +1,70 @@
+"""EDDIS for TensorFlow / Keras 3: ``import eddis.tensorflow as eddis`` (or ``as hvd``).
+
+model.fit::
+
+    eddis.init()
+    model = make_model()
+    optimizer = eddis.DistributedOptimizer(keras.optimizers.SGD(0.01 * eddis.size()))
+    model.compile(optimizer=optimizer, loss=..., metrics=[...], jit_compile=False)
+    model.fit(eddis.data.shard_batches(dataset, global_batch_size), epochs=...,
+              callbacks=[eddis.callbacks.BroadcastGlobalVariablesCallback(0),
+                         eddis.callbacks.MetricAverageCallback()],
+              verbose=1 if eddis.rank() == 0 else 0)
+
+GradientTape loop::
+
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    tape = eddis.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    if first_batch:
+        eddis.broadcast_variables(model.variables, root_rank=0)
+        eddis.broadcast_variables(optimizer.variables, root_rank=0)
+
+Names and signatures follow Horovod's ``horovod.tensorflow`` /
+``horovod.tensorflow.keras`` (see docs/tensorflow-conversion.md for the
+differences). This package is a thin adapter: buckets, reductions, modes,
+compression codecs and collectives are those of :mod:`eddis.core`, shared with
+``eddis.torch``.
+"""
+import os as _os
+
+_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from ..core.runtime import (group, hostname, init, is_initialized, local_rank, local_size,  # noqa: E402
+                            num_groups, rank, shutdown, size)
+from . import callbacks, data  # noqa: E402
+from .compression import Compression  # noqa: E402
+from .data import local_batch_size, shard, shard_batches  # noqa: E402
+from .gradient_tape import DistributedGradientTape  # noqa: E402
+from .ops import (Adasum, Average, Max, Min, ReduceOp, Sum, allgather, allgather_object,  # noqa: E402
+                  allreduce, barrier, broadcast, broadcast_object, broadcast_variables)
+from .optimizer import DistributedOptimizer  # noqa: E402
+
+
+def cross_rank():
+    """Index of this rank's node (Horovod's cross_rank)."""
+    from ..core import runtime
+    return runtime._require("eddis.cross_rank()").node_index
+
+
+def cross_size():
+    """Number of nodes (Horovod's cross_size)."""
+    from ..core import runtime
+    return runtime._require("eddis.cross_size()").num_nodes
+
+
+def mpi_threads_supported():
+    from ..core import runtime
+    return runtime.thread_multiple()
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
+    "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
+    "DistributedGradientTape", "DistributedOptimizer", "Compression", "Average", "Sum", "Min",
+    "Max", "Adasum", "ReduceOp", "broadcast_variables", "allreduce", "broadcast", "allgather",
+    "allgather_object", "broadcast_object", "barrier", "callbacks", "data", "shard",
+    "shard_batches", "local_batch_size",
+]

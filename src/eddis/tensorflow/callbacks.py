@@ -1,0 +1,127 @@
+"""Keras callbacks: ``eddis.callbacks.BroadcastGlobalVariablesCallback(0)``,
+``MetricAverageCallback()``, ``LearningRateWarmupCallback(initial_lr, ...)`` and
+``TimelineCallback()``.
+
+Callbacks that communicate make collective calls: give every rank the same
+list of them (the same epochs and steps on every rank, too).
+"""
+import math
+import sys
+
+import keras
+import numpy as np
+
+from ..core import collectives, runtime
+from ..errors import ConfigError
+from .ops import broadcast_variables
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """At the start of training, give every rank root_rank's model and optimizer
+    variables (weights, optimizer slots, iteration count), so all ranks start alike."""
+
+    def __init__(self, root_rank=0, device=""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs=None):
+        if self.broadcast_done:
+            return
+        runtime._require("BroadcastGlobalVariablesCallback")
+        broadcast_variables(self.model.variables, root_rank=self.root_rank)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            if not optimizer.built:
+                optimizer.build(self.model.trainable_variables)
+            broadcast_variables(optimizer.variables, root_rank=self.root_rank)
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """At the end of every epoch, replace each metric in ``logs`` (loss, accuracy,
+    val_*) by its average over all ranks, so that callbacks after it (History,
+    checkpoints, early stopping) and rank 0's output see the global value.
+    Put it before the callbacks that read the metrics."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs:
+            logs = {}
+        names = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+        collectives.check_same(
+            "\n".join(names), "MetricAverageCallback: the metric names",
+            "Compile the same model with the same metrics on every rank, and give every rank "
+            "the same validation data settings.")
+        if not names:
+            return
+        values = np.array([float(logs[k]) for k in names], dtype=np.float64)
+        collectives.allreduce_array(values, op="average", out=values, what="MetricAverageCallback")
+        for k, v in zip(names, values):
+            logs[k] = float(v)
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over the
+    first ``warmup_epochs`` epochs, batch by batch (Horovod's schedule; "Accurate,
+    Large Minibatch SGD", Goyal et al.). ``initial_lr`` is the rate scaled for the
+    world size (``base_lr * eddis.size()``); a single rank starts at it at once.
+
+    ``steps_per_epoch`` defaults to what ``model.fit`` knows. Keras 3 compiles the
+    momentum into the train function, so Horovod's ``momentum_correction`` is not
+    available; the optimizer's learning rate must be a number (a variable), not a
+    ``LearningRateSchedule``.
+    """
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=False, steps_per_epoch=None,
+                 verbose=0):
+        super().__init__()
+        if momentum_correction:
+            raise ConfigError("momentum_correction is not supported with Keras 3 (the momentum is "
+                              "compiled into the train function); pass momentum_correction=False")
+        if warmup_epochs <= 0:
+            raise ConfigError(f"warmup_epochs must be > 0, got {warmup_epochs}")
+        self.initial_lr = float(initial_lr)
+        self.warmup_epochs = float(warmup_epochs)
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self.current_epoch = 0
+
+    def multiplier(self, epoch):
+        """Factor of ``initial_lr`` at fractional ``epoch`` (1 from warmup_epochs on)."""
+        size = runtime.size()
+        if epoch >= self.warmup_epochs or size == 1:
+            return 1.0
+        return 1.0 / size * (epoch * (size - 1) / self.warmup_epochs + 1.0)
+
+    def _optimizer(self):
+        optimizer = self.model.optimizer
+        if isinstance(optimizer.learning_rate, keras.optimizers.schedules.LearningRateSchedule) or \
+                callable(getattr(optimizer, "_learning_rate", None)):
+            raise ConfigError("LearningRateWarmupCallback needs an optimizer with a fixed learning "
+                              "rate, not a LearningRateSchedule; fold the warm-up into the schedule "
+                              "instead")
+        return optimizer
+
+    def on_train_begin(self, logs=None):
+        runtime._require("LearningRateWarmupCallback")
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+        if not self.steps_per_epoch:
+            raise ConfigError("LearningRateWarmupCallback could not find the steps per epoch "
+                              "(the dataset has no known length): pass steps_per_epoch=")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        epoch = self.current_epoch + float(batch) / self.steps_per_epoch
+        if self.current_epoch > self.warmup_epochs:
+            return
+        self._optimizer().learning_rate = self.initial_lr * self.multiplier(epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = float(np.asarray(self.model.optimizer.learning_rate))
+        if epoch + 1 == math.ceil(self.warmup_epochs) and self.verbose and runtime.rank() == 0:
+            sys.stdout.write(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                             f"{self.initial_lr:g}.\n")

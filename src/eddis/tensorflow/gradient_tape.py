@@ -1,0 +1,91 @@
+"""``DistributedGradientTape``: ``tape.gradient()`` returns gradients averaged over all ranks.
+
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    tape = eddis.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)   # reduced over the ranks
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+The reduction goes through an :mod:`eddis.core` reducer (mode ``sync`` through
+SMB, or ``allreduce`` through MPI), one per list of sources, shared by every
+tape of the process, so a new tape per step costs nothing.
+"""
+import tensorflow as tf
+
+from .. import settings
+from ..core import runtime
+from ..errors import ConfigError
+from .compression import codec_of
+from .ops import Average, resolve_op
+from .reduction import ReducerCache
+
+_reducers = ReducerCache()
+
+
+class _DistributedGradientTape:
+    """Methods mixed into a subclass of the user's tape class."""
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = super(_DistributedGradientTape, self).gradient(
+            target, sources, output_gradients=output_gradients,
+            unconnected_gradients=unconnected_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads, expand_composites=False)
+        cfg = self._eddis_config
+        reducer = _reducers.get(flat_sources, cfg["mode"], cfg["codec"], cfg["op"],
+                                cfg["bucket_bytes"], "DistributedGradientTape")
+        self._eddis_reducer = reducer
+        reduced = reducer.reduce(flat_grads, sample_count=cfg["sample_count"])
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+    @property
+    def reducer(self):
+        """The core reducer of the last ``gradient()`` call (statistics, events)."""
+        r = getattr(self, "_eddis_reducer", None)
+        return None if r is None else r.reducer
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
+                            sparse_as_dense=True, op=Average, gradient_predivide_factor=1.0,
+                            num_groups=0, groups=None, process_set=None, mode=None,
+                            bucket_bytes=None, sample_count=None):
+    """Wrap ``gradtape`` so that ``gradient()`` averages gradients over all ranks.
+
+    Horovod's signature; EDDIS adds ``mode`` ("sync" through SMB, "allreduce"
+    through MPI; default EDDIS_MODE), ``bucket_bytes`` (default
+    EDDIS_BUCKET_BYTES) and ``sample_count``: this rank's weight in the average
+    (a number or a scalar tensor such as ``tf.shape(x)[0]``), so ranks with
+    unequal shares of the global batch still get the gradient of the whole
+    batch. ``compression`` defaults to EDDIS_COMPRESSION. Sparse gradients are
+    always made dense. ``device_dense``/``device_sparse`` are ignored (the
+    reduction runs on the host).
+    """
+    runtime._require("eddis.DistributedGradientTape()")
+    if not isinstance(gradtape, tf.GradientTape):
+        raise ConfigError(f"DistributedGradientTape needs a tf.GradientTape, got {type(gradtape).__name__}")
+    if isinstance(gradtape, _DistributedGradientTape):
+        raise ConfigError("this tape is already a DistributedGradientTape; wrap the plain tape once")
+    op = resolve_op(op)
+    if op.name not in ("average", "sum"):
+        raise ConfigError(f"DistributedGradientTape reduces gradients with op=Average or Sum, not {op!r}")
+    if gradient_predivide_factor != 1.0:
+        raise ConfigError("gradient_predivide_factor is not supported (the reduction accumulates "
+                          "in fp32, so there is no overflow to avoid); leave it at 1.0")
+    if groups is not None or num_groups:
+        raise ConfigError("groups/num_groups (Horovod's tensor fusion groups) are not supported: "
+                          "EDDIS buckets by size; set bucket_bytes or EDDIS_BUCKET_BYTES instead")
+    if process_set is not None:
+        raise ConfigError("process sets are not supported by EDDIS")
+    cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__),
+               {"__module__": gradtape.__class__.__module__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(gradtape.__dict__)
+    wrapped._eddis_config = {
+        "mode": settings.get("EDDIS_MODE") if mode is None else str(mode).lower(),
+        "codec": codec_of(compression),
+        "op": op.name,
+        "bucket_bytes": settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes),
+        "sample_count": sample_count,
+    }
+    return wrapped

@@ -1,0 +1,187 @@
+"""Tensor collectives for metrics and set-up: allreduce, broadcast, allgather,
+and ``broadcast_variables``.
+
+They run over MPI on the host through :mod:`eddis.core.collectives` (every wait
+times out instead of hanging). Eagerly they act at once; inside ``tf.function``
+they become ``tf.numpy_function`` ops. They are meant for losses, accuracies and
+start-up synchronization; gradients go through ``DistributedGradientTape`` or
+``DistributedOptimizer``.
+"""
+import numpy as np
+import tensorflow as tf
+
+from ..core import collectives, runtime
+from ..errors import ConfigError
+
+
+class ReduceOp:
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name.capitalize()
+
+
+Average = ReduceOp("average")
+Sum = ReduceOp("sum")
+Min = ReduceOp("min")
+Max = ReduceOp("max")
+Adasum = ReduceOp("adasum")
+
+
+def resolve_op(op, average=None):
+    if op is not None and average is not None:
+        raise ConfigError("pass either op= or the deprecated average=, not both")
+    if op is None:
+        op = Sum if average is False else Average
+    if isinstance(op, str):
+        op = ReduceOp(op.lower())
+    if op.name == "adasum":
+        raise ConfigError("Adasum is not supported by EDDIS; use op=Average (the default) or Sum")
+    if op.name not in ("average", "sum", "min", "max"):
+        raise ConfigError(f"unknown reduction op {op!r}; use Average, Sum, Min or Max")
+    return op
+
+
+def _wire(array):
+    """numpy arrays MPI can carry: bfloat16 (ml_dtypes) travels as its uint16 bits."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.name == "bfloat16":
+        return array.view(np.uint16), array.dtype
+    if array.dtype == np.bool_:
+        return array.view(np.uint8), array.dtype
+    return array, None
+
+
+def _as_tensor(value):
+    return tf.convert_to_tensor(value.value if hasattr(value, "value") and not tf.is_tensor(value)
+                                else value)
+
+
+def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, compression=None, process_set=None):
+    """A new tensor: ``tensor`` reduced over all ranks (default: averaged)."""
+    runtime._require("eddis.allreduce()")
+    if process_set is not None:
+        raise ConfigError("process sets are not supported by EDDIS; reduce over all ranks")
+    op = resolve_op(op, average)
+    tensor = _as_tensor(tensor)
+    what = f"eddis.allreduce({name or ''})"
+
+    def reduce(array):
+        data = np.asarray(array)
+        work = data.astype(np.float64) if data.dtype.kind == "f" or data.dtype.name == "bfloat16" else data.copy()
+        if prescale_factor != 1.0:
+            work = work * prescale_factor
+        if op.name == "average" and work.dtype.kind != "f":
+            work = work.astype(np.float64)
+        out = collectives.allreduce_array(np.ascontiguousarray(work), op=op.name, what=what)
+        if postscale_factor != 1.0:
+            out = out * postscale_factor
+        return np.asarray(out).reshape(data.shape).astype(data.dtype)
+
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(reduce(tensor.numpy()))
+    out = tf.numpy_function(reduce, [tensor], tensor.dtype, stateful=True, name="eddis_allreduce")
+    out.set_shape(tensor.shape)
+    return out
+
+
+def broadcast(tensor, root_rank=0, name=None):
+    """A new tensor holding root_rank's ``tensor``."""
+    runtime._require("eddis.broadcast()")
+    tensor = _as_tensor(tensor)
+    what = f"eddis.broadcast({name or ''})"
+
+    def bcast(array):
+        data, original = _wire(np.array(array, copy=True))
+        collectives.broadcast_array(data, root=root_rank, what=what)
+        return data if original is None else data.view(original)
+
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(bcast(tensor.numpy()))
+    out = tf.numpy_function(bcast, [tensor], tensor.dtype, stateful=True, name="eddis_broadcast")
+    out.set_shape(tensor.shape)
+    return out
+
+
+def allgather(tensor, name=None):
+    """Concatenation of every rank's ``tensor`` along axis 0 (sizes may differ). Eager only."""
+    runtime._require("eddis.allgather()")
+    parts = collectives.allgather_object(_as_tensor(tensor).numpy(), what=f"eddis.allgather({name or ''})")
+    return tf.convert_to_tensor(np.concatenate(parts, axis=0))
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    runtime._require("eddis.broadcast_object()")
+    return collectives.broadcast_object(obj, root=root_rank, what=f"eddis.broadcast_object({name or ''})")
+
+
+def allgather_object(obj, name=None):
+    runtime._require("eddis.allgather_object()")
+    return collectives.allgather_object(obj, what=f"eddis.allgather_object({name or ''})")
+
+
+def barrier():
+    runtime._require("eddis.barrier()")
+    collectives.barrier(what="eddis.barrier()")
+
+
+def _variable_list(variables):
+    if callable(variables):  # tf.keras 2 style: optimizer.variables()
+        variables = variables()
+    return list(variables)
+
+
+def _broadcast_arrays(arrays, root_rank, what):
+    """Root's values of a list of numpy arrays; one message per dtype."""
+    groups = {}
+    for i, a in enumerate(arrays):
+        groups.setdefault(np.asarray(a).dtype.str + np.asarray(a).dtype.name, []).append(i)
+    out = [None] * len(arrays)
+    for indices in groups.values():
+        parts = [np.ascontiguousarray(arrays[i]).reshape(-1) for i in indices]
+        flat, original = _wire(np.concatenate(parts) if parts else np.empty(0))
+        flat = np.array(flat, copy=True)
+        if flat.size:
+            collectives.broadcast_array(flat, root=root_rank, what=what)
+        if original is not None:
+            flat = flat.view(original)
+        offset = 0
+        for i in indices:
+            n = int(np.prod(np.shape(arrays[i]), dtype=np.int64))
+            out[i] = flat[offset:offset + n].reshape(np.shape(arrays[i]))
+            offset += n
+    return out
+
+
+def broadcast_variables(variables, root_rank=0):
+    """Assign root_rank's values to ``variables`` on every rank.
+
+    ``variables``: a list of ``tf.Variable`` / Keras variables, e.g.
+    ``model.variables`` or ``optimizer.variables`` (Keras 3: a property, not a
+    method). Names are not compared (Keras auto-names depend on what a process
+    built before); shapes and dtypes, in order, must agree (checked). Eagerly
+    the values are assigned at once; inside ``tf.function`` an op is returned.
+    """
+    runtime._require("eddis.broadcast_variables()")
+    variables = _variable_list(variables)
+    what = "eddis.broadcast_variables"
+    signature = "\n".join(f"{i}:{tuple(v.shape)}:{tf.as_dtype(v.dtype).name}" for i, v in enumerate(variables))
+    if tf.executing_eagerly():
+        collectives.check_same(signature, "broadcast_variables: the variables (shapes, dtypes, in order)",
+                               "Build the same model (and optimizer) on every rank before broadcasting; "
+                               "build the optimizer first (optimizer.build(model.trainable_variables)) "
+                               "when broadcasting its variables.")
+        values = _broadcast_arrays([v.numpy() for v in variables], root_rank, what)
+        for v, value in zip(variables, values):
+            v.assign(value)
+        return None
+    values = [_as_tensor(v) for v in variables]
+    dtypes = [t.dtype for t in values]
+
+    def bcast(*arrays):
+        return _broadcast_arrays([np.asarray(a) for a in arrays], root_rank, what)
+
+    new = tf.numpy_function(bcast, values, dtypes, stateful=True, name="eddis_broadcast_variables")
+    return tf.group(*[v.assign(tf.reshape(n, v.shape)) for v, n in zip(variables, new)])

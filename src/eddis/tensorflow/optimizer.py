@@ -1,0 +1,162 @@
+"""``DistributedOptimizer``: a Keras 3 optimizer whose updates use gradients
+averaged over all ranks, for ``model.fit`` and custom loops alike.
+
+Keras 3's ``model.fit`` computes the gradients in ``train_step`` and calls
+``optimizer.apply_gradients()``, which calls ``optimizer.apply(grads,
+variables)``. The wrapped optimizer overrides ``apply``: it reduces the
+gradients through an :mod:`eddis.core` reducer (see
+:mod:`eddis.tensorflow.reduction`) and then runs the original update, so
+every Keras optimizer works unchanged and the update stays local. The object
+is the user's optimizer itself, its class swapped for a subclass that adds the
+override (state, variables and serialization stay those of the original class).
+
+Mixed precision: under the ``mixed_float16`` policy, Keras wraps the optimizer
+in a ``LossScaleOptimizer`` at ``compile()``, which skips a step when a
+gradient is not finite. That check must see the *reduced* gradients, or ranks
+would disagree on skipping and the next reduction would wait forever. So the
+wrapper puts the ``LossScaleOptimizer`` inside: ``DistributedOptimizer`` wraps
+the optimizer in one first (when the policy is ``mixed_float16``) and reduces
+the still-scaled gradients before the loss-scale logic sees them.
+``mixed_bfloat16`` needs no loss scaling.
+"""
+import keras
+import tensorflow as tf
+
+from .. import settings
+from ..core import runtime
+from ..errors import ConfigError, UsageError
+from .compression import codec_of
+from .ops import Average, resolve_op
+from .reduction import GradientReducer
+
+
+class _Config:
+    """Settings of one wrapped optimizer (kept off Keras's attribute tracking)."""
+
+    def __init__(self, mode, codec, op, bucket_bytes):
+        self.mode = mode
+        self.codec = codec
+        self.op = op
+        self.bucket_bytes = bucket_bytes
+        self.reducer = None
+        self.variables_key = None
+        self.sample_count = None
+
+
+class _DistributedOptimizer:
+    """Methods mixed into a subclass of the user's optimizer class."""
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if trainable_variables is None:
+            if not self.built:
+                raise UsageError("DistributedOptimizer.apply(grads) without variables needs a built "
+                                 "optimizer: call optimizer.build(model.trainable_variables) first")
+            variables = list(self._trainable_variables)
+        else:
+            trainable_variables = list(trainable_variables)
+            variables = trainable_variables
+        if grads:
+            count = self._eddis.sample_count
+            # a number is set on the reducer from Python (it may change between steps
+            # of a traced train function); a tensor or variable is read in the graph
+            grads = self._eddis_reducer_for(variables).reduce(grads, count if _is_tensor(count) else None)
+        return super(_DistributedOptimizer, self).apply(grads, trainable_variables)
+
+    def _eddis_reducer_for(self, variables):
+        cfg = self._eddis
+        key = tuple((id(v), tuple(v.shape)) for v in variables)
+        if cfg.reducer is None or cfg.reducer.closed or key != cfg.variables_key:
+            if cfg.reducer is not None and not cfg.reducer.closed:
+                cfg.reducer.close()
+            cfg.reducer = GradientReducer(variables, cfg.mode, cfg.codec, cfg.op, cfg.bucket_bytes,
+                                          "DistributedOptimizer")
+            cfg.variables_key = key
+            if cfg.sample_count is not None and not _is_tensor(cfg.sample_count):
+                cfg.reducer.set_sample_count(cfg.sample_count)
+        return cfg.reducer
+
+    def set_sample_count(self, samples):
+        """This rank's weight in the gradient average from the next step on: the
+        number of samples its (mean) loss is computed over, e.g. its local batch
+        size. Ranks with unequal shares of the global batch then still get the
+        gradient of the whole global batch. A number or a scalar tf.Variable."""
+        self._eddis.sample_count = samples
+        reducer = self._eddis.reducer
+        if reducer is not None and not reducer.closed and not _is_tensor(samples):
+            reducer.set_sample_count(samples)
+
+    @property
+    def reducer(self):
+        """The core reducer (statistics, events); None before the first step."""
+        r = self._eddis.reducer
+        return None if r is None else r.reducer
+
+    def close(self):
+        """Stop the communication threads (eddis.shutdown() does it too)."""
+        if self._eddis.reducer is not None:
+            self._eddis.reducer.close()
+
+
+def _is_tensor(value):
+    return value is not None and (tf.is_tensor(value) or isinstance(value, (tf.Variable, keras.Variable)))
+
+
+def _is_loss_scale_optimizer(optimizer):
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
+                         sparse_as_dense=True, backward_passes_per_step=1, op=Average,
+                         gradient_predivide_factor=1.0, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=None, mode=None, bucket_bytes=None,
+                         sample_count=None):
+    """Make ``optimizer`` (a Keras 3 optimizer) reduce gradients over all ranks.
+
+    Horovod's signature; EDDIS adds ``mode`` ("sync" through SMB, "allreduce"
+    through MPI; default EDDIS_MODE), ``bucket_bytes`` (default
+    EDDIS_BUCKET_BYTES) and ``sample_count`` (see ``set_sample_count``).
+    ``compression`` defaults to EDDIS_COMPRESSION. Returns the optimizer (the
+    same object, or a ``LossScaleOptimizer`` around it under ``mixed_float16``);
+    compile the model with it and ``jit_compile=False``.
+    """
+    runtime._require("eddis.DistributedOptimizer()")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        hint = ""
+        if isinstance(optimizer, str):
+            hint = (" (a name: create the optimizer, e.g. "
+                    "eddis.DistributedOptimizer(keras.optimizers.SGD(0.01 * eddis.size())))")
+        elif isinstance(optimizer, keras.Model):
+            hint = " (you passed the model: wrap its optimizer)"
+        raise ConfigError(f"DistributedOptimizer needs a keras.optimizers.Optimizer (Keras 3), got "
+                          f"{type(optimizer).__name__}{hint}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise UsageError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+    op = resolve_op(op)
+    if op.name not in ("average", "sum"):
+        raise ConfigError(f"DistributedOptimizer reduces gradients with op=Average or Sum, not {op!r}")
+    if backward_passes_per_step != 1:
+        raise ConfigError("backward_passes_per_step is not supported with Keras 3: create the optimizer "
+                          "with gradient_accumulation_steps=N instead (Keras accumulates the reduced "
+                          "gradients, which gives the same update)")
+    if gradient_predivide_factor != 1.0:
+        raise ConfigError("gradient_predivide_factor is not supported (the reduction accumulates "
+                          "in fp32, so there is no overflow to avoid); leave it at 1.0")
+    if groups is not None or num_groups:
+        raise ConfigError("groups/num_groups (Horovod's tensor fusion groups) are not supported: "
+                          "EDDIS buckets by size; set bucket_bytes or EDDIS_BUCKET_BYTES instead")
+    if process_set is not None:
+        raise ConfigError("process sets are not supported by EDDIS")
+    if (keras.mixed_precision.global_policy().name == "mixed_float16"
+            and not _is_loss_scale_optimizer(optimizer)):
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    base = optimizer.__class__
+    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    # object.__setattr__: Keras optimizers track attribute assignments
+    object.__setattr__(optimizer, "__class__", cls)
+    config = _Config(settings.get("EDDIS_MODE") if mode is None else str(mode).lower(),
+                     codec_of(compression), op.name,
+                     settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes))
+    config.sample_count = sample_count
+    object.__setattr__(optimizer, "_eddis", config)
+    return optimizer
