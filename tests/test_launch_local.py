@@ -11,10 +11,24 @@ from launch_helpers import TRAINER, make_bin, processes_with_env, shm_leftovers
 pytest.importorskip("eddis.smb.server", reason="the SMB server (eddis.smb.server) is not in this checkout")
 
 
+SLURM_COMMANDS = ("srun", "sbatch", "salloc", "scontrol", "sinfo", "squeue", "scancel")
+
+
+def slurm_tripwires(directory, log):
+    """Slurm's commands, replaced by ones that log their use and fail: --local must not need any."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in SLURM_COMMANDS:
+        path = directory / name
+        path.write_text(f"#!/bin/sh\necho \"{name} $*\" >> {log}\nexit 1\n")
+        path.chmod(0o755)
+    return directory
+
+
 def local_env(tmp_path):
     bin_dir = make_bin(tmp_path / "bin")
+    no_slurm = slurm_tripwires(tmp_path / "no-slurm", tmp_path / "slurm-calls.log")
     return python_env({
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PATH": f"{bin_dir}:{no_slurm}:{os.environ['PATH']}",
         "EDDIS_RUN_DIR": str(tmp_path / "run"),
         "SMB_MEMORY": "64M",
         # Nothing of Slurm may be needed: a config that does not exist, and the variables of an
@@ -31,6 +45,8 @@ def eddis_train(tmp_path, *args, timeout=120):
 
 def assert_clean(tmp_path):
     run_dir = tmp_path / "run"
+    calls = tmp_path / "slurm-calls.log"
+    assert not calls.exists(), f"--local used Slurm: {calls.read_text()}"
     assert processes_with_env("EDDIS_RUN_DIR", str(run_dir)) == []
     launches = [p.name for p in (run_dir / "launch").iterdir()]
     assert launches, "no launch records were written"
