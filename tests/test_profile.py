@@ -149,6 +149,28 @@ def test_progress_log_lines_when_not_a_terminal():
     assert quiet.getvalue() == ""
 
 
+@pytest.mark.timeout(60)
+def test_runtime_progress_is_quiet_for_short_runs_and_shows_reported_loss():
+    from eddis.timeline import progress as prog
+
+    quiet = io.StringIO()
+    short = prog.Progress(rank=0, interval=3600, stream=quiet, final_line=False)
+    short.update(samples=8)
+    short.close()
+    assert quiet.getvalue() == ""
+
+    stream = io.StringIO()
+    prog._active = prog.Progress(rank=0, interval=0.0, stream=stream, final_line=False)
+    try:
+        prog.set_total(10)
+        prog.report_loss(np.float32(0.5))
+        prog._active.update(samples=8)
+    finally:
+        prog._active.close()
+        prog._active = None
+    assert "step 1/10 (10.0%)" in stream.getvalue() and "loss 0.5" in stream.getvalue()
+
+
 class FakeTerminal(io.StringIO):
     def isatty(self):
         return True

@@ -145,5 +145,20 @@ def test_simulated_slow_rank_is_the_straggler(run_mpi, tmp_path):
     assert len(paths) == 3 and all(p.stat().st_size > 1000 for p in paths)
 
 
+@pytest.mark.timeout(300)
+def test_unwritable_timeline_dir_warns_and_training_goes_on(run_mpi, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the timeline directory should be")
+    env = {"EDDIS_MODE": "allreduce", "EDDIS_TIMELINE": str(blocker / "timeline"),
+           "EDDIS_PROGRESS": "log", "EDDIS_PROGRESS_INTERVAL": "0"}
+    proc = run_mpi(2, [PYTHON, __file__, "12", "-1"], env=env, timeout=250)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.count("trained 12 steps") == 2
+    assert proc.stderr.count("TimelineWarning") == 2, proc.stderr  # once per rank
+    assert "Training goes on" in proc.stderr
+    # rank 0's progress lines (stdout is a pipe here, so log lines, not a bar)
+    assert "[eddis] train step 12" in proc.stdout
+
+
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]))

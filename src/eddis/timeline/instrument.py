@@ -5,6 +5,8 @@
     reducer_waited(reducer, start_ns)        # the training thread waited in reducer.wait()
     on_shutdown(comm)                        # eddis.shutdown(): close, merge the profile
 
+and rank 0's automatic progress display (EDDIS_PROGRESS, see progress.py).
+
 Everything here costs nothing measurable when both are off: ``attach_reducer``
 adds no listener, ``reducer_waited`` returns after two global lookups.
 
@@ -26,8 +28,10 @@ from .events import ALLREDUCE, BUCKET_READY, PULL, PUSH, WAIT
 log = logging.getLogger("eddis.timeline")
 
 _profiler = None
+_progress = None
 _primary = None  # the reducer whose wait() closes profile rows
 _batch = [0]     # samples of the current step noted by module hooks (0: unknown)
+_size = 1
 
 
 def profiler():
@@ -42,8 +46,15 @@ def note_samples(n):
 
 def on_init(comm, rank, size, hostname=None, run_dir=None):
     """Start the timeline (EDDIS_TIMELINE; collective clock sync over ``comm``) and the profile."""
-    global _profiler
+    global _profiler, _progress, _size
     from .. import settings
+
+    _size = size
+    if rank == 0 and settings.get("EDDIS_PROGRESS") != "off":
+        from . import progress
+
+        _progress = progress.Progress(rank=rank, final_line=False)
+        progress._active = _progress if _progress.mode != "off" else None
 
     if settings.get("EDDIS_TIMELINE"):
         trace.start_timeline(rank=rank, comm=comm, metadata={"size": size, "hostname": hostname})
@@ -70,8 +81,13 @@ def on_init(comm, rank, size, hostname=None, run_dir=None):
 
 def on_shutdown(comm=None):
     """Close the timeline; close the profile and (collective) let rank 0 merge it."""
-    global _profiler, _primary
+    global _profiler, _primary, _progress
     trace.stop_timeline()
+    if _progress is not None:
+        from . import progress
+
+        _progress.close()
+        _progress = progress._active = None
     prof, _profiler = _profiler, None
     _primary = None
     if prof is not None:
@@ -85,16 +101,18 @@ def on_shutdown(comm=None):
 def attach_reducer(reducer):
     """Observe ``reducer``'s bucket events (only when the timeline or the profile is on)."""
     global _primary
+    if _primary is None and (_progress is not None or _profiler is not None):
+        _primary = reducer
     if trace._timeline is None and _profiler is None:
         return
-    if _primary is None:
-        _primary = reducer
     reducer.add_listener(_ReducerObserver(reducer))
 
 
 def reducer_waited(reducer, start_ns):
     """``reducer.wait()`` blocked the training thread from ``start_ns`` until now."""
     tl, prof = trace._timeline, _profiler
+    if reducer is _primary and _progress is not None:
+        _progress.update(samples=_samples(reducer) * _size)
     if tl is None and prof is None:
         return
     end_ns = trace.perf_ns()
@@ -103,8 +121,11 @@ def reducer_waited(reducer, start_ns):
     if prof is not None:
         prof.add_wait((end_ns - start_ns) / 1e9)
         if reducer is _primary:
-            samples = _batch[0] or max(1, int(round(getattr(reducer, "_step_weight", 1.0))))
-            prof.step_end(samples)
+            prof.step_end(_samples(reducer))
+
+
+def _samples(reducer):
+    return _batch[0] or max(1, int(round(getattr(reducer, "_step_weight", 1.0))))
 
 
 class _ReducerObserver:

@@ -8,6 +8,13 @@ seconds instead::
 
 ``EDDIS_PROGRESS``: auto (bar if stdout is a TTY, else log), bar, log, off.
 Ranks other than 0 show nothing.
+
+The runtime drives one automatically on rank 0 (one update per gradient
+synchronisation, samples = this rank's sample count x ranks); a training
+script adds the loss with ``report_loss(loss)`` and may set the total number
+of steps with ``set_total(n)``. A run shorter than one log interval prints
+nothing. A script can also make its own: ``with Progress(total=n) as p:
+p.update(samples=b, loss=l)``.
 """
 import sys
 import time
@@ -21,7 +28,8 @@ def _hms(seconds):
 class Progress:
     """``update(steps=1, samples=n, loss=x)`` once per step; ``close()`` at the end."""
 
-    def __init__(self, total=None, rank=0, desc="train", mode=None, interval=None, stream=None):
+    def __init__(self, total=None, rank=0, desc="train", mode=None, interval=None, stream=None,
+                 final_line=True):
         from .. import settings
 
         self.stream = stream if stream is not None else sys.stdout
@@ -35,6 +43,8 @@ class Progress:
         self.total = total
         self.desc = desc
         self.interval = settings.get("EDDIS_PROGRESS_INTERVAL") if interval is None else float(interval)
+        self.final_line = final_line
+        self.lines = 0
         self.steps = 0
         self.samples = 0
         self.loss = None
@@ -87,7 +97,11 @@ class Progress:
         return text
 
     def _log(self, now=None):
-        print(self.line(now), file=self.stream, flush=True)
+        self.lines += 1
+        try:
+            print(self.line(now), file=self.stream, flush=True)
+        except (OSError, ValueError):  # a closed or broken stdout must not stop training
+            self.mode = "off"
 
     def close(self):
         if self.mode == "off":
@@ -95,7 +109,7 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        else:
+        elif self.final_line or self.lines:
             elapsed = time.monotonic() - self._start
             if elapsed > 0:
                 self._rate = self.samples / elapsed
@@ -108,3 +122,21 @@ class Progress:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+_active = None  # the runtime's automatic progress display (rank 0), or None
+
+
+def report_loss(loss):
+    """Show ``loss`` (a number or a one-element tensor) in the runtime's progress display."""
+    if _active is not None:
+        _active.loss = float(loss)
+
+
+def set_total(steps):
+    """Total steps of the run, for the percentage and the ETA of the runtime's display."""
+    if _active is not None:
+        _active.total = int(steps)
+        if _active._bar is not None:
+            _active._bar.total = int(steps)
+            _active._bar.refresh()
