@@ -132,3 +132,18 @@ def test_report_names_rank_host_code_and_traceback():
     assert "ROOT CAUSE: rank 2 on host n2 was killed by signal 9 (SIGKILL)" in text
     assert "rank 0@n1 (exited with code 1)" in text and "stopped by the launcher: rank 1, 3" in text
     assert "no rank recorded a failure" in format_report(None, [], [], job_code=143)
+
+
+def test_gres_answer_is_shared_by_the_ranks_of_a_node(tmp_path):
+    from eddis.launch.rankenv import CachedGres
+
+    calls = []
+
+    def lookup(node):
+        calls.append(node)
+        return NODE_GRES.get(node)
+
+    for rank in (0, 1, 2, 3):  # two ranks per node, each its own CachedGres as in separate processes
+        info = from_slurm(het_task(rank), gres_lookup=CachedGres(str(tmp_path / "nodes"), lookup))
+        assert info.gpu_type == ("a100" if rank < 2 else "v100")
+    assert calls == ["n1", "n2"]

@@ -133,6 +133,37 @@ def node_gres(node, timeout=10.0):
     return None
 
 
+class CachedGres:
+    """node_gres with one scontrol call per node and job: the local ranks of a node share the
+    answer through a file in the run directory (under a lock), so a large job does not send
+    slurmctld one request per rank."""
+
+    def __init__(self, folder, lookup=node_gres):
+        self.folder = folder
+        self.lookup = lookup
+
+    def __call__(self, node):
+        import fcntl
+
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            cache = os.path.join(self.folder, f"{node}.gres")
+            with open(cache + ".lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    with open(cache) as f:
+                        return f.read() or None
+                except FileNotFoundError:
+                    pass
+                gres = self.lookup(node)
+                if gres is not None:
+                    with open(cache, "w") as f:
+                        f.write(gres)
+                return gres
+        except OSError:
+            return self.lookup(node)
+
+
 def local_gpu_models():
     """GPU model names from the NVIDIA driver's /proc files (no CUDA needed)."""
     models = []

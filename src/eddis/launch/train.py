@@ -97,7 +97,8 @@ def _dispatch(args):
         print("eddis-train: error: give the training script, e.g. eddis-train train.py", file=sys.stderr)
         return 2
 
-    from .rankenv import detect
+    from .rankenv import CachedGres, detect
+    from .report import LAUNCH_DIR, launch_key
 
     env = os.environ
     under_launcher = ("SLURM_PROCID" in env and "SLURM_STEP_ID" in env) or "OMPI_COMM_WORLD_RANK" in env
@@ -107,8 +108,9 @@ def _dispatch(args):
         return run_local(script, ranks=args.np or 1, memory=args.memory)
     from .supervisor import Supervisor
 
-    info = detect(env)
-    return Supervisor(script, info, jobsteps.run_dir()).run()
+    run_dir = jobsteps.run_dir()
+    info = detect(env, gres_lookup=CachedGres(str(run_dir / LAUNCH_DIR / launch_key(env) / "nodes")))
+    return Supervisor(script, info, run_dir).run()
 
 
 if __name__ == "__main__":
