@@ -1,0 +1,237 @@
+"""EDDIS vs torch DDP (and Horovod where installed) on the same models, side by side.
+
+    python bench/compare_torch.py [--ranks 2] [--rounds 2] [--models compute,comm]
+
+Launches ``mpirun -n RANKS`` once; inside, every contender trains the same
+model on the same per-rank batch, in interleaved rounds (so load from other
+processes on a shared machine hits all contenders alike), and the best round
+counts. Contenders: EDDIS sync (none/fp16/bf16 on the wire), EDDIS allreduce
+(MPI), torch DDP over gloo (plain, fp16 and bf16 compression hooks), and
+Horovod when ``import horovod.torch`` works. A second, single-process run
+measures EDDIS's overhead over plain PyTorch on one rank.
+
+Models: ``compute`` (a small CNN, 2.2 M parameters, 32 samples per rank:
+compute-bound) and ``comm`` (wide fully-connected layers, 25 M parameters =
+100 MB of fp32 gradients, 8 samples per rank: communication-bound).
+
+Every process runs with OMP_NUM_THREADS=1 and torch.set_num_threads(1). This
+is a benchmark, not a test: it prints samples/s and ratios, asserts nothing.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = {"compute": {"batch": 32, "warmup": 2, "steps": 10},
+          "comm": {"batch": 8, "warmup": 2, "steps": 6}}
+CONTENDERS = ["ddp", "ddp-fp16", "ddp-bf16", "eddis-sync", "eddis-sync-fp16", "eddis-sync-bf16",
+              "eddis-allreduce", "horovod", "horovod-fp16"]
+
+
+def build_model(name):
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    if name == "compute":
+        model = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(128 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10))
+        shape = (3, 32, 32)
+    else:
+        model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                              nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        shape = (1024,)
+    return model, shape
+
+
+def measure(contender, model_name, rank, size, comm_state):
+    import torch
+    import torch.nn.functional as F
+
+    cfg = MODELS[model_name]
+    model, shape = build_model(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    net, cleanup = model, None
+    if contender.startswith("ddp"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        net = DDP(model)
+        if contender == "ddp-fp16":
+            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif contender == "ddp-bf16":
+            net.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif contender.startswith("eddis"):
+        import eddis.torch as eddis
+
+        mode = "allreduce" if contender == "eddis-allreduce" else "sync"
+        comp = contender.split("-")[2] if contender.count("-") == 2 else "none"
+        opt = eddis.DistributedOptimizer(opt, named_parameters=model.named_parameters(), mode=mode,
+                                         compression=getattr(eddis.Compression, comp))
+        cleanup = opt.close
+    elif contender.startswith("horovod"):
+        import horovod.torch as hvd
+
+        comp = hvd.Compression.fp16 if contender.endswith("fp16") else hvd.Compression.none
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
+    x = torch.randn(cfg["batch"], *shape)
+    y = torch.randint(0, 10, (cfg["batch"],))
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    for _ in range(cfg["warmup"]):
+        step()
+    comm_state["barrier"]()
+    start = time.perf_counter()
+    for _ in range(cfg["steps"]):
+        step()
+    elapsed = comm_state["max"](time.perf_counter() - start)
+    if cleanup:
+        cleanup()
+    return cfg["steps"] * cfg["batch"] * size / elapsed
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    import eddis.torch as eddis
+    from eddis.core import allreduce_array, barrier
+    import numpy as np
+
+    torch.set_num_threads(1)
+    eddis.init()
+    rank, size = eddis.rank(), eddis.size()
+    contenders = args.contenders.split(",")
+    available = []
+    for c in contenders:
+        if c.startswith("horovod"):
+            try:
+                import horovod.torch as hvd
+                hvd.init()
+            except Exception as exc:
+                if rank == 0:
+                    print(f"SKIP {c}: horovod not available ({type(exc).__name__}: {exc})", flush=True)
+                continue
+        available.append(c)
+    if any(c.startswith("ddp") for c in available) and size > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=size)
+    elif size == 1:
+        available = [c for c in available if not c.startswith(("ddp", "horovod"))]
+    comm_state = {"barrier": barrier,
+                  "max": lambda t: float(allreduce_array(np.array([t]), op="max")[0])}
+    results = {}
+    for round_ in range(args.rounds):
+        for model_name in args.models.split(","):
+            for c in available + (["plain"] if size == 1 else []):
+                try:
+                    sps = measure(c, model_name, rank, size, comm_state) if c != "plain" else \
+                        measure_plain(model_name, comm_state)
+                except Exception as exc:
+                    if rank == 0:
+                        print(f"FAIL {c} {model_name}: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                results.setdefault(f"{c}|{model_name}", []).append(sps)
+                if rank == 0:
+                    print(f"round {round_} {model_name:8s} {c:16s} {sps:10.1f} samples/s", flush=True)
+    if rank == 0:
+        print("RESULTS " + json.dumps(results), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    eddis.shutdown()
+
+
+def measure_plain(model_name, comm_state):
+    import torch
+    import torch.nn.functional as F
+
+    cfg = MODELS[model_name]
+    model, shape = build_model(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(cfg["batch"], *shape), torch.randint(0, 10, (cfg["batch"],))
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        if i == cfg["warmup"]:
+            start = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return cfg["steps"] * cfg["batch"] / (time.perf_counter() - start)
+
+
+def launch(ranks, args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    contenders = args.contenders if ranks > 1 else "eddis-sync"
+    cmd = ["mpirun", "--oversubscribe", "-n", str(ranks), sys.executable, __file__, "--worker",
+           "--port", str(port), "--rounds", str(args.rounds), "--models", args.models,
+           "--contenders", contenders]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    results = {}
+    for line in proc.stdout:
+        if line.startswith("RESULTS "):
+            results = json.loads(line[8:])
+        else:
+            print("   " + line.rstrip(), flush=True)
+    proc.wait()
+    return {k: max(v) for k, v in results.items()}
+
+
+def table(best, models, ranks):
+    lines = [f"\n{ranks} ranks, samples/s (best of rounds); ratio to DDP plain and to the best "
+             "compressed DDP", "", "| model | contender | samples/s | vs DDP | vs best compressed DDP |",
+             "|---|---|---|---|---|"]
+    for m in models:
+        ddp = best.get(f"ddp|{m}")
+        ddp_c = max([best[k] for k in (f"ddp-fp16|{m}", f"ddp-bf16|{m}") if k in best] or [0]) or None
+        for c in CONTENDERS:
+            v = best.get(f"{c}|{m}")
+            if v is None:
+                continue
+            r1 = f"{v / ddp:.2f}x" if ddp else "-"
+            r2 = f"{v / ddp_c:.2f}x" if ddp_c else "-"
+            lines.append(f"| {m} | {c} | {v:.1f} | {r1} | {r2} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--models", default="compute,comm")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--skip-single", action="store_true", help="skip the single-rank overhead run")
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    models = args.models.split(",")
+    print(f"== {args.ranks} ranks ==", flush=True)
+    best = launch(args.ranks, args)
+    print(table(best, models, args.ranks))
+    if not args.skip_single:
+        print("\n== 1 rank: EDDIS overhead over plain PyTorch ==", flush=True)
+        single = launch(1, args)
+        print("\n| model | plain torch samples/s | EDDIS 1 rank samples/s | overhead |\n|---|---|---|---|")
+        for m in models:
+            plain, ours = single.get(f"plain|{m}"), single.get(f"eddis-sync|{m}")
+            if plain and ours:
+                print(f"| {m} | {plain:.1f} | {ours:.1f} | {100 * (plain / ours - 1):+.1f}% |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
