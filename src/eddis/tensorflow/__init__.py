@@ -38,6 +38,8 @@ from . import callbacks, data  # noqa: E402
 from .compression import Compression  # noqa: E402
 from .data import local_batch_size, shard, shard_batches  # noqa: E402
 from .gradient_tape import DistributedGradientTape  # noqa: E402
+from .hetero import (configure_progress, final_model, global_step, progress_counts,  # noqa: E402
+                     reset_progress, save_model, should_stop)
 from .ops import (Adasum, Average, Max, Min, ReduceOp, Sum, allgather, allgather_object,  # noqa: E402
                   allreduce, barrier, broadcast, broadcast_object, broadcast_variables)
 from .optimizer import DistributedOptimizer  # noqa: E402
@@ -66,5 +68,6 @@ __all__ = [
     "DistributedGradientTape", "DistributedOptimizer", "Compression", "Average", "Sum", "Min",
     "Max", "Adasum", "ReduceOp", "broadcast_variables", "allreduce", "broadcast", "allgather",
     "allgather_object", "broadcast_object", "barrier", "callbacks", "data", "shard",
-    "shard_batches", "local_batch_size",
+    "shard_batches", "local_batch_size", "configure_progress", "should_stop", "global_step",
+    "progress_counts", "reset_progress", "final_model", "save_model",
 ]

@@ -125,3 +125,76 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         if epoch + 1 == math.ceil(self.warmup_epochs) and self.verbose and runtime.rank() == 0:
             sys.stdout.write(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                              f"{self.initial_lr:g}.\n")
+
+
+class ProgressControlCallback(keras.callbacks.Callback):
+    """Drive the global learning counter and the step timeline from ``model.fit``.
+
+    Before every step it calls ``eddis.should_stop()`` (the first time in
+    ``on_train_begin``, then at the end of each step for the next one) and ends
+    ``fit`` when the job's iterations are used up, so faster ranks do more steps
+    (easgd), or all ranks of a lockstep unit stop together (sync, hybrid). Give
+    ``fit`` enough data (``dataset.repeat()``); ``total``, ``chunk`` and
+    ``staleness`` default to EDDIS_TOTAL_ITERATIONS, EDDIS_CLAIM_CHUNK and
+    EDDIS_STALENESS. Each step is recorded as a ``step`` span on the timeline
+    (EDDIS_TIMELINE) and, with ``samples_per_step``, counted in the profile
+    (EDDIS_PROFILE). ``steps`` holds the steps this rank ran.
+
+    One ``fit`` call per configured counter: it is reset at the end of training,
+    so another ``fit`` with this callback starts a new count.
+    """
+
+    def __init__(self, total=None, chunk=None, staleness=None, samples_per_step=None, record=False):
+        super().__init__()
+        self.total = total
+        self.chunk = chunk
+        self.staleness = staleness
+        self.samples_per_step = samples_per_step
+        self.record = record
+        self.steps = 0
+        self._t0 = None
+
+    def _stop_if_done(self):
+        from .hetero import should_stop
+
+        if should_stop():
+            self.model.stop_training = True
+            return True
+        return False
+
+    def on_train_begin(self, logs=None):
+        from .hetero import configure_progress
+
+        from ..core import progress
+
+        runtime._require("ProgressControlCallback")
+        self.steps = 0
+        previous = progress.controller()
+        if previous is not None and previous.finished:  # an earlier fit used it up
+            progress.reset()
+        configure_progress(total=self.total, chunk=self.chunk, staleness=self.staleness,
+                           record=self.record)
+        self._stop_if_done()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        from .. import timeline
+
+        if self.samples_per_step:
+            from ..timeline import instrument
+
+            instrument.note_samples(self.samples_per_step)
+        self._t0 = timeline.now_ns() if timeline.enabled() else None
+
+    def on_train_batch_end(self, batch, logs=None):
+        from .. import timeline
+
+        if self._t0 is not None:
+            timeline.complete(timeline.STEP, self._t0, args={"step": self.steps})
+        self.steps += 1
+        self._stop_if_done()
+
+    def on_train_end(self, logs=None):
+        from ..core import progress
+
+        ctl = progress.controller()
+        self.steps_done = None if ctl is None else ctl.steps_done

@@ -77,12 +77,18 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
                           "EDDIS buckets by size; set bucket_bytes or EDDIS_BUCKET_BYTES instead")
     if process_set is not None:
         raise ConfigError("process sets are not supported by EDDIS")
+    mode = settings.get("EDDIS_MODE") if mode is None else str(mode).lower()
+    if mode in ("easgd", "hybrid"):
+        raise ConfigError(f"mode {mode!r} moves the parameters after the optimizer's update, which a "
+                          "tape cannot do: in a custom loop wrap the optimizer instead, "
+                          "optimizer = eddis.DistributedOptimizer(opt, mode=...), and apply the plain "
+                          "tape's gradients with optimizer.apply_gradients(...)")
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__),
                {"__module__": gradtape.__class__.__module__})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(gradtape.__dict__)
     wrapped._eddis_config = {
-        "mode": settings.get("EDDIS_MODE") if mode is None else str(mode).lower(),
+        "mode": mode,
         "codec": codec_of(compression),
         "op": op.name,
         "bucket_bytes": settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes),

@@ -20,10 +20,11 @@ the still-scaled gradients before the loss-scale logic sees them.
 ``mixed_bfloat16`` needs no loss scaling.
 """
 import keras
+import numpy as np
 import tensorflow as tf
 
 from .. import settings
-from ..core import runtime
+from ..core import hetero, progress, runtime
 from ..errors import ConfigError, UsageError
 from .compression import codec_of
 from .ops import Average, resolve_op
@@ -33,8 +34,10 @@ from .reduction import GradientReducer
 class _Config:
     """Settings of one wrapped optimizer (kept off Keras's attribute tracking)."""
 
-    def __init__(self, mode, codec, op, bucket_bytes):
+    def __init__(self, mode, codec, op, bucket_bytes, balance):
         self.mode = mode
+        self.balance = balance
+        self.hetero = None
         self.codec = codec
         self.op = op
         self.bucket_bytes = bucket_bytes
@@ -56,12 +59,25 @@ class _DistributedOptimizer:
         else:
             trainable_variables = list(trainable_variables)
             variables = trainable_variables
-        if grads:
-            count = self._eddis.sample_count
-            # a number is set on the reducer from Python (it may change between steps
-            # of a traced train function); a tensor or variable is read in the graph
-            grads = self._eddis_reducer_for(variables).reduce(grads, count if _is_tensor(count) else None)
-        return super(_DistributedOptimizer, self).apply(grads, trainable_variables)
+        if not grads:
+            return super(_DistributedOptimizer, self).apply(grads, trainable_variables)
+        reducer = self._eddis_reducer_for(variables)
+        state = self._eddis.hetero
+        count = self._eddis.sample_count
+        # a number is set on the reducer from Python (it may change between steps
+        # of a traced train function); a tensor or variable is read in the graph
+        count = count if _is_tensor(count) else None
+        if tf.executing_eagerly():
+            if state.needs_centre:
+                state.init_centre()
+            grads = reducer.reduce(grads, count)
+            result = super(_DistributedOptimizer, self).apply(grads, trainable_variables)
+            state.after_step()
+            return result
+        token = _graph_init_centre(state, reducer, variables) if state.averager is not None else None
+        grads = reducer.reduce(grads, count, depends_on=token)
+        super(_DistributedOptimizer, self).apply(grads, trainable_variables)
+        _graph_after_step(state, reducer, variables)
 
     def _eddis_reducer_for(self, variables):
         cfg = self._eddis
@@ -72,6 +88,11 @@ class _DistributedOptimizer:
             cfg.reducer = GradientReducer(variables, cfg.mode, cfg.codec, cfg.op, cfg.bucket_bytes,
                                           "DistributedOptimizer")
             cfg.variables_key = key
+            cfg.hetero = hetero.HeteroStep(cfg.reducer.plan, cfg.reducer.reducer, cfg.mode, cfg.balance,
+                                           gather=_gatherer(cfg.reducer.plan, variables),
+                                           scatter=_scatterer(cfg.reducer.plan, variables),
+                                           measure_first_step=False)  # it traces the graph
+            cfg.reducer.hooks = cfg.hetero
             if cfg.sample_count is not None and not _is_tensor(cfg.sample_count):
                 cfg.reducer.set_sample_count(cfg.sample_count)
         return cfg.reducer
@@ -87,6 +108,17 @@ class _DistributedOptimizer:
             reducer.set_sample_count(samples)
 
     @property
+    def hetero(self):
+        """The :class:`eddis.core.hetero.HeteroStep` (None before the first step)."""
+        return self._eddis.hetero
+
+    def final_model(self):
+        """Collective: load the job's final model into the variables on every rank
+        (easgd/hybrid: the centre variable; sync/allreduce: nothing to do)."""
+        if self._eddis.hetero is not None:
+            self._eddis.hetero.final_model()
+
+    @property
     def reducer(self):
         """The core reducer (statistics, events); None before the first step."""
         r = self._eddis.reducer
@@ -96,6 +128,87 @@ class _DistributedOptimizer:
         """Stop the communication threads (eddis.shutdown() does it too)."""
         if self._eddis.reducer is not None:
             self._eddis.reducer.close()
+
+
+def _gatherer(plan, variables):
+    def gather(flat):
+        for slot, v in zip(plan.slots, variables):
+            flat[slot.start:slot.start + slot.count] = np.asarray(v.numpy(), dtype=np.float32).reshape(-1)
+    return gather
+
+
+def _scatterer(plan, variables):
+    def scatter(flat):
+        for slot, v in zip(plan.slots, variables):
+            v.assign(flat[slot.start:slot.start + slot.count].reshape(slot.shape).astype(_np_dtype(v)))
+    return scatter
+
+
+def _np_dtype(variable):
+    return tf.as_dtype(variable.dtype).as_numpy_dtype
+
+
+def _values(variables):
+    """The variables' current values (ordered after earlier updates by TF's
+    automatic control dependencies on the same resources)."""
+    return [tf.convert_to_tensor(v.value if isinstance(v, keras.Variable) else v) for v in variables]
+
+
+def _to_flat(plan, flat, arrays):
+    for slot, a in zip(plan.slots, arrays):
+        flat[slot.start:slot.start + slot.count] = np.asarray(a, dtype=np.float32).reshape(-1)
+    return flat
+
+
+def _graph_init_centre(state, reducer, variables):
+    """Graph ops: on the first step, rank 0's variables become the centre (collective)."""
+    def needs():
+        return np.bool_(state.needs_centre)
+
+    def init(*arrays):
+        state.init_centre(_to_flat(reducer.plan, np.empty(reducer.plan.total, np.float32), arrays))
+        return np.int64(1)
+
+    need = tf.numpy_function(needs, [], tf.bool, stateful=True, name="eddis_needs_centre")
+    need.set_shape([])
+    return tf.cond(need,
+                   lambda: tf.numpy_function(init, _values(variables), tf.int64, stateful=True,
+                                             name="eddis_init_centre"),
+                   lambda: tf.constant(0, tf.int64))
+
+
+def _graph_after_step(state, reducer, variables):
+    """Graph ops after the update: the elastic exchange when due, then end the step."""
+    plan = reducer.plan
+    dtypes = [tf.as_dtype(v.dtype) for v in variables]
+    if state.averager is not None:
+        def due():
+            return np.bool_(state.exchange_due())
+
+        def exchange(*arrays):
+            flat = state.exchange_flat(_to_flat(plan, state.flat, arrays))
+            return [flat[s.start:s.start + s.count].reshape(s.shape).astype(d.as_numpy_dtype)
+                    for s, d in zip(plan.slots, dtypes)]
+
+        def exchange_and_assign():
+            moved = tf.numpy_function(exchange, _values(variables), dtypes, stateful=True,
+                                      name="eddis_elastic_exchange")
+            assigns = [v.assign(tf.reshape(m, v.shape)) for v, m in zip(variables, moved)]
+            with tf.control_dependencies(assigns):
+                return tf.constant(1, tf.int64)
+
+        is_due = tf.numpy_function(due, [], tf.bool, stateful=True, name="eddis_exchange_due")
+        is_due.set_shape([])
+        done = tf.cond(is_due, exchange_and_assign, lambda: tf.constant(0, tf.int64))
+        after = [done]
+    else:
+        after = _values(variables)  # read after the update: end_step follows it
+
+    def end_step(*_):
+        state.end_step()
+        return np.int64(state.step)
+
+    return tf.numpy_function(end_step, after, tf.int64, stateful=True, name="eddis_end_step")
 
 
 def _is_tensor(value):
@@ -110,7 +223,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          sparse_as_dense=True, backward_passes_per_step=1, op=Average,
                          gradient_predivide_factor=1.0, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=None, mode=None, bucket_bytes=None,
-                         sample_count=None):
+                         sample_count=None, balance=None):
     """Make ``optimizer`` (a Keras 3 optimizer) reduce gradients over all ranks.
 
     Horovod's signature; EDDIS adds ``mode`` ("sync" through SMB, "allreduce"
@@ -156,7 +269,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     object.__setattr__(optimizer, "__class__", cls)
     config = _Config(settings.get("EDDIS_MODE") if mode is None else str(mode).lower(),
                      codec_of(compression), op.name,
-                     settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes))
+                     settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes),
+                     balance)
     config.sample_count = sample_count
     object.__setattr__(optimizer, "_eddis", config)
+    # the lockstep units of the global learning counter follow the mode; the
+    # counter may be configured before the first step builds the HeteroStep
+    progress.set_mode_hint(config.mode)
     return optimizer

@@ -60,6 +60,7 @@ class GradientReducer:
         self.reducer = make_reducer(mode, self.plan, compression=codec, op=op,
                                     name=f"tensorflow.{next(_ids)}")
         self.mode = self.reducer.mode
+        self.hooks = None  # an eddis.core.hetero.HeteroStep (before_push, before_sync)
 
     @property
     def closed(self):
@@ -73,6 +74,8 @@ class GradientReducer:
 
     # ------------------------------------------------------------ numpy side
     def _stage(self, k, weight, arrays):
+        if k == 0 and self.hooks is not None:
+            self.hooks.before_push()
         if weight is not None:
             self.reducer.set_weight(float(weight))
         plan = self.plan
@@ -81,15 +84,19 @@ class GradientReducer:
         self.reducer.mark_ready(k)
 
     def _finish(self):
+        if self.hooks is not None:
+            self.hooks.before_sync()
         self.reducer.wait()
         return self.plan.buffer.copy()
 
     # ------------------------------------------------------------ tensor side
-    def reduce(self, grads, sample_count=None):
+    def reduce(self, grads, sample_count=None, depends_on=None):
         """Reduced gradients (a list, ``None`` where ``grads`` has ``None``).
 
         ``sample_count``: this rank's weight in the average for this step (a number
         or a scalar tensor, e.g. the local batch size); None keeps the last one.
+        ``depends_on``: a tensor that must be computed before the first bucket goes
+        (graph mode).
         """
         grads = [None if g is None else _dense(g) for g in grads]
         if len(grads) != len(self.shapes):
@@ -99,7 +106,7 @@ class GradientReducer:
         if tf.executing_eagerly():
             flat = self._reduce_eagerly(staged, sample_count)
         else:
-            flat = self._reduce_in_graph(staged, sample_count)
+            flat = self._reduce_in_graph(staged, sample_count, depends_on)
         out = []
         for g, slot in zip(grads, self.plan.slots):
             if g is None:
@@ -115,8 +122,8 @@ class GradientReducer:
             self._stage(k, weight if k == 0 else None, [staged[i].numpy() for i in bucket.params])
         return tf.convert_to_tensor(self._finish())
 
-    def _reduce_in_graph(self, staged, sample_count):
-        token = None
+    def _reduce_in_graph(self, staged, sample_count, depends_on=None):
+        token = depends_on
         for k, bucket in enumerate(self.plan.buckets):
             inputs = [staged[i] for i in bucket.params]
             with_weight = k == 0 and sample_count is not None

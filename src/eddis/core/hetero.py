@@ -1,0 +1,233 @@
+"""Framework-agnostic step driver for the heterogeneity features.
+
+What a framework adapter's optimizer wrapper needs for ``easgd``, ``hybrid``,
+balanced ``sync``, the simulated slowdown and progress control, without
+knowing the framework: the adapter gives the bucket plan, the reducer and two
+functions that copy its parameters to and from a flat float32 vector in plan
+layout (``gather(flat)``, ``scatter(flat)``), and calls the hooks:
+
+    state = HeteroStep(plan, reducer, mode, balance, gather, scatter)
+    state.before_push()     # before the step's first gradient bucket is marked ready
+    state.before_sync()     # the step's gradients are final, before reducer.wait()
+    ...                     # the wrapped optimizer's own update
+    state.after_step()      # easgd/hybrid exchange when due, rebalancing, next step
+
+Adapters that cannot call Python between the update and the next step as one
+unit (TensorFlow graphs) split ``after_step`` into ``exchange_due()``,
+``exchange_flat(flat)`` and ``end_step()``.
+
+The algorithms themselves are the core's: :mod:`eddis.core.easgd`
+(``ElasticAverager``), :mod:`eddis.core.hybrid` (group reducer and
+``exchange_group``), :mod:`eddis.core.balance` (``Balancer``),
+:mod:`eddis.core.simulate` (``Slowdown``) and :mod:`eddis.core.progress`.
+``should_stop()`` here wraps ``progress.should_stop()`` and notes when the
+loop's waiting ended, so that waiting is not measured as compute.
+"""
+import threading
+import time
+
+import numpy as np
+
+from .. import settings
+from ..errors import ConfigError, UsageError
+from . import balance as _balance
+from . import collectives, easgd, hybrid, progress, runtime, simulate
+
+_current = [None]   # the newest HeteroStep (for module-level helpers)
+_loop_mark = [0.0]  # when should_stop() last returned
+_names = [0]
+
+
+def current():
+    """The newest HeteroStep, or None."""
+    return _current[0]
+
+
+def should_stop():
+    """progress.should_stop(), noting when the loop's wait ended (not compute time)."""
+    try:
+        return progress.should_stop()
+    finally:
+        _loop_mark[0] = time.perf_counter()
+
+
+class HeteroStep:
+    """Heterogeneity hooks of one distributed optimizer (see the module docstring)."""
+
+    def __init__(self, plan, reducer, mode=None, balance=None, gather=None, scatter=None,
+                 measure_first_step=True):
+        """``measure_first_step=False``: the first step's compute is not a measure of
+        this rank's speed (a graph framework traces and compiles in it), so the
+        simulated slowdown neither sleeps in it nor learns from it."""
+        self.mode = str(settings.get("EDDIS_MODE") if mode is None else mode).lower()
+        balance = settings.get("EDDIS_BALANCE") if balance is None else bool(balance)
+        self.rank, self.size = runtime.rank(), runtime.size()
+        self.group, self.num_groups = runtime.group(), runtime.num_groups()
+        self.plan = plan
+        self.reducer = reducer
+        self.gather_fn = gather
+        self.scatter_fn = scatter
+        self.step = 0
+        self.slowdown = simulate.from_settings(self.rank, self.group, self.size, self.num_groups)
+        self._lock = threading.Lock()
+        self._pushed_step = -1
+        self._compute_estimate = None
+        self._slept_this_step = 0.0
+        self._last = time.perf_counter()
+        self._measure_first = bool(measure_first_step)
+        self.global_batch = None
+        self.balancer = None
+        if balance:
+            if self.mode not in ("sync", "allreduce"):
+                raise ConfigError(f"balance=True balances synchronous training (mode 'sync' or "
+                                  f"'allreduce'), not mode {self.mode!r}: easgd and hybrid already let "
+                                  "faster ranks do more iterations. Drop balance or use mode='sync'.")
+            self.balancer = _balance.Balancer(self.size, self.rank)
+        self.averager = None
+        self.group_comm = None
+        self.exchanging = False
+        self._centre_ready = False
+        self.flat = np.empty(plan.total, dtype=np.float32)
+        if self.mode in ("easgd", "hybrid") and self.size > 1:
+            self._setup_averaging()
+        progress.set_mode_hint(self.mode)
+        _current[0] = self
+
+    def _setup_averaging(self):
+        if self.mode == "hybrid":
+            members = hybrid.group_members()
+            hybrid.check_groups(members)
+            worker, workers = self.group, len(members)
+            self.group_comm = hybrid.group_comm()
+        else:
+            worker, workers = self.rank, self.size
+        _names[0] += 1
+        name = collectives.broadcast_object(f"eddis.{self.mode}.centre.h{_names[0]}", root=0,
+                                            what=f"{self.mode} set-up")
+        self.averager = easgd.ElasticAverager(runtime.smb_client(), self.plan.total, worker, workers,
+                                              alpha=hybrid.default_alpha(workers), name=name)
+        self.exchanging = self.group_comm is None or self.group_comm.Get_rank() == 0
+
+    # ------------------------------------------------------------ parameters <-> flat
+    def gather(self):
+        if self.gather_fn is None:
+            raise UsageError("this HeteroStep was built without a gather function")
+        self.gather_fn(self.flat)
+        return self.flat
+
+    def scatter(self, flat):
+        if self.scatter_fn is None:
+            raise UsageError("this HeteroStep was built without a scatter function")
+        self.scatter_fn(flat)
+
+    # ------------------------------------------------------------ hooks
+    def _compute_start(self):
+        return max(self._last, _loop_mark[0])
+
+    def before_push(self):
+        """Before this step's first gradient bucket is marked ready: the simulated
+        slowdown sleeps here, so a slowed rank's gradients really leave late."""
+        if not self.slowdown.active or (self.step == 0 and not self._measure_first):
+            return
+        with self._lock:
+            if self._pushed_step == self.step:
+                return
+            self._pushed_step = self.step
+        estimate = self._compute_estimate
+        if estimate is None:  # first step: what it computed so far
+            estimate = time.perf_counter() - self._compute_start()
+        self._slept_this_step = self.slowdown.stretch(estimate)
+
+    def before_sync(self, flat=None):
+        """The step's gradients are final. ``flat``: the parameters in plan layout, when
+        the adapter has them at hand (else ``gather`` is used the first time, to
+        initialize the centre variable)."""
+        now = time.perf_counter()
+        elapsed = now - self._compute_start()
+        if self.slowdown.active and (self.step > 0 or self._measure_first):
+            if self._pushed_step != self.step:  # no bucket was pushed (no gradients): sleep now
+                self._pushed_step = self.step
+                self._slept_this_step = self.slowdown.stretch(elapsed)
+                elapsed += self._slept_this_step
+            self._compute_estimate = max(0.0, elapsed - self._slept_this_step)
+            self._slept_this_step = 0.0
+        if self.balancer is not None and self.global_batch is not None:
+            self.balancer.record(self.balancer.samples_for(self.step), elapsed)
+        if self.averager is not None and not self._centre_ready:
+            self.init_centre(flat)
+
+    def init_centre(self, flat=None):
+        """Collective: rank 0's parameters become the centre variable."""
+        if self.rank == 0:
+            self.averager.initialize(self.gather() if flat is None else flat)
+        collectives.barrier(what=f"{self.mode}: centre variable initialization")
+        self._centre_ready = True
+
+    @property
+    def needs_centre(self):
+        return self.averager is not None and not self._centre_ready
+
+    def exchange_due(self):
+        return self.averager is not None and self.averager.due(self.step)
+
+    def exchange_flat(self, flat):
+        """The elastic exchange on ``flat`` (plan layout, float32, moved in place)."""
+        if self.group_comm is None:
+            self.averager.exchange(flat)
+        else:
+            hybrid.exchange_group(self.averager, flat, self.group_comm)
+        return flat
+
+    def end_step(self):
+        if self.balancer is not None:
+            self.balancer.end_step(self.step)
+        self.step += 1
+        if self.global_batch is not None:
+            self._set_weight(self.step)
+        self._last = time.perf_counter()
+
+    def after_step(self):
+        """After the local update: exchange when due, then end the step."""
+        if self.exchange_due():
+            self.scatter(self.exchange_flat(self.gather()))
+        self.end_step()
+
+    # ------------------------------------------------------------ batches
+    def sizes_for(self, step, global_batch):
+        if self.balancer is not None:
+            return self.balancer.sizes_for(step, global_batch)
+        if self.global_batch is None:
+            self.global_batch = int(global_batch)
+        return _balance.balanced_sizes(int(global_batch), [1.0] * self.size)
+
+    def serve(self, step, global_batch):
+        """The slice of global batch ``step`` this rank computes; sets its weight."""
+        sizes = self.sizes_for(step, global_batch)
+        self.global_batch = int(global_batch)
+        if self.balancer is not None:
+            self.balancer.note_served(step)
+        if step == self.step:
+            self._set_weight(step)
+        start = sum(sizes[:self.rank])
+        return slice(start, start + sizes[self.rank])
+
+    def _set_weight(self, step):
+        if self.reducer.in_progress:
+            return  # gradients of this step are already on their way; end_step sets the next
+        self.reducer.set_weight(self.sizes_for(step, self.global_batch)[self.rank])
+
+    # ------------------------------------------------------------ the final model
+    def final_model(self):
+        """Collective: make every rank's parameters the job's final model
+        (easgd/hybrid: the centre variable; otherwise nothing to do)."""
+        if self.averager is None:
+            return
+        if not self._centre_ready:
+            raise UsageError(f"mode {self.mode}: no training step was taken, so there is no centre "
+                             "variable yet; ask for the final model after training")
+        if self.exchanging:
+            self.averager.exchange(self.gather())   # the last local steps count too
+        self.averager.finish()
+        collectives.barrier(what=f"{self.mode}: final model (every worker's last exchange)")
+        self.scatter(self.averager.read_center(out=self.flat))
+        collectives.barrier(what=f"{self.mode}: final model (centre read)")
