@@ -9,8 +9,9 @@ The summary table, per rank (after ``skip`` warm-up steps):
   overlaps compute, so it is not part of the 100);
 - ``compute samples/s``: samples / compute time: the speed of the rank itself.
 
-The straggler ranking orders ranks by compute speed, slowest first; ``slowdown``
-is the median compute speed over the rank's own. In synchronous training every
+The straggler ranking orders ranks by the compute speed of their median step
+(samples / compute time of that step; robust to one-off interference), slowest
+first; ``slowdown`` is the median of all ranks' speeds over the rank's own. In synchronous training every
 rank has the same step time (all wait for the slowest), so the straggler shows
 up as the rank with the highest compute share and the least wait. Bandwidth is
 bytes sent and received over communication busy time.
@@ -46,6 +47,11 @@ def summarize(ranks, skip=None):
         samples = int(np.sum(d["samples"][sl]))
         moved = int(np.sum(d["bytes_sent"][sl]) + np.sum(d["bytes_recv"][sl]))
         steps = max(n - k, 0)
+        per_step = d["t_compute"][sl]
+        ok = per_step > 0
+        # The median step resists one-off interference (a busy neighbour, a GC pause,
+        # an evaluation pass) that a sum would charge to the rank's speed.
+        typical = float(np.median(d["samples"][sl][ok] / per_step[ok])) if np.any(ok) else 0.0
         rows.append({
             "rank": rank, "gpu_type": str(d["attrs"].get("gpu_type", "?")),
             "node": str(d["attrs"].get("node", d["attrs"].get("host", "?"))),
@@ -57,14 +63,16 @@ def summarize(ranks, skip=None):
             "wait_pct": 100.0 * t_wait / t_step if t_step > 0 else 0.0,
             "comm_pct": 100.0 * t_comm / t_step if t_step > 0 else 0.0,
             "compute_samples_per_s": samples / t_compute if t_compute > 0 else 0.0,
+            "typical_compute_samples_per_s": typical,
             "bytes": moved,
             "bandwidth_gb_s": moved / t_comm / 1e9 if t_comm > 0 else 0.0,
         })
-    speeds = [r["compute_samples_per_s"] for r in rows if r["compute_samples_per_s"] > 0]
+    speeds = [r["typical_compute_samples_per_s"] for r in rows if r["typical_compute_samples_per_s"] > 0]
     median = float(np.median(speeds)) if speeds else 0.0
     for r in rows:
-        r["slowdown"] = median / r["compute_samples_per_s"] if r["compute_samples_per_s"] > 0 else float("inf")
-    ranking = sorted(rows, key=lambda r: r["compute_samples_per_s"])
+        speed = r["typical_compute_samples_per_s"]
+        r["slowdown"] = median / speed if speed > 0 else float("inf")
+    ranking = sorted(rows, key=lambda r: r["typical_compute_samples_per_s"])
     by_type = {}
     for r in rows:
         t = by_type.setdefault(r["gpu_type"], {"gpu_type": r["gpu_type"], "ranks": 0, "samples": 0,
@@ -111,13 +119,14 @@ def format_table(summary, run_attrs=None):
         lines.append(f"  {g['gpu_type']:<8} {g['ranks']} ranks  {g['samples_per_s']:.1f} samples/s  "
                      f"{g['per_rank_compute_samples_per_s']:.1f} compute samples/s per rank")
     lines.append("")
-    lines.append("straggler ranking (slowest compute first; slowdown = median speed / rank speed):")
+    lines.append("straggler ranking (slowest first, by the median step's compute speed; "
+                 "slowdown = median of the ranks / rank):")
     by_rank = {r["rank"]: r for r in summary["ranks"]}
     for i, rank in enumerate(summary["ranking"], 1):
         r = by_rank[rank]
         flag = "  <- straggler" if i == 1 and r["slowdown"] > 1.2 else ""
-        lines.append(f"  {i}. rank {rank} ({r['gpu_type']}, {r['node']}): {r['compute_samples_per_s']:.1f} "
-                     f"compute samples/s, slowdown {r['slowdown']:.2f}x{flag}")
+        lines.append(f"  {i}. rank {rank} ({r['gpu_type']}, {r['node']}): {r['typical_compute_samples_per_s']:.1f} "
+                     f"compute samples/s in a typical step, slowdown {r['slowdown']:.2f}x{flag}")
     return "\n".join(lines)
 
 
