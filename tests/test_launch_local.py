@@ -160,3 +160,28 @@ def test_usr1_reaches_the_trainer_without_stopping_it(tmp_path):
         if sup.poll() is None:
             sup.kill()
     assert sup.returncode == 0 and "checkpoint on USR1" in out
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_everything(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the whole foreground process group."""
+    out = tmp_path / "out.txt"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(["eddis-train", "--local", "-n", "2", str(TRAINER), "--steps", "3000",
+                                 "--step-seconds", "0.1"], env=local_env(tmp_path), cwd=str(REPO),
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = __import__("time").monotonic() + 90
+            while not re.search(r"^\[1@\S+\] step 2 ", out.read_text(), re.M):
+                assert proc.poll() is None and __import__("time").monotonic() < deadline, out.read_text()
+                __import__("time").sleep(0.2)
+            os.killpg(proc.pid, __import__("signal").SIGINT)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, __import__("signal").SIGKILL)
+    text = out.read_text()
+    assert code != 0, text
+    assert "ROOT CAUSE" not in text  # an interrupt is not a rank failure
+    assert "step 2999" not in text
+    assert_clean(tmp_path)

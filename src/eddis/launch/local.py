@@ -18,7 +18,7 @@ import time
 from .. import settings
 from ..errors import ConfigError
 from . import jobsteps
-from .report import LAUNCH_DIR, format_report, root_cause
+from .report import LAUNCH_DIR, STOP_FILE, format_report, request_stop, root_cause
 
 SERVER_STOP_SECONDS = 10.0
 _STRIPPED_PREFIXES = ("SLURM_", "SLURMD_", "PMIX_", "PMI_", "OMPI_COMM_WORLD_")
@@ -77,33 +77,44 @@ def run_local(argv, ranks=1, memory=None):
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     server = mpirun = None
+    stop_file = run_dir / LAUNCH_DIR / STOP_FILE
     try:
         print(f"eddis-train: run dir {run_dir}; starting smb-server", file=sys.stderr, flush=True)
-        server = subprocess.Popen(server_command(run_dir, memory), env=env, stdin=subprocess.DEVNULL)
+        # Own sessions: a Ctrl-C reaches only us; we stop the ranks and then the server in order.
+        server = subprocess.Popen(server_command(run_dir, memory), env=env, stdin=subprocess.DEVNULL,
+                                  start_new_session=True)
         if jobsteps.wait_servers(run_dir, 1, watch_pids=[server.pid]) != 0:
             return 1
         if stop_signal:
             return 128 + stop_signal[0]
-        mpirun = subprocess.Popen(mpirun_command(ranks, argv), env=env, stdin=subprocess.DEVNULL)
-        forwarded = 0
+        mpirun = subprocess.Popen(mpirun_command(ranks, argv), env=env, stdin=subprocess.DEVNULL,
+                                  start_new_session=True)
+        stop_deadline = None
         while True:
             try:
                 code = mpirun.wait(timeout=0.25)
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if len(stop_signal) > forwarded:
-                mpirun.send_signal(signal.SIGTERM)  # mpirun passes it to the ranks
-                forwarded = len(stop_signal)
-            if server.poll() is not None:
+            if stop_signal and stop_deadline is None:
+                # The supervisors watch this file and stop their trainers gracefully; mpirun
+                # then ends by itself. SIGTERM to mpirun only if that takes too long.
+                request_stop(run_dir, f"eddis-train --local received {signal.Signals(stop_signal[0]).name}")
+                stop_deadline = time.monotonic() + settings.get("EDDIS_STOP_GRACE") + 10
+            elif stop_deadline is not None and time.monotonic() > stop_deadline:
+                mpirun.send_signal(signal.SIGTERM)
+                stop_deadline = float("inf")
+            if stop_deadline is None and server.poll() is not None:
                 print(f"eddis-train: error: the smb-server exited with code {server.returncode} while "
                       "training; stopping the ranks", file=sys.stderr, flush=True)
-                mpirun.send_signal(signal.SIGTERM)
-                code = _wait_or_kill(mpirun)
+                request_stop(run_dir, f"the smb-server exited with code {server.returncode}")
+                code = _wait_or_kill(mpirun, settings.get("EDDIS_STOP_GRACE") + 10)
                 code = code or 1
                 break
         code = code if code >= 0 else 128 - code
-        if code != 0 and not stop_signal:
+        if stop_signal:
+            return 128 + stop_signal[0]
+        if code != 0:
             first, failures, exits = root_cause(run_dir)
             print(format_report(first, failures, exits, run_dir=run_dir, job_code=code),
                   file=sys.stderr, flush=True)
@@ -113,6 +124,7 @@ def run_local(argv, ranks=1, memory=None):
     finally:
         _stop(mpirun, signal.SIGTERM, timeout=settings.get("EDDIS_STOP_GRACE") + 10)
         _stop(server)
+        stop_file.unlink(missing_ok=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
 

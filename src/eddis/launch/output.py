@@ -69,7 +69,7 @@ class LinePump(threading.Thread):
                     try:
                         self.sink.write(self.prefix + line)
                         self.sink.flush()
-                    except (BrokenPipeError, ValueError):
-                        pass  # our own output is gone (srun died); keep draining the child
+                    except (OSError, ValueError):
+                        pass  # our own output is gone (srun or mpirun died); keep draining the child
         finally:
             self.source.close()

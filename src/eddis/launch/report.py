@@ -6,6 +6,7 @@ Layout under the run directory, one folder per launch (a Slurm step or one
     launch/<key>/ranks/<rank>.json     written at start: host, pids, command
     launch/<key>/exits/<rank>.json     written at the end: code, signal, why
     launch/<key>/failures/<rank>.json  only for a rank whose trainer failed on its own
+    launch/stop                        written by a launcher that wants every rank to stop
 
 A rank that the launcher stopped because a peer failed is not a failure. The
 root cause is the failure recorded first; the report names its rank, host, exit
@@ -18,6 +19,23 @@ import time
 from pathlib import Path
 
 LAUNCH_DIR = "launch"
+STOP_FILE = "stop"  # <run dir>/launch/stop: every supervisor of the run dir stops its trainer
+
+
+def request_stop(run_dir, reason):
+    """Ask every rank of the run dir to stop (gracefully, like SIGTERM), naming why."""
+    write_json_atomic(Path(run_dir) / LAUNCH_DIR / STOP_FILE, {"reason": reason, "time": time.time()})
+
+
+def stop_requested(run_dir):
+    """The stop request's reason, or None."""
+    try:
+        with open(Path(run_dir) / LAUNCH_DIR / STOP_FILE) as f:
+            return json.load(f).get("reason", "stop requested")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "stop requested"
 
 
 def launch_key(env):
@@ -103,7 +121,7 @@ def launches(run_dir):
     """Launch record folders of a run dir, oldest first."""
     root = Path(run_dir) / LAUNCH_DIR
     try:
-        keys = [p for p in root.iterdir() if p.is_dir()]
+        keys = [p for p in root.iterdir() if p.is_dir()]  # (not the stop file)
     except OSError:
         return []
     return [LaunchRecords(run_dir, p.name) for p in sorted(keys, key=lambda p: p.stat().st_mtime)]

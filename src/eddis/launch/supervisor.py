@@ -23,7 +23,7 @@ import time
 
 from .. import settings
 from .output import LinePump, TracebackCatcher
-from .report import LaunchRecords, describe_exit, launch_key
+from .report import LaunchRecords, describe_exit, launch_key, stop_requested
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.25
@@ -124,7 +124,7 @@ class Supervisor:
             try:
                 sink.write(data)
                 sink.flush()
-            except (BrokenPipeError, ValueError):
+            except (OSError, ValueError):
                 pass
 
     # ------------------------------------------------------------------ signals
@@ -239,6 +239,12 @@ class Supervisor:
             if self.stop_signal is not None:
                 why = "stopped"
                 self.say(f"eddis-train: received {signal.Signals(self.stop_signal).name}, stopping the trainer")
+                self.stop_child()
+                break
+            reason = stop_requested(self.run_dir)
+            if reason is not None:
+                why, self.stop_signal = "stopped", signal.SIGTERM
+                self.say(f"eddis-train: stopping the trainer: {reason}")
                 self.stop_child()
                 break
             peer = self._peer_failure()
