@@ -18,6 +18,7 @@ bucket k+1 is written while bucket k is reduced.
 import logging
 
 from ..errors import SMBMemoryError, SMBTimeoutError
+from ..smb import _core  # noqa: F401  (without the built SMB extension there is no mode sync)
 from . import runtime
 from .reducer import Reducer, register_mode
 
