@@ -27,6 +27,11 @@ from .report import LaunchRecords, describe_exit, launch_key, stop_requested
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.25
+# How often a supervisor looks at the run dir for a peer's failure or a stop request. The run
+# dir is on a shared file system: with thousands of ranks, a faster scan would load its
+# metadata server; 1 s keeps the fail-fast bound far below 30 s. A trainer's own exit is seen
+# at once (pidfd).
+WATCH_SECONDS = 1.0
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -228,7 +233,7 @@ class Supervisor:
         while True:
             if exit_fd is not None:
                 try:  # wakes the moment the trainer exits
-                    select.select([exit_fd], [], [], POLL_SECONDS)
+                    select.select([exit_fd], [], [], WATCH_SECONDS)
                 except InterruptedError:
                     pass
             try:
