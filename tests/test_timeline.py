@@ -231,3 +231,33 @@ def test_merge_without_timeline_says_what_is_missing(tmp_path):
     proc = subprocess.run([PYTHON, "-m", "eddis.timeline.cli", "merge", str(tmp_path)], env=python_env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "no timeline" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_module_hooks_record_forward_backward_and_batch(tmp_path):
+    import torch
+
+    from eddis.timeline import instrument, torch_hooks
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    timeline.start_timeline(tmp_path, rank=0)
+    handles = torch_hooks.trace_module(model)
+    try:
+        model(torch.randn(5, 8)).sum().backward()
+        assert instrument._batch[0] == 5
+        for h in handles:
+            h.remove()
+        # The global hooks (EDDIS_TIMELINE_MODULE_HOOKS): outermost call only; backward ends
+        # when the reducer reports the last bucket ready (called directly here).
+        torch_hooks.install_global_hooks()
+        model(torch.randn(7, 8)).sum().backward()
+        torch_hooks.backward_finished()
+        assert instrument._batch[0] == 7
+    finally:
+        torch_hooks.uninstall_global_hooks()
+        instrument.note_samples(0)
+    timeline.stop_timeline()
+    events = read_events(tmp_path / "rank-0.trace.json")
+    spans = [(e["name"], e["args"]["step"]) for e in events if e.get("ph") == "X"]
+    assert spans.count(("forward", 0)) == 2  # one per mechanism, the outermost module only
+    assert spans.count(("backward", 0)) == 2

@@ -21,6 +21,7 @@ holds the whole iteration (data, forward, backward, optimizer).
 """
 import logging
 import os
+import sys
 
 from . import trace
 from .events import ALLREDUCE, BUCKET_READY, PULL, PUSH, WAIT
@@ -58,6 +59,10 @@ def on_init(comm, rank, size, hostname=None, run_dir=None):
 
     if settings.get("EDDIS_TIMELINE"):
         trace.start_timeline(rank=rank, comm=comm, metadata={"size": size, "hostname": hostname})
+        if settings.get("EDDIS_TIMELINE_MODULE_HOOKS") and "torch" in sys.modules:
+            from . import torch_hooks
+
+            torch_hooks.install_global_hooks()
     if settings.get("EDDIS_PROFILE") and _profiler is None:
         from .profile import StepProfiler
 
@@ -101,7 +106,7 @@ def on_shutdown(comm=None):
 def attach_reducer(reducer):
     """Observe ``reducer``'s bucket events (only when the timeline or the profile is on)."""
     global _primary
-    if _primary is None and (_progress is not None or _profiler is not None):
+    if _primary is None and (_progress is not None or _profiler is not None or trace._timeline is not None):
         _primary = reducer
     if trace._timeline is None and _profiler is None:
         return
@@ -137,12 +142,18 @@ class _ReducerObserver:
         self.push_start = {}
         self.push_end = {}
         self.last_done = 0
+        self.ready = 0
 
     def __call__(self, event, step, bucket, nbytes, t_ns):
         tl, prof = trace._timeline, _profiler
         if event == "ready":
             if tl is not None:
                 tl.record("i", BUCKET_READY, None, t_ns, 0, {"step": step, "bucket": bucket})
+            self.ready += 1
+            if self.ready == self.reducer.num_buckets:
+                self.ready = 0
+                if self.reducer is _primary and "eddis.timeline.torch_hooks" in sys.modules:
+                    sys.modules["eddis.timeline.torch_hooks"].backward_finished()
         elif event == "push_start":
             self.push_start[bucket] = t_ns
         elif event == "push_end":

@@ -1,10 +1,15 @@
 """Optional FORWARD / BACKWARD timeline events from PyTorch module hooks.
 
     from eddis.timeline.torch_hooks import trace_module
-    handles = trace_module(model)      # or EDDIS_TIMELINE_MODULE_HOOKS=1 with eddis.torch
+    handles = trace_module(model)      # one model, explicitly
 
-FORWARD spans the module's forward call. BACKWARD starts when the gradient of
-the module's output arrives and ends when the first parameter's gradient is
+or ``EDDIS_TIMELINE_MODULE_HOOKS=1``: ``eddis.init()`` installs global module
+hooks (:func:`install_global_hooks`) that record the outermost module call of
+each forward as FORWARD, and BACKWARD from the moment the gradient reaches that
+call's output until the last gradient bucket of the step is ready.
+
+FORWARD spans the module's forward call. BACKWARD starts when the gradient
+reaches the module's output (a tensor hook) and ends when the first parameter's gradient is
 accumulated (backward runs in reverse order of definition, so that parameter is
 among the last). The forward hook also notes the batch size (dim 0 of the first
 tensor input) as the step's sample count for the profile, unless the reducer
@@ -35,8 +40,11 @@ def trace_module(module, note_batch=True):
         if tl is not None:
             start = state["forward"]
             tl.record("X", FORWARD, None, start, trace.perf_ns() - start, {"step": state["step"]})
+        out = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+            out.register_hook(backward_pre)
 
-    def backward_pre(mod, grad_output):
+    def backward_pre(grad):
         state["backward"] = trace.perf_ns()
 
     def backward_end(param):
@@ -47,9 +55,68 @@ def trace_module(module, note_batch=True):
         state["backward"] = 0
         state["step"] += 1
 
-    handles = [module.register_forward_pre_hook(forward_pre), module.register_forward_hook(forward_post),
-               module.register_full_backward_pre_hook(backward_pre)]
+    handles = [module.register_forward_pre_hook(forward_pre), module.register_forward_hook(forward_post)]
     first = next((p for p in module.parameters() if p.requires_grad), None)
     if first is not None:
         handles.append(first.register_post_accumulate_grad_hook(backward_end))
     return handles
+
+
+_global = {"installed": False, "depth": 0, "start": 0, "backward": 0, "step": 0}
+
+
+def install_global_hooks():
+    """Hooks on every module (torch's global module hooks); idempotent. Returns True if installed."""
+    import torch
+    from torch.nn.modules import module as module_mod
+
+    if _global["installed"]:
+        return True
+    state = _global
+
+    def pre(mod, args):
+        if state["depth"] == 0:
+            state["start"] = trace.perf_ns()
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if first is not None and first.dim() > 0:
+                instrument.note_samples(first.shape[0])
+        state["depth"] += 1
+
+    def post(mod, args, output):
+        state["depth"] = max(0, state["depth"] - 1)
+        if state["depth"] != 0:
+            return
+        tl = trace._timeline
+        if tl is not None:
+            start = state["start"]
+            tl.record("X", FORWARD, None, start, trace.perf_ns() - start, {"step": state["step"]})
+        out = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+            out.register_hook(_backward_started)
+
+    state["handles"] = [module_mod.register_module_forward_pre_hook(pre),
+                        module_mod.register_module_forward_hook(post)]
+    state["installed"] = True
+    return True
+
+
+def uninstall_global_hooks():
+    for handle in _global.pop("handles", []):
+        handle.remove()
+    _global.update(installed=False, depth=0, backward=0)
+
+
+def _backward_started(grad):
+    _global["backward"] = trace.perf_ns()
+    return None
+
+
+def backward_finished():
+    """The last gradient bucket of the step is ready: close BACKWARD (called by the reducer observer)."""
+    start = _global["backward"]
+    if start:
+        _global["backward"] = 0
+        tl = trace._timeline
+        if tl is not None:
+            tl.record("X", BACKWARD, None, start, trace.perf_ns() - start, {"step": _global["step"]})
+    _global["step"] += 1
