@@ -112,9 +112,13 @@ def _result(proc):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_allreduce_reducer_weighted_average_and_sum(run_mpi, ranks):
-    res = _result(run_mpi(ranks, [PYTHON, __file__, "reduce", "allreduce"], check=True))
+def test_reducers_weighted_average_and_sum(run_mpi, ranks):
+    from eddis.core import available_modes
+
+    modes = [m for m in ("allreduce", "sync") if m in available_modes()]
+    res = _result(run_mpi(ranks, [PYTHON, __file__, "reduce", ",".join(modes)], check=True))
     assert res["buckets"] > 1
+    assert sorted({k.split("/")[0] for k in res["errors"]}) == sorted(modes)
     for key, err in res["errors"].items():
         assert err < TOL[key.split("/")[1]], (key, err)
     assert res["avg"] == [(ranks - 1) / 2, 1.0]
