@@ -86,9 +86,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self.verbose = verbose
         self.current_epoch = 0
 
-    def multiplier(self, epoch):
+    def multiplier(self, epoch, size=None):
         """Factor of ``initial_lr`` at fractional ``epoch`` (1 from warmup_epochs on)."""
-        size = runtime.size()
+        size = runtime.size() if size is None else int(size)
         if epoch >= self.warmup_epochs or size == 1:
             return 1.0
         return 1.0 / size * (epoch * (size - 1) / self.warmup_epochs + 1.0)
