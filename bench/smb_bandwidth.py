@@ -228,7 +228,8 @@ def smb_table(transport, sizes, bytes_per_size, window, repeat):
                 "--window", str(window), "--repeat", str(repeat)]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
-            raise RuntimeError(f"SMB client ({transport}) failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+            raise RuntimeError(f"SMB client ({transport}) failed:\n"
+                               f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     if servers.leftovers:
         print(f"warning: the server left {servers.leftovers} behind", file=sys.stderr)
@@ -244,7 +245,8 @@ def describe(transport):
     if transport == "ucx-tcp":
         return ("ucx-tcp: UCX_TLS=tcp, SMB_LOCAL_MAP=0, server on fake node smb-node0 "
                 "(stands in for another node)")
-    return "same-node: the client maps the server's shared memory; ucx_perftest on UCX's default (shared memory) transports"
+    return ("same-node: the client maps the server's shared memory; ucx_perftest on UCX's "
+            "default (shared memory) transports")
 
 
 def report(transport, smb, perf, small_ops, memcpy, sizes, markdown):
