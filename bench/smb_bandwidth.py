@@ -101,7 +101,7 @@ def perftest_final(output):
     raise RuntimeError("no 'Final:' line in ucx_perftest output:\n" + output[-2000:])
 
 
-def run_perftest(test, size, iters, env_extra, timeout=120):
+def run_perftest(test, size, iters, env_extra, extra_args=(), timeout=120):
     """Run one ucx_perftest pair; returns (latency usec, bandwidth GB/s)."""
     env = dict(os.environ)
     env.update(env_extra)
@@ -111,7 +111,7 @@ def run_perftest(test, size, iters, env_extra, timeout=120):
                               start_new_session=True)
     try:
         client_argv = ["ucx_perftest", "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size),
-                       "-n", str(iters), "-w", str(max(2, iters // 10))]
+                       "-n", str(iters), "-w", str(max(2, iters // 10)), *extra_args]
         deadline = time.monotonic() + 15
         while True:
             time.sleep(0.3)  # the server must be listening before the client connects
@@ -134,7 +134,7 @@ def run_perftest(test, size, iters, env_extra, timeout=120):
             server.wait()
 
 
-def perftest_table(transport, sizes, bytes_per_size):
+def perftest_table(transport, sizes, bytes_per_size, extra_args=()):
     """ucx_perftest figures per size, or None when ucx_perftest is not installed."""
     if shutil.which("ucx_perftest") is None:
         print("ucx_perftest not found (apt-get install ucx-utils / dnf install ucx): "
@@ -144,7 +144,8 @@ def perftest_table(transport, sizes, bytes_per_size):
     rows = {}
     for size in sizes:
         iters = iterations(size, bytes_per_size)
-        rows[size] = {test: run_perftest(test, size, iters, env)[1] for test in PERFTEST_TESTS}
+        rows[size] = {test: run_perftest(test, size, iters, env, extra_args)[1]
+                      for test in PERFTEST_TESTS}
     small_ops = {
         # ucp_fadd streams fetch-adds (many in flight): time per operation, not a round trip
         "ucp_fadd_per_op_us": run_perftest("ucp_fadd", 8, 20000, env)[0],
@@ -305,6 +306,9 @@ def main():
                         help="bytes moved per measurement (iterations = this / size)")
     parser.add_argument("--window", type=int, default=16, help="SMB requests kept in flight")
     parser.add_argument("--repeat", type=int, default=2, help="SMB runs per figure (best kept)")
+    parser.add_argument("--perftest-args", default="",
+                        help="extra ucx_perftest client arguments for the bandwidth tests, "
+                             "e.g. '-O 16' to cap its outstanding operations like --window")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -324,7 +328,8 @@ def main():
     memcpy = {size: memcpy_gbs(size, bytes_per_size) for size in sizes}
     for transport in transports:
         smb = smb_table(transport, sizes, bytes_per_size, args.window, args.repeat)
-        perf, small_ops = perftest_table(transport, sizes, bytes_per_size)
+        perf, small_ops = perftest_table(transport, sizes, bytes_per_size,
+                                         args.perftest_args.split())
         report(transport, smb, perf, small_ops, memcpy, sizes, args.markdown)
         print(f"load average after {transport}: {os.getloadavg()[0]:.1f}")
 
