@@ -1,7 +1,8 @@
 """Per-step, per-rank training profile in HDF5 (h5py).
 
 Each rank records one row per step into ``<run dir>/profile/rank-<r>.h5``
-(appended every ``flush_every`` steps, so a crash loses at most that many);
+(appended once ``flush_every`` rows and ``flush_seconds`` have passed, so a crash
+loses at most the last 10 seconds or 50 steps, whichever is more);
 at the end rank 0 merges them into ``<run dir>/profile.h5``:
 
     /                       attrs: size, modes, nodes, gpu_types, settings (JSON),
@@ -87,12 +88,14 @@ class StepProfiler:
     """Records one row per training step of one rank (see the module docstring)."""
 
     def __init__(self, run_dir, rank, size=1, gpu_type=None, mode=None, host=None, group=0,
-                 flush_every=50, metadata=None):
+                 flush_every=50, flush_seconds=10.0, metadata=None):
         self.run_dir = Path(run_dir)
         self.rank = int(rank)
         self.size = int(size)
         self.path = self.run_dir / "profile" / f"rank-{self.rank}.h5"
         self.flush_every = max(1, int(flush_every))
+        self.flush_seconds = float(flush_seconds)
+        self._last_flush = time.monotonic()
         self.failed = False
         self.closed = False
         self._lock = threading.Lock()
@@ -156,7 +159,8 @@ class StepProfiler:
             time_s = time.perf_counter() - self._t0
         self._rows.append((int(step), float(time_s), float(t_step), float(t_compute), float(t_comm),
                            float(t_wait), int(samples), int(bytes_sent), int(bytes_recv)))
-        if len(self._rows) >= self.flush_every:
+        # HDF5 appends cost milliseconds: with short steps, write at most every flush_seconds.
+        if len(self._rows) >= self.flush_every and time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
     # ------------------------------------------------------------ storage
@@ -175,6 +179,7 @@ class StepProfiler:
     def flush(self):
         """Append the buffered rows to this rank's file."""
         rows, self._rows = self._rows, []
+        self._last_flush = time.monotonic()
         if self.failed or not rows:
             return
         import h5py

@@ -33,6 +33,9 @@ from .events import DEFAULT_CATEGORY
 
 perf_ns = time.perf_counter_ns
 _get_ident = threading.get_ident
+# One encoder for all events: json.dumps with keyword arguments builds a new encoder per call.
+_encode_args = json.JSONEncoder(separators=(",", ":"), default=str).encode
+_DRAIN_CHUNK = 256  # events formatted between two GIL releases of the writer thread
 
 
 class TimelineWarning(UserWarning):
@@ -83,6 +86,7 @@ class Timeline:
         self._pid = os.getpid()
         self._tids = {}
         self._threads = {}
+        self._names = {}
         self._first = True
         self._reported_dropped = 0
         self._file = None
@@ -219,18 +223,19 @@ class Timeline:
             return
         if n == 0 and self.dropped == self._reported_dropped:
             return
-        parts = []
         fmt = self._format
         pop = buf.popleft
-        for _ in range(n):
-            parts.append(fmt(pop()))
-        if self.dropped != self._reported_dropped:
-            parts.append(fmt(("i", "events_dropped", "eddis", perf_ns(), 0, _get_ident(),
-                              {"dropped_total": self.dropped, "capacity": self.capacity})))
+        while n > 0 and not self.failed:
+            take = min(n, _DRAIN_CHUNK)
+            n -= take
+            text = ",\n".join([fmt(pop()) for _ in range(take)])
+            self._write(",\n" + text)
+            if n:
+                time.sleep(0)  # let the training thread have the GIL between chunks
+        if self.dropped != self._reported_dropped and not self.failed:
+            self._write(",\n" + fmt(("i", "events_dropped", "eddis", perf_ns(), 0, _get_ident(),
+                                     {"dropped_total": self.dropped, "capacity": self.capacity})))
             self._reported_dropped = self.dropped
-        text = ",\n".join(parts)
-        self._write(text if self._first else ",\n" + text)
-        self._first = False
         if not self.failed:
             try:
                 self._file.flush()
@@ -245,14 +250,17 @@ class Timeline:
             tid, prefix = self._new_thread(ident)
         if cat is None:
             cat = DEFAULT_CATEGORY.get(name, "eddis")
+        quoted = self._names.get(name)
+        if quoted is None:
+            quoted = self._names[name] = json.dumps(name)
         text = '{"name":%s,"cat":"%s","ph":"%s","ts":%.3f,"pid":%d,"tid":%d' % (
-            json.dumps(name), cat, ph, ts / 1000.0, self._pid, tid)
+            quoted, cat, ph, ts / 1000.0, self._pid, tid)
         if ph == "X":
             text += ',"dur":%.3f' % (dur / 1000.0)
         elif ph == "i":
             text += ',"s":"t"'
         if args:
-            text += ',"args":' + json.dumps(args, separators=(",", ":"), default=str)
+            text += ',"args":' + _encode_args(args)
         return prefix + text + "}"
 
     def _new_thread(self, ident):
