@@ -10,12 +10,18 @@ exactly the gradient of the whole global batch: the *math* of plain sync, the
 
 Schedule (all ranks decide together, over MPI, so they always agree):
 
+- the shares start equal, or from given ``initial`` weights (e.g. the GPUs'
+  known relative speeds);
 - step 0 is not measured (allocation and warm-up dominate it);
 - after ``warmup`` measured steps the shares jump to the measured throughputs;
 - every ``interval`` steps after that the throughputs are measured again and
   the shares move towards them by ``smoothing`` (``new = (1 - smoothing) old +
   smoothing measured``), so one noisy window cannot swing the split; changes
   below 1% of a share are ignored.
+
+The fixed point is the split where every rank needs the same compute time per
+step. A rank whose fixed per-step cost alone (slowed down) exceeds the others'
+whole step keeps sliding to the minimum of one sample per global batch.
 
 A decision taken at the end of step k applies from step ``k + 1``, or later when
 a data loader has already handed out batches beyond it (``note_served``), so
@@ -84,7 +90,7 @@ class Balancer:
     """Per-rank shares of the global batch, rebalanced from measured throughput."""
 
     def __init__(self, size, rank, comm=None, warmup=None, interval=None, smoothing=None,
-                 global_batch=None, timeout=None):
+                 global_batch=None, timeout=None, initial=None):
         self.size = int(size)
         self.rank = int(rank)
         self.comm = comm
@@ -98,7 +104,14 @@ class Balancer:
         if not 0.0 < self.smoothing <= 1.0:
             raise ConfigError(f"EDDIS_BALANCE_SMOOTHING must be in (0, 1], got {self.smoothing}")
         self.global_batch = None if global_batch is None else int(global_batch)
-        self.shares = np.full(self.size, 1.0 / self.size)
+        if initial is None:
+            self.shares = np.full(self.size, 1.0 / self.size)
+        else:
+            weights = np.asarray(initial, dtype=np.float64)
+            if weights.shape != (self.size,) or not np.all(np.isfinite(weights)) or np.any(weights <= 0):
+                raise ConfigError(f"initial balance weights need one positive number per rank "
+                                  f"({self.size}), got {list(initial)}")
+            self.shares = weights / weights.sum()
         self.schedule = [(0, self.shares.copy())]   # (first step, shares), ascending
         self.history = []                           # (decision step, measured shares, new shares)
         self.served = -1                            # highest step a loader handed out here

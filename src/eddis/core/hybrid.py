@@ -48,7 +48,7 @@ class _CommCloser:
     """Frees the cached communicators at eddis.shutdown()."""
 
     def close(self):
-        comms = list(_comms.values())
+        comms = [comm for _, comm in _comms.values()]
         _comms.clear()
         for comm in comms:
             try:
@@ -60,13 +60,12 @@ class _CommCloser:
 def _cached(key, make):
     st = runtime._require("eddis group communicators")
     entry = _comms.get(key)
-    if entry is not None and getattr(entry, "_eddis_owner", None) is st:
-        return entry
+    if entry is not None and entry[0] is st:
+        return entry[1]
     if not _comms:
         runtime.register_closable(_CommCloser())
     comm = make()
-    comm._eddis_owner = st
-    _comms[key] = comm
+    _comms[key] = (st, comm)
     return comm
 
 
@@ -113,8 +112,9 @@ class GroupSyncReducer(Reducer):
                                                 what="hybrid reducer set-up")
         self.alone = self.group_size == 1   # nothing to average: the gradients stay as they are
         client = runtime.smb_client()
-        self.pool = None if self.alone else client.pool(f"eddis.hybrid.{name}.{instance}.g{self.group}", plan.total,
-                                dtype=self.codec.smb_dtype, slots=self.group_size + 1)
+        self.pool = None if self.alone else client.pool(
+            f"eddis.hybrid.{name}.{instance}.g{self.group}", plan.total,
+            dtype=self.codec.smb_dtype, slots=self.group_size + 1)
         self.result_slot = self.group_size
         self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
         self._generation = 0
@@ -134,9 +134,10 @@ class GroupSyncReducer(Reducer):
         view = self.plan.bucket_view(k)
         wire = view if self._wire is None else self.codec.compress(view, out=self._wire_view(k))
         self.pool.write(wire, slot=self.group_rank, start=bucket.start, timeout=self.timeout)
-        return self.pool.reduce_nb(self.group_rank, self._step_weight, self.group_size,
-                                   self.result_slot, self._generation, start=bucket.start,
-                                   count=bucket.count, average=self.op == "average")
+        average = self.op == "average"
+        return self.pool.reduce_nb(self.group_rank, self._step_weight if average else 1.0,
+                                   self.group_size, self.result_slot, self._generation,
+                                   start=bucket.start, count=bucket.count, average=average)
 
     def _finish(self, k, request):
         if request is None:

@@ -22,6 +22,8 @@ from ..core.runtime import (group, hostname, init, is_initialized, local_rank, l
                             num_groups, rank, shutdown, size)
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters
+from .hetero import (BalancedBatchSampler, balanced_slice, configure_progress, final_model,
+                     global_step, progress_counts, save_checkpoint, should_stop)
 from .ops import (Adasum, Average, Max, Min, ReduceOp, Sum, allgather, allgather_object, allreduce,
                   allreduce_, barrier, broadcast, broadcast_, broadcast_object)
 from .optimizer import DistributedOptimizer
@@ -52,4 +54,6 @@ __all__ = [
     "broadcast_parameters", "broadcast_optimizer_state", "allreduce", "allreduce_", "broadcast",
     "broadcast_", "allgather", "allgather_object", "broadcast_object", "barrier",
     "DistributedSampler",
+    "should_stop", "global_step", "configure_progress", "progress_counts", "final_model",
+    "save_checkpoint", "balanced_slice", "BalancedBatchSampler",
 ]

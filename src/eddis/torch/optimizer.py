@@ -24,6 +24,7 @@ import torch
 from .. import settings
 from ..core import BucketPlan, collectives, make_reducer, runtime
 from ..errors import ConfigError, UsageError
+from . import hetero
 from .compression import codec_of
 from .ops import Average, ReduceOp, _resolve_op
 
@@ -132,6 +133,7 @@ class _DistributedOptimizer:
             view.copy_(grad)
 
     def _eddis_mark(self, bucket):
+        self._eddis_hetero.before_push()  # simulated slowdown: before gradients leave
         fence = None
         if self._eddis_stream is not None:
             event = torch.cuda.Event()
@@ -148,6 +150,7 @@ class _DistributedOptimizer:
 
     def synchronize(self):
         """Finish this step's gradient averaging; afterwards ``.grad`` holds the result."""
+        self._eddis_hetero.before_sync()  # end of this step's compute (balance, slowdown)
         plan = self._eddis_plan
         with self._eddis_lock:
             missing = []
@@ -196,7 +199,9 @@ class _DistributedOptimizer:
         elif not self._eddis_synchronized:
             self.synchronize()
         self._eddis_synchronized = False
-        return super(_DistributedOptimizer, self).step(closure)
+        result = super(_DistributedOptimizer, self).step(closure)
+        self._eddis_hetero.after_step()  # easgd/hybrid exchange, rebalancing
+        return result
 
     def zero_grad(self, set_to_none=True):
         if self.reducer.in_progress:
@@ -252,12 +257,14 @@ def _unwrapped_step(*args, **kwargs):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
-                         mode=None, bucket_bytes=None):
+                         mode=None, bucket_bytes=None, balance=None):
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
     Horovod's signature; EDDIS adds ``mode`` ("sync" through SMB, "allreduce"
-    through MPI; default EDDIS_MODE) and ``bucket_bytes`` (default
-    EDDIS_BUCKET_BYTES). ``compression`` defaults to EDDIS_COMPRESSION
+    through MPI, "easgd" and "hybrid" for mixed GPU generations, see
+    ``eddis.torch.hetero``; default EDDIS_MODE), ``balance`` (sync: shares of
+    the global batch that follow each rank's speed; default EDDIS_BALANCE) and
+    ``bucket_bytes`` (default EDDIS_BUCKET_BYTES). ``compression`` defaults to EDDIS_COMPRESSION
     (Compression.none unless set). Gradients of ``backward_passes_per_step``
     backward passes are summed locally (autograd's accumulation) before the
     average over ranks. The returned object is an instance of a subclass of the
@@ -285,5 +292,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     # an LR scheduler may have patched step() on the instance: keep only the class's
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     wrapped._eddis_setup(named_parameters, compression, backward_passes_per_step, op, mode, bucket_bytes)
+    hetero.attach(wrapped, mode, balance)
     optimizer.step = _unwrapped_step
     return wrapped

@@ -1,0 +1,226 @@
+"""Heterogeneity building blocks, one process: the pure functions (slowdown spec,
+claim arithmetic, balanced shares) and, against a real in-process SMB server, the
+global learning counter (threads stand in for ranks: each has its own client),
+the staleness bound and the EASGD exchange arithmetic."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from eddis import smb
+from eddis.core import balance, progress, simulate
+from eddis.core.easgd import ElasticAverager
+from eddis.errors import ConfigError
+
+
+# ---------------------------------------------------------------- simulate
+def test_parse_slowdown_ranks_groups_default():
+    spec = simulate.parse_slowdown("0:1.0, 1:2.0,g1:3,*:1.5")
+    assert spec == {"ranks": {0: 1.0, 1: 2.0}, "groups": {1: 3.0}, "default": 1.5}
+    assert simulate.slowdown_factor(spec, rank=1, group=1) == 2.0   # rank beats group
+    assert simulate.slowdown_factor(spec, rank=2, group=1) == 3.0   # group beats *
+    assert simulate.slowdown_factor(spec, rank=2, group=0) == 1.5
+    assert simulate.parse_slowdown(None)["default"] == 1.0
+    assert simulate.parse_slowdown("")["ranks"] == {}
+
+
+@pytest.mark.parametrize("text", ["1", "x:2", "1:fast", "1:0.5", "g:2", "1:inf", "1:nan"])
+def test_parse_slowdown_rejects_bad_entries(text):
+    with pytest.raises(ConfigError, match="EDDIS_SIMULATE_SLOWDOWN"):
+        simulate.parse_slowdown(text)
+
+
+def test_slowdown_names_unknown_rank():
+    with pytest.raises(ConfigError, match="rank"):
+        simulate.check_ranks(simulate.parse_slowdown("7:2"), size=4, num_groups=1)
+    with pytest.raises(ConfigError, match="g3"):
+        simulate.check_ranks(simulate.parse_slowdown("g3:2"), size=4, num_groups=2)
+
+
+def test_slowdown_sleeps_the_difference():
+    slow = simulate.Slowdown(3.0)
+    t = time.perf_counter()
+    assert slow.stretch(0.02) == pytest.approx(0.04)
+    assert time.perf_counter() - t >= 0.04
+    assert simulate.Slowdown(1.0).stretch(1.0) == 0.0
+
+
+def test_from_settings_warns(monkeypatch):
+    monkeypatch.setenv("EDDIS_SIMULATE_SLOWDOWN", "1:2.0")
+    with pytest.warns(simulate.SimulatedSlowdownWarning, match="testing aid"):
+        assert simulate.from_settings(rank=1, group=0, size=2, num_groups=1).factor == 2.0
+    assert simulate.from_settings(rank=0, group=0, size=2, num_groups=1).factor == 1.0
+
+
+# ---------------------------------------------------------------- claim arithmetic
+def test_usable_iterations():
+    assert progress.usable_iterations(0, 4, 10) == 4
+    assert progress.usable_iterations(8, 4, 10) == 2
+    assert progress.usable_iterations(10, 4, 10) == 0
+    assert progress.usable_iterations(25, 4, 10) == 0
+    assert progress.usable_iterations(7, 4, 10, unit=2) == 2   # whole units only
+    assert progress.usable_iterations(9, 4, 10, unit=2) == 0
+
+
+# ---------------------------------------------------------------- balance
+def test_balanced_sizes():
+    assert balance.balanced_sizes(10, [0.25] * 4) == [3, 3, 2, 2]
+    assert sum(balance.balanced_sizes(100, [0.4, 0.4, 0.2])) == 100
+    assert balance.balanced_sizes(100, [0.4, 0.4, 0.2]) == [40, 40, 20]
+    assert balance.balanced_sizes(4, [1.0, 0.0, 0.0, 0.0]) == [1, 1, 1, 1]   # one each at least
+    with pytest.raises(ConfigError, match="at least one sample per rank"):
+        balance.balanced_sizes(3, [0.25] * 4)
+
+
+def test_throughput_shares():
+    shares = balance.throughput_shares([10, 10, 10, 5], [1.0, 1.0, 1.0, 1.0])
+    assert shares == pytest.approx([2 / 7, 2 / 7, 2 / 7, 1 / 7])
+    # a rank without a measurement gets the mean rate of the others
+    assert balance.throughput_shares([10, 0], [1.0, 0.0]) == pytest.approx([0.5, 0.5])
+    assert balance.throughput_shares([0, 0], [0.0, 0.0]) == pytest.approx([0.5, 0.5])
+
+
+def test_smooth_shares_moves_gradually_and_ignores_noise():
+    old = np.array([0.5, 0.5])
+    new = balance.smooth_shares(old, np.array([0.7, 0.3]), 0.5)
+    assert new == pytest.approx([0.6, 0.4])
+    assert balance.smooth_shares(old, np.array([0.502, 0.498]), 1.0) is old
+
+
+def test_balancer_schedule_single_process():
+    from mpi4py import MPI
+
+    b = balance.Balancer(1, 0, comm=MPI.COMM_SELF, warmup=2, interval=3, smoothing=0.5, global_batch=8)
+    assert b.sizes_for(0) == [8]
+    assert [b.is_decision_step(s) for s in range(9)] == [False, False, True, False, False, True,
+                                                         False, False, True]
+    for step in range(6):
+        b.record(8, 0.01)
+        b.end_step(step)
+    assert [h[0] for h in b.history] == [2, 5]
+    with pytest.raises(ConfigError, match="keep it constant"):
+        b.sizes_for(0, global_batch=16)
+
+
+# ---------------------------------------------------------------- against a real SMB server
+@pytest.fixture
+def smb_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    smb.create_run_dir(run_dir)
+    server = smb.Server(run_dir, index=0, memory=32 << 20)
+    server.start()
+    yield run_dir
+    server.stop()
+
+
+def _run_ranks(n, body):
+    errors = []
+
+    def wrap(r):
+        try:
+            body(r)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank thread hung"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_counter_hands_out_exactly_the_total(smb_run_dir, chunk):
+    total, n = 101, 4
+    steps, positions = [0] * n, [[] for _ in range(n)]
+
+    def rank(r):
+        with smb.Client(run_dir=smb_run_dir) as client:
+            ctl = progress.ProgressController(client, total, r, n, chunk=chunk, staleness=-1,
+                                              name=f"units.{chunk}")
+            while not ctl.should_stop():
+                positions[r].append(ctl.global_step())
+                steps[r] += 1
+                if r == 3:
+                    time.sleep(0.001)   # a slow rank
+            assert ctl.should_stop()   # stays stopped
+
+    _run_ranks(n, rank)
+    assert sum(steps) == total
+    assert sorted(p for ps in positions for p in ps) == list(range(total))
+    with smb.Client(run_dir=smb_run_dir) as client:
+        assert client.counter(f"units.{chunk}.counter").read() == total
+    assert steps[3] < max(steps[:3])
+
+
+@pytest.mark.timeout(60)
+def test_staleness_bound_holds(smb_run_dir):
+    total, n, bound = 120, 3, 2
+    logs = [None] * n
+
+    def rank(r):
+        with smb.Client(run_dir=smb_run_dir) as client:
+            ctl = progress.ProgressController(client, total, r, n, staleness=bound, name="units.stale",
+                                              record=True)
+            while not ctl.should_stop():
+                time.sleep(0.004 if r == 0 else 0.0005)   # rank 0 is 8x slower
+            logs[r] = ctl.history
+
+    _run_ranks(n, rank)
+    violations = staleness_violations(logs, bound)
+    assert not violations, violations[:5]
+    fast_steps = max(sum(1 for _, e, _ in log if e == "done") for log in logs[1:])
+    assert fast_steps > 0
+
+
+def staleness_violations(logs, bound):
+    """Every (rank, step t) that started while another rank had completed fewer than
+    t - bound steps and had not finished, from the ranks' recorded histories."""
+    done = [sorted(t for t, e, _ in log if e == "done") for log in logs]
+    finish = [min([t for t, e, _ in log if e == "finish"] or [float("inf")]) for log in logs]
+    bad = []
+    for r, log in enumerate(logs):
+        for t_ns, event, step in log:
+            if event != "start":
+                continue
+            for q in range(len(logs)):
+                if q == r or finish[q] <= t_ns:
+                    continue
+                completed = sum(1 for d in done[q] if d <= t_ns)
+                if completed < step - bound:
+                    bad.append((r, step, q, completed))
+    return bad
+
+
+@pytest.mark.timeout(60)
+def test_staleness_timeout_names_the_laggard(smb_run_dir):
+    with smb.Client(run_dir=smb_run_dir) as client:
+        fast = progress.ProgressController(client, 100, 0, 2, staleness=1, name="units.timeout", timeout=0.3)
+        progress.ProgressController(client, 100, 1, 2, staleness=1, name="units.timeout", timeout=0.3)
+        assert not fast.should_stop() and not fast.should_stop()
+        with pytest.raises(progress.ProgressTimeoutError, match="rank 1 at step 0"):
+            fast.should_stop()
+
+
+@pytest.mark.timeout(60)
+def test_easgd_exchange_arithmetic(smb_run_dir):
+    n = 4
+    with smb.Client(run_dir=smb_run_dir) as client:
+        workers = [ElasticAverager(client, n, w, 2, tau=2, alpha=0.25, name="units.easgd") for w in range(2)]
+        assert workers[0].alpha == 0.25 and not workers[0].due(0) and workers[0].due(1)
+        workers[0].initialize(np.zeros(n, np.float32))
+        x0 = np.full(n, 4.0, np.float32)
+        x1 = np.full(n, -8.0, np.float32)
+        workers[0].exchange(x0)          # d = 1: x0 -> 3, centre -> 1
+        np.testing.assert_allclose(x0, 3.0)
+        workers[1].exchange(x1)          # d = 0.25 (-8 - 1) = -2.25: x1 -> -5.75, centre -> -1.25
+        np.testing.assert_allclose(x1, -5.75)
+        np.testing.assert_allclose(workers[0].read_center(), -1.25)
+        assert ElasticAverager(client, n, 0, 4, name="units.easgd4").alpha == pytest.approx(0.225)
+        with pytest.raises(ConfigError, match="EDDIS_EASGD_ALPHA"):
+            ElasticAverager(client, n, 0, 2, alpha=1.5, name="units.bad")
