@@ -22,7 +22,7 @@ import threading
 import torch
 
 from .. import settings
-from ..core import BucketPlan, collectives, make_reducer, runtime
+from ..core import BucketPlan, LocalReducer, collectives, make_reducer, runtime
 from ..errors import ConfigError, UsageError
 from . import hetero
 from .compression import codec_of
@@ -86,6 +86,9 @@ class _DistributedOptimizer:
         self._eddis_skip_sync = False
         self.reducer = make_reducer(mode, plan, compression=codec_of(compression), op=op.name,
                                     name=f"torch.{_next_instance_id()}")
+        # Nothing leaves the process (one rank, or easgd's local steps): the gradients
+        # can stay where autograd put them, with no copy into the flat buffer.
+        self._eddis_passthrough = isinstance(self.reducer, LocalReducer)
         self._eddis_hooks = [p.register_post_accumulate_grad_hook(self._eddis_make_hook(i))
                              for i, p in enumerate(params)]
 
@@ -107,7 +110,8 @@ class _DistributedOptimizer:
             self._eddis_counts[index] = count
             if count < self._eddis_bpps:
                 return
-            self._eddis_stage(index, param.grad)
+            if not self._eddis_passthrough:
+                self._eddis_stage(index, param.grad)
             bucket = self._eddis_plan.slots[index].bucket
             self._eddis_left[bucket] -= 1
             ready = self._eddis_left[bucket] == 0
@@ -158,14 +162,15 @@ class _DistributedOptimizer:
                 if self._eddis_left[k] == 0:
                     continue
                 for i in bucket.params:
-                    if self._eddis_counts[i] < self._eddis_bpps:
+                    if self._eddis_counts[i] < self._eddis_bpps and not self._eddis_passthrough:
                         # no (or not every) backward reached it: send what it has
                         self._eddis_stage(i, self._eddis_params[i].grad)
                 missing.append(k)
         for k in missing:
             self._eddis_mark(k)
         self.reducer.wait()
-        self._eddis_unstage()
+        if not self._eddis_passthrough:
+            self._eddis_unstage()
         with self._eddis_lock:
             self._eddis_counts = [0] * len(self._eddis_params)
             self._eddis_left = [len(b.params) for b in plan.buckets]
