@@ -546,6 +546,12 @@ static inline int smb_convert(void *dst, int dst_dtype, const void *src, int src
     return SMB_VECOPS_OK;
 }
 
+/* The contract's name for the same operation. */
+static inline int smb_copy(void *dst, int dst_dtype, const void *src, int src_dtype, size_t count)
+{
+    return smb_convert(dst, dst_dtype, src, src_dtype, count);
+}
+
 /* Compression codecs of the runtime: float32 <-> float16 / bfloat16.
    dst may equal src (in place: the halves end up packed at the front). */
 static inline int smb_compress_f32(void *dst, int codec_dtype, const float *src, size_t count)

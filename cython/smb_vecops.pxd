@@ -44,5 +44,6 @@ cdef extern from "smb_vecops.h" nogil:
                  size_t count)
     int smb_scale(void *x, int dtype, double alpha, size_t count)
     int smb_convert(void *dst, int dst_dtype, const void *src, int src_dtype, size_t count)
+    int smb_copy(void *dst, int dst_dtype, const void *src, int src_dtype, size_t count)
     int smb_compress_f32(void *dst, int codec_dtype, const float *src, size_t count)
     int smb_decompress_f32(float *dst, const void *src, int codec_dtype, size_t count)
