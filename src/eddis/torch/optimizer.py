@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from .. import settings
+from .. import settings, timeline
 from ..core import BucketPlan, LocalReducer, collectives, make_reducer, runtime
 from ..errors import ConfigError, UsageError
 from . import hetero
@@ -204,7 +204,8 @@ class _DistributedOptimizer:
         elif not self._eddis_synchronized:
             self.synchronize()
         self._eddis_synchronized = False
-        result = super(_DistributedOptimizer, self).step(closure)
+        with timeline.span(timeline.OPTIMIZER_STEP):
+            result = super(_DistributedOptimizer, self).step(closure)
         self._eddis_hetero.after_step()  # easgd/hybrid exchange, rebalancing
         return result
 
