@@ -116,7 +116,7 @@ def test_sync_training_timeline_and_profile(run_mpi, tmp_path):
     for e in events:
         names.setdefault(e["pid"], set()).add(e["name"])
     for rank in range(4):
-        assert {"bucket_ready", "push", "pull", "wait", "clock_sync"} <= names[rank], names[rank]
+        assert {"bucket_ready", "push", "pull", "wait", "optimizer_step", "clock_sync"} <= names[rank], names[rank]
         assert check_push_after_ready(events, rank) >= 30 * 2  # several buckets per step
     for index in range(2):
         assert {"reduce", "smb_request"} <= names[SERVER_PID_BASE + index], names[SERVER_PID_BASE + index]
