@@ -43,6 +43,7 @@ from .hetero import (configure_progress, final_model, global_step, progress_coun
 from .ops import (Adasum, Average, Max, Min, ReduceOp, Sum, allgather, allgather_object,  # noqa: E402
                   allreduce, barrier, broadcast, broadcast_object, broadcast_variables)
 from .optimizer import DistributedOptimizer  # noqa: E402
+from ..timeline import start_timeline, stop_timeline  # noqa: E402  (collective after init())
 
 
 def cross_rank():
@@ -69,5 +70,5 @@ __all__ = [
     "Max", "Adasum", "ReduceOp", "broadcast_variables", "allreduce", "broadcast", "allgather",
     "allgather_object", "broadcast_object", "barrier", "callbacks", "data", "shard",
     "shard_batches", "local_batch_size", "configure_progress", "should_stop", "global_step",
-    "progress_counts", "reset_progress", "final_model", "save_model",
+    "progress_counts", "reset_progress", "final_model", "save_model", "start_timeline", "stop_timeline",
 ]

@@ -28,6 +28,7 @@ from .ops import (Adasum, Average, Max, Min, ReduceOp, Sum, allgather, allgather
                   allreduce_, barrier, broadcast, broadcast_, broadcast_object)
 from .optimizer import DistributedOptimizer
 from .sampler import DistributedSampler
+from ..timeline import start_timeline, stop_timeline  # collective after init(); see docs/profiling.md
 
 
 def cross_rank():
@@ -55,5 +56,5 @@ __all__ = [
     "broadcast_", "allgather", "allgather_object", "broadcast_object", "barrier",
     "DistributedSampler",
     "should_stop", "global_step", "configure_progress", "progress_counts", "final_model",
-    "save_checkpoint", "balanced_slice", "BalancedBatchSampler",
+    "save_checkpoint", "balanced_slice", "BalancedBatchSampler", "start_timeline", "stop_timeline",
 ]
