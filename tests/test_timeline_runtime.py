@@ -25,7 +25,7 @@ pytest.importorskip("eddis.smb._core", reason="the SMB extension is not built (s
 BATCH = 16
 
 
-def worker(steps, slow_rank):
+def worker(steps, slow_rank, window=None):
     """One rank of the training run (started through mpirun by the tests)."""
     import torch
     import torch.nn.functional as F
@@ -43,6 +43,10 @@ def worker(steps, slow_rank):
     eddis.broadcast_parameters(model.state_dict(), root_rank=0)
     torch.manual_seed(rank)
     for step in range(steps):
+        if window and step == window[1]:
+            eddis.stop_timeline()
+        if window and step == window[0]:
+            eddis.start_timeline(window[2])  # collective: every rank, same step
         x, y = torch.randn(BATCH, 64), torch.randint(0, 10, (BATCH,))
         optimizer.zero_grad()
         start = time.perf_counter()
@@ -160,5 +164,23 @@ def test_unwritable_timeline_dir_warns_and_training_goes_on(run_mpi, tmp_path):
     assert "[eddis] train step 12" in proc.stdout
 
 
+@pytest.mark.timeout(300)
+def test_start_and_stop_timeline_for_a_window_of_steps(run_mpi, tmp_path):
+    from eddis.timeline.merge import merge_timeline
+
+    directory = tmp_path / "window"
+    proc = run_mpi(2, [PYTHON, __file__, "10", "-1", f"3,7,{directory}"], env={"EDDIS_MODE": "allreduce"},
+                   timeout=250)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    out, summary = merge_timeline(directory)
+    events = json.loads(out.read_text())["traceEvents"]
+    assert summary["ranks"] == [0, 1]
+    for rank in range(2):
+        steps = {e["args"]["step"] for e in events if e["pid"] == rank and e["name"] == "allreduce"}
+        assert steps == {3, 4, 5, 6}, steps  # the reducer counts steps from 0
+        assert any(e["name"] == "clock_sync" for e in events if e["pid"] == rank)
+
+
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]))
+    start, stop, where = (sys.argv[3].split(",", 2) if len(sys.argv) > 3 else (None, None, None))
+    worker(int(sys.argv[1]), int(sys.argv[2]), (int(start), int(stop), where) if start else None)

@@ -7,8 +7,8 @@
 
 and rank 0's automatic progress display (EDDIS_PROGRESS, see progress.py).
 
-Everything here costs nothing measurable when both are off: ``attach_reducer``
-adds no listener, ``reducer_waited`` returns after two global lookups.
+Everything here costs nothing measurable when both are off: the reducer
+observer and ``reducer_waited`` return after two global lookups.
 
 From the reducer's events (``ready``, ``push_start``, ``push_end``, ``done``) the
 observer records BUCKET_READY (instant), PUSH (or ALLREDUCE in mode allreduce:
@@ -104,12 +104,11 @@ def on_shutdown(comm=None):
 
 
 def attach_reducer(reducer):
-    """Observe ``reducer``'s bucket events (only when the timeline or the profile is on)."""
+    """Observe ``reducer``'s bucket events. The observer returns at once while the
+    timeline and the profile are off, and picks them up when a window starts later."""
     global _primary
-    if _primary is None and (_progress is not None or _profiler is not None or trace._timeline is not None):
+    if _primary is None:
         _primary = reducer
-    if trace._timeline is None and _profiler is None:
-        return
     reducer.add_listener(_ReducerObserver(reducer))
 
 
@@ -146,6 +145,8 @@ class _ReducerObserver:
 
     def __call__(self, event, step, bucket, nbytes, t_ns):
         tl, prof = trace._timeline, _profiler
+        if tl is None and prof is None:
+            return
         if event == "ready":
             if tl is not None:
                 tl.record("i", BUCKET_READY, None, t_ns, 0, {"step": step, "bucket": bucket})
