@@ -23,6 +23,7 @@ Files, in the timeline directory:
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -481,7 +482,8 @@ def start_timeline(directory=None, rank=None, role="rank", index=None, label=Non
     """Start this process's timeline in ``directory`` (default: ``EDDIS_TIMELINE``).
 
     With ``comm`` (an mpi4py communicator; collective over it) the clock offset to
-    its rank 0 is measured right away. Returns the :class:`Timeline`, or None when
+    its rank 0 is measured right away; after ``eddis.init()`` the runtime's
+    communicator is the default, so every rank must call it. Returns the :class:`Timeline`, or None when
     no directory is set or it cannot be written (one warning; training goes on).
     """
     global _timeline
@@ -489,6 +491,9 @@ def start_timeline(directory=None, rank=None, role="rank", index=None, label=Non
 
     if directory is None:
         directory = settings.get("EDDIS_TIMELINE")
+    runtime = sys.modules.get("eddis.core.runtime")
+    if comm is None and role == "rank" and runtime is not None and runtime.is_initialized():
+        comm = runtime.comm()  # inside an EDDIS job: collective, so the clocks get aligned
     if comm is not None and rank is None and index is None:
         rank = comm.Get_rank()
     if not directory:
