@@ -14,6 +14,10 @@ Models: ``compute`` (a small CNN, 2.2 M parameters, 32 samples per rank:
 compute-bound) and ``comm`` (wide fully-connected layers, 25 M parameters =
 100 MB of fp32 gradients, 8 samples per rank: communication-bound).
 
+EDDIS sync talks to an ``smb-server`` process started here (as ``eddis-train
+--local`` and the Slurm job script run it); ``--server embedded`` uses the
+server that a plain ``mpirun`` starts inside rank 0 instead.
+
 Every process runs with OMP_NUM_THREADS=1 and torch.set_num_threads(1). This
 is a benchmark, not a test: it prints samples/s and ratios, asserts nothing.
 """
@@ -28,8 +32,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-MODELS = {"compute": {"batch": 32, "warmup": 2, "steps": 10},
-          "comm": {"batch": 8, "warmup": 2, "steps": 6}}
+MODELS = {"compute": {"batch": 32, "warmup": 3, "steps": 20},
+          "comm": {"batch": 8, "warmup": 2, "steps": 10}}
 CONTENDERS = ["ddp", "ddp-fp16", "ddp-bf16", "eddis-sync", "eddis-sync-fp16", "eddis-sync-bf16",
               "eddis-allreduce", "horovod", "horovod-fp16"]
 
@@ -168,10 +172,51 @@ def measure_plain(model_name, comm_state):
     return cfg["steps"] * cfg["batch"] / (time.perf_counter() - start)
 
 
+class SmbServer:
+    """An smb-server process in a private run directory, as eddis-train --local starts one."""
+
+    def __init__(self, env, memory):
+        import tempfile
+
+        self.run_dir = Path(tempfile.mkdtemp(prefix="eddis-bench-"))
+        self.proc = subprocess.Popen([sys.executable, "-m", "eddis.smb.server", "--run-dir", str(self.run_dir),
+                                      "--create-run-dir", "--memory", memory], env=env)
+        deadline = time.monotonic() + 60
+        while not (self.run_dir / "servers" / "0.json").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit("the smb-server did not start")
+            time.sleep(0.05)
+
+    def stop(self):
+        import shutil
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
 def launch(ranks, args):
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
+    server = None
+    if args.server == "external":
+        server = SmbServer(env, args.memory)
+        env["EDDIS_RUN_DIR"] = str(server.run_dir)
+    try:
+        return _launch(ranks, args, env)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _launch(ranks, args, env):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -216,6 +261,10 @@ def main():
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--skip-single", action="store_true", help="skip the single-rank overhead run")
+    p.add_argument("--server", choices=["external", "embedded"], default="external",
+                   help="EDDIS sync through an smb-server process (as eddis-train/Slurm run it, "
+                        "default) or through the server embedded in rank 0 (plain mpirun)")
+    p.add_argument("--memory", default="2G", help="memory of the external smb-server")
     args = p.parse_args()
     if args.worker:
         return worker(args)
