@@ -16,7 +16,7 @@ from libc.string cimport memcpy, memset, strlen, memcmp
 from libc.stdio cimport FILE, fclose
 from posix.mman cimport (mmap, munmap, shm_open, shm_unlink, madvise, PROT_READ, PROT_WRITE,
                          MAP_SHARED, MAP_FAILED, MADV_HUGEPAGE)
-from posix.fcntl cimport O_RDWR, O_CREAT, O_EXCL
+from posix.fcntl cimport O_RDWR, O_CREAT, O_EXCL, open as open_fd
 from posix.unistd cimport ftruncate, close
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_ANY_CONTIGUOUS
@@ -604,7 +604,6 @@ cdef void server_loop(server_t *st) noexcept nogil:
 cdef class ServerCore:
     """UCX state of one smb-server: arena, listener, region table, request loop."""
     cdef server_t *st
-    cdef bytes shm_name
     cdef int shm_fd
     cdef object handler
     cdef object thread
@@ -632,6 +631,10 @@ cdef class ServerCore:
             self.st = NULL
 
     @property
+    def arena_fd(self):
+        return self.shm_fd
+
+    @property
     def arena_size(self):
         return self.st.arena_size
 
@@ -647,11 +650,13 @@ cdef class ServerCore:
             err = smb_errno()
             if err == _errno.EEXIST:
                 raise _errors.SMBValueError(
-                    f"shared memory {shm_name} already exists: another smb-server with this "
-                    f"run directory and index is running, or one died; remove /dev/shm{shm_name}",
-                    err)
+                    f"shared memory {shm_name} already exists (it is unlinked right after "
+                    f"creation, so another process is creating one now); retry", err)
             raise _errors.from_errno(err, f"shm_open({shm_name}) failed: {_os.strerror(err)}")
-        self.shm_name = name
+        # Unlinked at once: the memory lives as long as this process holds the
+        # descriptor, so even a SIGKILLed server leaves nothing in /dev/shm.
+        # Same-node clients map it through /proc/<pid>/fd/<fd>.
+        shm_unlink(name)
         self.shm_fd = fd
         if ftruncate(fd, size) != 0:
             err = smb_errno()
@@ -679,9 +684,6 @@ cdef class ServerCore:
         if self.shm_fd >= 0:
             close(self.shm_fd)
             self.shm_fd = -1
-        if self.shm_name is not None:
-            shm_unlink(self.shm_name)
-            self.shm_name = None
 
     def start(self, str host, int port, bytes token, bytes hello_reply, handler):
         """Create context, worker and listener; returns the port listened on."""
@@ -943,6 +945,9 @@ cdef void *realloc_or_raise(void *p, size_t n) except NULL:
     return q
 
 
+_ABANDONED_BUFFERS = []
+
+
 cdef class Pending:
     """Outstanding UCX requests and reply slots, waited on together without the GIL."""
     cdef void **reqs
@@ -969,6 +974,12 @@ cdef class Pending:
         cdef bint live = self.core is not None and self.core.cl != NULL
         for i in range(self.nreq):
             if self.reqs[i] != NULL and live:
+                if ucp.ucp_request_check_status(self.reqs[i]) == ucp.UCS_INPROGRESS \
+                        and self.keep is not None:
+                    # Abandoned mid-transfer: UCX may still touch the buffer, so it
+                    # must outlive this object (a small leak beats a heap corruption).
+                    _ABANDONED_BUFFERS.append(self.keep)
+                    self.keep = None
                 ucp.ucp_request_free(self.reqs[i])   # released by UCX once it completes
         if self.core is not None:
             for i in range(self.nslot):
@@ -1038,7 +1049,7 @@ cdef class Pending:
         with nogil:
             ucp.ucp_worker_progress(self.core.cl.worker)
             r = self._poll()
-        return bool(r) or self.error_status != 0
+        return bool(r)
 
     def wait(self, double timeout):
         """Wait for all; returns 0 done, 1 timed out. Errors are left in error_status."""
@@ -1049,7 +1060,9 @@ cdef class Pending:
         with nogil:
             while True:
                 n = ucp.ucp_worker_progress(self.core.cl.worker)
-                if self._poll() or self.error_status != 0:
+                # Even after an error, wait for the other transfers: a get still
+                # in flight would otherwise land in a buffer the caller reuses.
+                if self._poll():
                     result = WAIT_DONE
                     break
                 if smb_now() > deadline:
@@ -1076,6 +1089,11 @@ cdef class Pending:
     @property
     def has_transfers(self):
         return self.nreq > 0
+
+    def inflight_conns(self):
+        """Connections with transfers still in progress."""
+        return sorted({self.req_conns[i] for i in range(self.nreq) if self.reqs[i] != NULL
+                       and ucp.ucp_request_check_status(self.reqs[i]) == ucp.UCS_INPROGRESS})
 
     def slot_conns_list(self):
         return [self.slot_conns[i] for i in range(self.nslot)]
@@ -1349,9 +1367,9 @@ cdef class ClientCore:
         pending.add_request(p, ci)
 
     # ------------------------------------------------ same-node mapping
-    def map_arena(self, str shm_name, uint64_t size):
-        """Map a same-host server's arena; returns its address, or 0 if it cannot be opened."""
-        cdef int fd = shm_open(shm_name.encode(), O_RDWR, 0)
+    def map_arena(self, str path, uint64_t size):
+        """Map a same-host server's arena (/proc/<pid>/fd/<fd>); its address, or 0 if it cannot."""
+        cdef int fd = open_fd(path.encode(), O_RDWR)
         if fd < 0:
             return 0
         cdef void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)

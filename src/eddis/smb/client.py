@@ -43,7 +43,7 @@ class Request:
             if self._pending.has_transfers:
                 # A one-sided transfer that never completes means a stuck server:
                 # give up on it so no late write lands in a buffer we returned.
-                for conn in self._servers:
+                for conn in self._pending.inflight_conns():
                     client._core.fail_conn(conn)
             raise SMBTimeoutError(
                 f"{self._description} did not complete within {timeout:g} s "
@@ -136,7 +136,7 @@ class Client:
             info["conn"] = conn
             info["base"] = 0
             if local_map and info["hostname"] == me:
-                info["base"] = self._core.map_arena(info["shm"], int(info["arena_size"]))
+                info["base"] = self._core.map_arena(info["arena"], int(info["arena_size"]))
             self.servers.append(info)
 
     @property

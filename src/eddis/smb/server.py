@@ -94,36 +94,6 @@ def arena_name(run_dir, index):
     return f"/eddis-smb-{digest}-{int(index)}"
 
 
-def _pid_alive(pid):
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, TypeError):
-        return True
-    return True
-
-
-def _remove_stale_arena(run_dir, index, shm):
-    """Unlink the arena of a server with our run dir and index that died (SIGKILL) without cleanup."""
-    path = Path("/dev/shm") / shm.lstrip("/")
-    if not path.exists():
-        return
-    record = rundir.server_file(run_dir, index)
-    try:
-        pid = json.loads(record.read_text()).get("pid")
-    except (OSError, ValueError):
-        pid = None
-    if pid is not None and _pid_alive(pid) and int(pid) != os.getpid():
-        return  # a live server owns it: create_arena reports the conflict
-    log.warning("removing stale SMB arena %s left by a dead server", path)
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    rundir.unpublish_server(run_dir, index)
-
-
 def _published_host():
     try:
         return socket.gethostbyname(socket.gethostname())
@@ -162,8 +132,7 @@ class Server:
     def start(self):
         token = self.token if self.token is not None else rundir.read_token(self.run_dir)
         self.timeline = timeline.for_server(self.index, metadata={"memory": self.memory})
-        shm = arena_name(self.run_dir, self.index)
-        _remove_stale_arena(self.run_dir, self.index, shm)
+        shm = f"{arena_name(self.run_dir, self.index)}-{os.getpid()}"
         note = self.core.create_arena(shm, self.memory, self.hugepages)
         atexit.register(self._stop_at_exit)
         if note:
@@ -171,7 +140,8 @@ class Server:
         try:
             listen = self.host or "0.0.0.0"
             published = self.host if self.host and self.host != "0.0.0.0" else _published_host()
-            hello = {"index": self.index, "hostname": local_hostname(), "shm": shm,
+            hello = {"index": self.index, "hostname": local_hostname(),
+                     "arena": f"/proc/{os.getpid()}/fd/{self.core.arena_fd}",
                      "arena_size": self.memory, "pid": os.getpid()}
             self.port = self.core.start(listen, self.port, token.encode(), json.dumps(hello).encode(),
                                         self._handle)

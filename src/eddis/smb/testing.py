@@ -26,6 +26,16 @@ def _env(extra=None):
     return env
 
 
+def _die_with_parent():
+    """In the child: get SIGTERM when the test process dies, so no server is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class LocalServers:
     def __init__(self, count, memory="64M", run_dir=None, env=None, hostnames=None, timeout=30):
         self.count = count
@@ -49,7 +59,8 @@ class LocalServers:
                 argv = [sys.executable, "-m", "eddis.smb.server", "--run-dir", str(self.run_dir),
                         "--index", str(i), "--memory", str(self.memory), "--host", "127.0.0.1"]
                 self.procs.append(subprocess.Popen(argv, env=_env(extra), stdout=subprocess.DEVNULL,
-                                                   stderr=subprocess.PIPE, text=True))
+                                                   stderr=subprocess.PIPE, text=True,
+                                                   preexec_fn=_die_with_parent))
             self.records = rundir.wait_for_servers(self.run_dir, self.count, self.timeout)
         except BaseException:
             self.stop()
@@ -74,13 +85,12 @@ class LocalServers:
                 _, err = proc.communicate()
             errors.append(err)
         self.procs = []
-        # A SIGKILLed server cannot clean up: remove what it left, and report it.
+        # Servers unlink their arena right after creating it; anything here is a bug.
         from .server import arena_name
 
         self.leftovers = []
         for i in range(self.count):
-            path = Path("/dev/shm") / arena_name(self.run_dir, i).lstrip("/")
-            if path.exists():
+            for path in Path("/dev/shm").glob(arena_name(self.run_dir, i).lstrip("/") + "-*"):
                 self.leftovers.append(str(path))
                 path.unlink()
         if self._own_dir:
