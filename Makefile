@@ -31,7 +31,7 @@ help:
 	@echo "make demo   set up, then sbatch the example training job on the local cluster"
 	@echo "make cluster / cluster-down   start / stop the local Slurm cluster"
 
-setup: system-packages $(STAMPS)/build.stamp cluster
+setup: system-packages $(STAMPS)/editable.stamp cluster
 
 # apt: only what is missing (dpkg-query is instant when all is there).
 system-packages:
@@ -59,14 +59,18 @@ $(STAMPS)/pip.stamp: requirements-dev.txt | $(PY)
 	$(PIP) install -q tensorflow-cpu
 	touch $@
 
-# Native extensions in place (src/eddis/*.so), and the console scripts
-# (eddis, eddis-train, smb-server) in .venv/bin from an editable install.
+# Native extensions in place (src/eddis/*.so), rebuilt when a Cython source changes.
 $(STAMPS)/build.stamp: $(NATIVE_SOURCES) $(STAMPS)/pip.stamp
 	$(PY) setup.py -q build_ext --inplace
+	touch $@
+
+# The console scripts (eddis, eddis-train, smb-server) in .venv/bin: an editable
+# install, redone only when the metadata (entry points) changes.
+$(STAMPS)/editable.stamp: setup.cfg $(STAMPS)/build.stamp
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-build: system-packages $(STAMPS)/build.stamp
+build: system-packages $(STAMPS)/editable.stamp
 
 cluster: system-packages
 	$(SUDO) env EDDIS_DEV_CLUSTER_DIR=$(EDDIS_DEV_CLUSTER_DIR) scripts/eddis-dev-cluster up
