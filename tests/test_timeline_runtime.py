@@ -181,6 +181,28 @@ def test_start_and_stop_timeline_for_a_window_of_steps(run_mpi, tmp_path):
         assert any(e["name"] == "clock_sync" for e in events if e["pid"] == rank)
 
 
+@pytest.mark.timeout(300)
+def test_easgd_with_the_embedded_server(run_mpi, tmp_path):
+    """Plain mpirun: rank 0 runs the SMB server in-process; it still gets its own trace."""
+    from eddis.timeline.merge import SERVER_PID_BASE, merge_timeline
+    from eddis.timeline.profile import load_profile
+
+    env = {"EDDIS_MODE": "easgd", "EDDIS_TIMELINE": str(tmp_path / "tl"), "EDDIS_PROFILE": "1",
+           "EDDIS_RUN_DIR": str(tmp_path / "run")}
+    proc = run_mpi(2, [PYTHON, __file__, "12", "-1"], env=env, timeout=250)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    out, summary = merge_timeline(tmp_path / "tl")
+    assert summary["ranks"] == [0, 1] and summary["servers"] == [0]
+    events = json.loads(out.read_text())["traceEvents"]
+    for rank in range(2):
+        names = {e["name"] for e in events if e["pid"] == rank}
+        assert {"easgd_exchange", "optimizer_step", "wait"} <= names, names
+    assert any(e["name"] == "smb_request" for e in events if e["pid"] == SERVER_PID_BASE)
+    run_attrs, ranks = load_profile(tmp_path / "run" / "profile.h5")
+    assert json.loads(run_attrs["modes"]) == ["easgd"] and sorted(ranks) == [0, 1]
+    assert all(len(d["step"]) == 12 for d in ranks.values())
+
+
 if __name__ == "__main__":
     start, stop, where = (sys.argv[3].split(",", 2) if len(sys.argv) > 3 else (None, None, None))
     worker(int(sys.argv[1]), int(sys.argv[2]), (int(start), int(stop), where) if start else None)
