@@ -155,3 +155,24 @@ def test_mpi_allreduce_rejects_read_only_buffer():
     a.setflags(write=False)
     with pytest.raises(ValueError, match="writable"):
         _mpi.allreduce_sum_inplace(MPI.COMM_WORLD, a)
+
+
+@pytest.mark.timeout(120)
+def test_run_mpi_timeout_kills_every_rank_and_fails_with_output(run_mpi):
+    token = f"eddis-hang-{os.getpid()}"
+    hang = f"import sys, time; print('hanging', flush=True); time.sleep(600)  # {token}"
+    with pytest.raises(pytest.fail.Exception, match="timed out after 20s"):
+        run_mpi(2, [PYTHON, "-c", hang], timeout=20)
+
+    def leftovers():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if token.encode() in f.read():
+                        found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    assert leftovers() == []
