@@ -253,3 +253,36 @@ def test_four_clients_concurrently(cluster):
         assert r["total"] == 200 * n
         np.testing.assert_allclose(r["reduced"], want_reduced, rtol=1e-5)
         assert r["version"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_one_client_shared_by_threads(client):
+    """A background thread and the main thread use one client at the same time."""
+    import threading
+
+    pool = client.pool("threads", 5000, slots=3)
+    counter = client.counter("threads")
+    errors = []
+
+    def background():
+        try:
+            for i in range(30):
+                data = np.full(5000, i, np.float32)
+                pool.write(data, slot=0)
+                pool.reduce_nb(0, 1.0, 1, 1, generation=i).wait()
+                np.testing.assert_array_equal(pool.read(slot=1), data)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    olds = []
+    while thread.is_alive() or len(olds) < 200:
+        olds.append(counter.fetch_add(1))
+        if len(olds) % 50 == 0:
+            pool.write(np.ones(100, np.float32), slot=2, start=len(olds))
+    thread.join()
+    assert not errors, errors
+    assert olds == list(range(len(olds)))
+    assert counter.read() == len(olds)
+    pool.free()

@@ -8,10 +8,28 @@
 
 See docs/smb-programming.md.
 """
-from .client import Barrier, Client, Counter, Event, Request
-from .pool import Pool
-from .rundir import create_run_dir, default_run_dir, read_token, wait_for_servers
-from .server import Server
+import importlib
 
-__all__ = ["Server", "Client", "Pool", "Counter", "Barrier", "Event", "Request",
-           "create_run_dir", "default_run_dir", "read_token", "wait_for_servers"]
+# Attributes load on first use, so `python -m eddis.smb.server` / `-m eddis.smb.rundir`
+# do not import their own module twice.
+_EXPORTS = {
+    "Server": "server", "Client": "client", "Request": "client", "Counter": "client",
+    "Barrier": "client", "Event": "client", "Pool": "pool",
+    "create_run_dir": "rundir", "default_run_dir": "rundir", "read_token": "rundir",
+    "wait_for_servers": "rundir",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'eddis.smb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
