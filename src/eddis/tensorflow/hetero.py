@@ -14,7 +14,6 @@ update); the algorithms are :mod:`eddis.core`'s, driven through
 import os
 
 from ..core import collectives, hetero, progress, runtime
-from ..errors import ConfigError
 
 
 def configure_progress(total=None, chunk=None, staleness=None, record=False):
@@ -54,7 +53,8 @@ def _state_of(optimizer):
     from .optimizer import _DistributedOptimizer
 
     if not isinstance(optimizer, _DistributedOptimizer):
-        raise ConfigError("pass the optimizer returned by eddis.DistributedOptimizer(...)")
+        # a plain optimizer (e.g. beside a DistributedGradientTape) trains synchronously
+        return None
     return optimizer.hetero
 
 
