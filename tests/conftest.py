@@ -104,7 +104,11 @@ def run_mpi():
         })
         full_env.update(env or {})
         cmd = ["mpirun", "--oversubscribe", "-n", str(n), *mpirun_args, *map(str, argv)]
-        proc = run_process_group(cmd, full_env, timeout, what=f"mpirun -n {n} {' '.join(map(str, argv))}")
+        try:
+            proc = run_process_group(cmd, full_env, timeout, what=f"mpirun -n {n} {' '.join(map(str, argv))}")
+        finally:
+            # Right away, not at teardown: a pytest killed later leaves nothing here.
+            shutil.rmtree(shm, ignore_errors=True)
         if check:
             _fail_unless_ok(proc, f"mpirun -n {n}")
         return proc
