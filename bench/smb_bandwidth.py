@@ -38,7 +38,7 @@ import numpy as np
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 TRANSPORTS = {
-    "ucx-tcp": {"env": {"UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"}, "server_host": "smb-node0",
+    "ucx-tcp": {"env": {"UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"}, "server_host": "smb-node",
                 "client_host": "client-node", "perftest_env": {"UCX_TLS": "tcp"}},
     "same-node": {"env": {"SMB_LOCAL_MAP": "1"}, "server_host": None, "client_host": None,
                   "perftest_env": {}},
@@ -172,15 +172,17 @@ def timed_pipeline(post, n, window):
     return time.perf_counter() - t0
 
 
-def smb_child(transport, run_dir, sizes, bytes_per_size, window, repeat):
+def smb_child(transport, run_dir, servers, sizes, bytes_per_size, window, repeat):
     """Runs in a child process (its own UCX_TLS); prints one JSON line."""
     from eddis.smb import Client
 
     results = {"sizes": {}}
-    with Client(run_dir, expected_servers=1, timeout=60) as client:
+    with Client(run_dir, expected_servers=servers, timeout=60) as client:
         want_local = transport == "same-node"
-        if client.is_local(0) != want_local:
-            raise SystemExit(f"{transport}: expected is_local={want_local}, got {client.is_local(0)}")
+        local = [client.is_local(i) for i in range(client.num_servers)]
+        if local != [want_local] * servers:
+            raise SystemExit(f"{transport}: expected is_local={want_local} for {servers} "
+                             f"servers, got {local}")
         pool = client.pool("bench-bandwidth", max(sizes), dtype="uint8")
         for size in sizes:
             n = iterations(size, bytes_per_size)
@@ -209,14 +211,15 @@ def smb_child(transport, run_dir, sizes, bytes_per_size, window, repeat):
     print(json.dumps(results))
 
 
-def smb_table(transport, sizes, bytes_per_size, window, repeat):
+def smb_table(transport, servers_count, sizes, bytes_per_size, window, repeat):
     sys.path.insert(0, str(SRC))
     from eddis.smb.testing import LocalServers
 
     spec = TRANSPORTS[transport]
-    hostnames = [spec["server_host"]] if spec["server_host"] else None
-    memory = f"{max(sizes) * 2 // (1 << 20) + 64}M"
-    with LocalServers(1, memory=memory, env=spec["env"], hostnames=hostnames) as servers:
+    hostnames = ([f"{spec['server_host']}-{i}" for i in range(servers_count)]
+                 if spec["server_host"] else None)
+    memory = f"{max(sizes) * 2 // (1 << 20) // servers_count + 64}M"
+    with LocalServers(servers_count, memory=memory, env=spec["env"], hostnames=hostnames) as servers:
         env = dict(os.environ)
         env.update(spec["env"])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
@@ -225,6 +228,7 @@ def smb_table(transport, sizes, bytes_per_size, window, repeat):
         else:
             env.pop("EDDIS_HOSTNAME", None)
         argv = [sys.executable, __file__, "--child", transport, "--run-dir", str(servers.run_dir),
+                "--servers", str(servers_count),
                 "--sizes", ",".join(map(str, sizes)), "--bytes-per-size", str(bytes_per_size),
                 "--window", str(window), "--repeat", str(repeat)]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
@@ -244,8 +248,8 @@ def smb_table(transport, sizes, bytes_per_size, window, repeat):
 
 def describe(transport):
     if transport == "ucx-tcp":
-        return ("ucx-tcp: UCX_TLS=tcp, SMB_LOCAL_MAP=0, server on fake node smb-node0 "
-                "(stands in for another node)")
+        return ("ucx-tcp: UCX_TLS=tcp, SMB_LOCAL_MAP=0, servers on fake nodes smb-node-<i> "
+                "(stand in for other nodes)")
     return ("same-node: the client maps the server's shared memory; ucx_perftest on UCX's "
             "default (shared memory) transports")
 
@@ -305,6 +309,9 @@ def main():
     parser.add_argument("--bytes-per-size", default="256M",
                         help="bytes moved per measurement (iterations = this / size)")
     parser.add_argument("--window", type=int, default=16, help="SMB requests kept in flight")
+    parser.add_argument("--servers", type=int, default=1,
+                        help="smb-server processes the pool is spread over (1 compares with "
+                             "one ucx_perftest pair; more shows pooled bandwidth)")
     parser.add_argument("--repeat", type=int, default=2, help="SMB runs per figure (best kept)")
     parser.add_argument("--perftest-args", default="",
                         help="extra ucx_perftest client arguments for the bandwidth tests, "
@@ -316,18 +323,20 @@ def main():
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     bytes_per_size = parse_size(args.bytes_per_size)
     if args.child:
-        smb_child(args.child, args.run_dir, sizes, bytes_per_size, args.window, args.repeat)
+        smb_child(args.child, args.run_dir, args.servers, sizes, bytes_per_size, args.window,
+                  args.repeat)
         return
     transports = [t.strip() for t in args.transports.split(",")]
     unknown = [t for t in transports if t not in TRANSPORTS]
     if unknown:
         parser.error(f"unknown transport(s) {unknown}: use {', '.join(TRANSPORTS)}")
-    print(f"SMB bandwidth benchmark: sizes {', '.join(size_label(s) for s in sizes)}, "
+    print(f"SMB bandwidth benchmark: {args.servers} server(s), "
+          f"sizes {', '.join(size_label(s) for s in sizes)}, "
           f"{size_label(bytes_per_size)} per figure, window {args.window}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     memcpy = {size: memcpy_gbs(size, bytes_per_size) for size in sizes}
     for transport in transports:
-        smb = smb_table(transport, sizes, bytes_per_size, args.window, args.repeat)
+        smb = smb_table(transport, args.servers, sizes, bytes_per_size, args.window, args.repeat)
         perf, small_ops = perftest_table(transport, sizes, bytes_per_size,
                                          args.perftest_args.split())
         report(transport, smb, perf, small_ops, memcpy, sizes, args.markdown)
