@@ -44,6 +44,7 @@ cdef extern from *:
     }
     static inline int smb_load_int(const int *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
     static inline void smb_store_int(int *p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+    static inline int smb_fetch_add_int(int *p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
     static inline int64_t smb_fetch_add64(int64_t *p, int64_t v) {
         return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
     }
@@ -75,6 +76,7 @@ cdef extern from *:
     int smb_cas_int(int *p, int expected, int desired) nogil
     int smb_load_int(const int *p) nogil
     void smb_store_int(int *p, int v) nogil
+    int smb_fetch_add_int(int *p, int v) nogil
     int64_t smb_fetch_add64(int64_t *p, int64_t v) nogil
     int64_t smb_cas64(int64_t *p, int64_t expected, int64_t desired) nogil
     int64_t smb_load64(const int64_t *p) nogil
@@ -936,6 +938,7 @@ cdef void _client_ep_error(void *arg, ucp.ucp_ep_h ep, ucs_status_t status) noex
 DEF WAIT_DONE = 0
 DEF WAIT_TIMEOUT = 1
 DEF WAIT_CONN_FAILED = 2
+DEF WAIT_CLOSED = 3
 
 
 cdef void *realloc_or_raise(void *p, size_t n) except NULL:
@@ -1046,9 +1049,13 @@ cdef class Pending:
 
     def done(self):
         """True once every transfer and reply is in (progresses UCX once)."""
-        with nogil:
-            ucp.ucp_worker_progress(self.core.cl.worker)
-            r = self._poll()
+        self.core._enter()
+        try:
+            with nogil:
+                ucp.ucp_worker_progress(self.core.cl.worker)
+                r = self._poll()
+        finally:
+            self.core._leave()
         return bool(r)
 
     def wait(self, double timeout):
@@ -1057,8 +1064,12 @@ cdef class Pending:
         cdef unsigned idle = 0
         cdef unsigned n
         cdef int result = WAIT_TIMEOUT
+        self.core._enter()
         with nogil:
             while True:
+                if smb_load_int(&self.core.closing):
+                    result = WAIT_CLOSED
+                    break
                 n = ucp.ucp_worker_progress(self.core.cl.worker)
                 # Even after an error, wait for the other transfers: a get still
                 # in flight would otherwise land in a buffer the caller reuses.
@@ -1072,12 +1083,14 @@ cdef class Pending:
                 else:
                     idle += 1
                     smb_pause(idle)
+        self.core._leave()
         return result
 
     def replies(self):
         """[(status, bytes)] of the reply slots, in the order they were added."""
         out = []
         cdef reply_slot_t *s
+        self.core._check_open()
         for i in range(self.nslot):
             s = &self.core.cl.slots[self.slot_ids[i] & 0xFFFF]
             if smb_load_int(&s.state) != SLOT_DONE:
@@ -1108,6 +1121,11 @@ cdef class ClientCore:
     cdef object slot_lock
     cdef dict rkeys                   # (conn, rid) -> rkey handle as int
     cdef list maps                    # (addr, size) of mapped arenas
+    # close() from one thread while another waits or posts must not free the
+    # worker under it: operations count themselves in `active`, close() sets
+    # `closing` (waits see it and stop) and waits for `active` to drain.
+    cdef int active
+    cdef int closing
 
     def __cinit__(self):
         cdef ucp.ucp_config_t *config = NULL
@@ -1143,14 +1161,28 @@ cdef class ClientCore:
     def __dealloc__(self):
         self.close()
 
+    cdef int _enter(self) except -1:
+        if self.cl == NULL or smb_load_int(&self.closing):
+            raise _errors.UsageError("the SMB client is closed (or closing)")
+        smb_fetch_add_int(&self.active, 1)
+        return 0
+
+    cdef void _leave(self) noexcept:
+        smb_fetch_add_int(&self.active, -1)
+
     def close(self):
         """Destroy remote keys, close endpoints, release the worker and context."""
         cdef int i
         cdef ucp.ucp_request_param_t param
         cdef ucs_status_ptr_t p
         cdef double deadline
-        if self.cl == NULL:
+        if self.cl == NULL or smb_load_int(&self.closing):
             return
+        smb_store_int(&self.closing, 1)
+        deadline = smb_now() + 5.0
+        with nogil:
+            while smb_load_int(&self.active) > 0 and smb_now() < deadline:
+                smb_pause(1024)
         for handle in self.rkeys.values():
             ucp.ucp_rkey_destroy(<ucp.ucp_rkey_h><uintptr_t>handle)
         self.rkeys.clear()
@@ -1182,7 +1214,7 @@ cdef class ClientCore:
         self.conns = NULL
 
     cdef int _check_open(self) except -1:
-        if self.cl == NULL:
+        if self.cl == NULL or smb_load_int(&self.closing):
             raise _errors.UsageError("the SMB client is closed")
         return 0
 
@@ -1215,20 +1247,21 @@ cdef class ClientCore:
 
     def progress(self):
         """Progress the worker once (lets UCX report a dead peer)."""
-        if self.cl != NULL:
-            with nogil:
-                ucp.ucp_worker_progress(self.cl.worker)
+        self._enter()
+        with nogil:
+            ucp.ucp_worker_progress(self.cl.worker)
+        self._leave()
 
     def conn_failed(self, int ci):
-        return bool(self.conns[ci].failed)
+        return self.conns == NULL or bool(self.conns[ci].failed)
 
     def conn_status(self, int ci):
-        return self.conns[ci].status
+        return ucp.UCS_ERR_NOT_CONNECTED if self.conns == NULL else self.conns[ci].status
 
     def fail_conn(self, int ci):
         """Give up on a server (a transfer to it timed out): purge its requests."""
         cdef ucp.ucp_request_param_t param
-        if self.conns[ci].closed:
+        if self.conns == NULL or self.conns[ci].closed:
             return
         self.conns[ci].closed = 1
         self.conns[ci].status = ucp.UCS_ERR_TIMED_OUT
@@ -1310,8 +1343,10 @@ cdef class ClientCore:
         if self.conns[ci].failed:
             free(buf)
             return
+        self._enter()
         with nogil:
             p = ucp.ucp_am_send_nbx(ep, AM_REQUEST, NULL, 0, buf, total, &param)
+        self._leave()
         if not ucp.UCS_PTR_IS_PTR(p):
             free(buf)
             if ucp.UCS_PTR_IS_ERR(p) and pending.error_status == 0:
@@ -1333,37 +1368,43 @@ cdef class ClientCore:
 
     def forget_rkey(self, int ci, uint32_t rid):
         handle = self.rkeys.pop((ci, rid), None)
-        if handle is not None:
+        if handle is not None and self.cl != NULL:
             ucp.ucp_rkey_destroy(<ucp.ucp_rkey_h><uintptr_t>handle)
 
     def post_put(self, Pending pending, int ci, uintptr_t local, size_t nbytes,
                  uint64_t remote, uintptr_t rkey):
         cdef ucp.ucp_request_param_t param
         cdef ucs_status_ptr_t p
+        self._enter()
         cdef ucp.ucp_ep_h ep = self.conns[ci].ep
         param.op_attr_mask = 0
         with nogil:
             p = ucp.ucp_put_nbx(ep, <void*>local, nbytes, remote, <ucp.ucp_rkey_h>rkey, &param)
+        self._leave()
         pending.add_request(p, ci)
 
     def post_get(self, Pending pending, int ci, uintptr_t local, size_t nbytes,
                  uint64_t remote, uintptr_t rkey):
         cdef ucp.ucp_request_param_t param
         cdef ucs_status_ptr_t p
+        self._enter()
         cdef ucp.ucp_ep_h ep = self.conns[ci].ep
         param.op_attr_mask = 0
         with nogil:
             p = ucp.ucp_get_nbx(ep, <void*>local, nbytes, remote, <ucp.ucp_rkey_h>rkey, &param)
+        self._leave()
         pending.add_request(p, ci)
 
     def post_flush(self, Pending pending, int ci):
         """Remote completion of earlier puts on ci (puts complete locally first)."""
         cdef ucp.ucp_request_param_t param
         cdef ucs_status_ptr_t p
+        self._enter()
         cdef ucp.ucp_ep_h ep = self.conns[ci].ep
         param.op_attr_mask = 0
         with nogil:
             p = ucp.ucp_ep_flush_nbx(ep, &param)
+        self._leave()
         pending.add_request(p, ci)
 
     # ------------------------------------------------ same-node mapping

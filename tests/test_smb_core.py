@@ -277,12 +277,46 @@ def test_one_client_shared_by_threads(client):
     thread = threading.Thread(target=background)
     thread.start()
     olds = []
-    while thread.is_alive() or len(olds) < 200:
-        olds.append(counter.fetch_add(1))
-        if len(olds) % 50 == 0:
-            pool.write(np.ones(100, np.float32), slot=2, start=len(olds))
-    thread.join()
+    try:
+        while thread.is_alive() or len(olds) < 200:
+            olds.append(counter.fetch_add(1))
+            if len(olds) % 50 == 0:
+                pool.write(np.ones(100, np.float32), slot=2, start=len(olds) % 4900)
+    finally:
+        thread.join()
     assert not errors, errors
     assert olds == list(range(len(olds)))
     assert counter.read() == len(olds)
     pool.free()
+
+
+@pytest.mark.timeout(60)
+def test_close_while_another_thread_waits(cluster, monkeypatch):
+    """close() from one thread while another waits: an error there, never a crash."""
+    import threading
+
+    from eddis.errors import UsageError
+
+    for key, value in cluster.client_env.items():
+        monkeypatch.setenv(key, value)
+    c = Client(cluster.run_dir, expected_servers=3, timeout=20)
+    outcome = []
+
+    def waiter():
+        try:
+            c.event("never").wait(1, timeout=15)
+            outcome.append("returned")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    import time
+
+    time.sleep(0.3)
+    c.close()
+    thread.join(20)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], UsageError), outcome
+    with pytest.raises(UsageError):
+        c.counter("after-close")

@@ -39,7 +39,10 @@ class Request:
             return self._result
         timeout = self._client.timeout if timeout is None else float(timeout)
         client = self._client
-        if self._pending.wait(timeout) != 0:
+        rc = self._pending.wait(timeout)
+        if rc == 3:
+            raise UsageError(f"{self._description}: the SMB client was closed while waiting")
+        if rc != 0:
             if self._pending.has_transfers:
                 # A one-sided transfer that never completes means a stuck server:
                 # give up on it so no late write lands in a buffer we returned.
@@ -68,6 +71,21 @@ class Request:
 
     def _pending_conns(self):
         return self._pending.slot_conns_list()
+
+
+class Completed:
+    """A request that finished when it was issued (same-node copies)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result=None):
+        self._result = result
+
+    def done(self):
+        return True
+
+    def wait(self, timeout=None):
+        return self._result
 
 
 class Client:

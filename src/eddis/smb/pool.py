@@ -10,7 +10,8 @@ waited on together, so every server's bandwidth is used.
 import numpy as np
 
 from ..errors import SMBBoundsError, SMBValueError
-from .client import Request
+from . import _core
+from .client import Completed, Request
 from .protocol import (DTYPES, FLOAT_DTYPES, ITEMSIZE, VEC_REQUEST, VEC_SOURCE, decode_control,
                        partition)
 
@@ -27,8 +28,11 @@ def numpy_dtype(name):
     return np.dtype(name)
 
 
-def as_array(buf, pool_dtype, writable):
-    """A 1-D numpy view (no copy) of a numpy array, CPU torch tensor or buffer."""
+def as_array(buf, pool_dtype, writable, np_dtype=None):
+    """A numpy view (no copy) of a numpy array, CPU torch tensor or buffer."""
+    if (type(buf) is np.ndarray and buf.dtype == np_dtype and buf.flags.c_contiguous
+            and (buf.flags.writeable or not writable)):
+        return buf  # the common case, checked cheaply
     if type(buf).__module__.startswith("torch"):
         import torch
 
@@ -130,9 +134,6 @@ class Pool:
             if lo < hi:
                 yield seg, lo - seg.start, hi - lo, lo - start
 
-    def _remote_addr(self, seg, slot, col):
-        return seg.addr + (slot * (seg.stop - seg.start) + col) * self.itemsize
-
     def _other(self, pool, what):
         if pool is None:
             return self
@@ -148,75 +149,70 @@ class Pool:
     # ------------------------------------------------------------ transfers
     def write_nb(self, buf, slot=0, start=0):
         """Start writing buf into [start, start+len(buf)) of slot; returns a Request."""
-        from . import _core
-
-        arr = as_array(buf, self.dtype, writable=False)
+        arr = as_array(buf, self.dtype, False, self.np_dtype)
         slot, start, count = self._range(slot, start, arr.size)
-        client = self.client
-        pending = client._pending()
-        pending.keep = arr
-        base = arr.ctypes.data
-        servers, local = [], []
-        for seg, col, n, off in self._pieces(start, count):
-            nbytes = n * self.itemsize
-            src = base + off * self.itemsize
-            dst = self._remote_addr(seg, slot, col)
-            if seg.local:
-                _core.memcpy_nogil(seg.local + dst - seg.addr, src, nbytes)
-                local.append(seg.server)
-            else:
-                client._core.post_put(pending, seg.conn, src, nbytes, dst, seg.rkey)
-                servers.append(seg.conn)
-        if local:
-            client.check_alive(local, f"pool {self.name!r} write")
-        for conn in servers:
-            # puts complete locally first; the flush makes them visible at the server
-            client._core.post_flush(pending, conn)
-        return Request(client, pending, f"pool {self.name!r} write", None, servers)
+        return self._transfer(arr, slot, start, count, True)
 
     def write(self, buf, slot=0, start=0, timeout=None):
         self.write_nb(buf, slot, start).wait(timeout)
 
     def read_nb(self, out=None, slot=0, start=0, count=None):
         """Start reading into out (allocated when None); returns a Request whose wait() gives it."""
-        from . import _core
-
         if out is None:
             slot, start, count = self._range(slot, start, count)
-            out = np.empty(count, dtype=self.np_dtype)
-            arr = out
+            out = arr = np.empty(count, dtype=self.np_dtype)
         else:
-            arr = as_array(out, self.dtype, writable=True)
+            arr = as_array(out, self.dtype, True, self.np_dtype)
             if count is not None and int(count) != arr.size:
                 raise SMBValueError(f"count={count} but out holds {arr.size} elements")
             slot, start, count = self._range(slot, start, arr.size)
-        client = self.client
-        pending = client._pending()
-        pending.keep = arr
-        base = arr.ctypes.data
-        servers, local = [], []
-        for seg, col, n, off in self._pieces(start, count):
-            nbytes = n * self.itemsize
-            dst = base + off * self.itemsize
-            src = self._remote_addr(seg, slot, col)
-            if seg.local:
-                _core.memcpy_nogil(dst, seg.local + src - seg.addr, nbytes)
-                local.append(seg.server)
-            else:
-                client._core.post_get(pending, seg.conn, dst, nbytes, src, seg.rkey)
-                servers.append(seg.conn)
-        if local:
-            client.check_alive(local, f"pool {self.name!r} read")
-        return Request(client, pending, f"pool {self.name!r} read", lambda _: out, servers)
+        return self._transfer(arr, slot, start, count, False, out)
 
     def read(self, out=None, slot=0, start=0, count=None, timeout=None):
         return self.read_nb(out, slot, start, count).wait(timeout)
 
+    def _transfer(self, arr, slot, start, count, put, result=None):
+        """One contiguous piece per server: memcpy for mapped servers, else put/get."""
+        client = self.client
+        core = client._core
+        base = _core.buffer_address(arr, not put)[0]
+        itemsize = self.itemsize
+        pending = None
+        remote, local = [], []
+        for seg, col, n, off in self._pieces(start, count):
+            nbytes = n * itemsize
+            mine = base + off * itemsize
+            theirs = seg.addr + (slot * (seg.stop - seg.start) + col) * itemsize
+            if seg.local:
+                theirs += seg.local - seg.addr
+                if put:
+                    _core.memcpy_nogil(theirs, mine, nbytes)
+                else:
+                    _core.memcpy_nogil(mine, theirs, nbytes)
+                local.append(seg.server)
+                continue
+            if pending is None:
+                pending = client._pending()
+                pending.keep = arr
+            if put:
+                core.post_put(pending, seg.conn, mine, nbytes, theirs, seg.rkey)
+            else:
+                core.post_get(pending, seg.conn, mine, nbytes, theirs, seg.rkey)
+            remote.append(seg.conn)
+        what = "write" if put else "read"
+        if local:
+            client.check_alive(local, f"pool {self.name!r} {what}")
+        if pending is None:
+            return Completed(result)
+        if put:
+            for conn in remote:
+                # puts complete locally first; the flush makes them visible at the server
+                core.post_flush(pending, conn)
+        return Request(client, pending, f"pool {self.name!r} {what}", lambda _: result, remote)
+
     # ------------------------------------------------------------ server-side vector ops
     def _vecop_nb(self, kind, dst_slot, sources, alpha, start, count, what):
         """sources: [(pool, slot, weight)]; one request per server holding part of the range."""
-        from . import _core
-
         dst_slot, start, count = self._range(dst_slot, start, count)
         if self.dtype not in FLOAT_DTYPES:
             raise SMBValueError(f"pool {self.name!r} holds {self.dtype}; vector ops need float pools")
@@ -235,8 +231,6 @@ class Pool:
         return Request(client, pending, f"pool {self.name!r} {what}", None, servers)
 
     def weighted_sum_nb(self, dst_slot, src_slots, weights, start=0, count=None, src_pool=None):
-        from . import _core
-
         src = self._other(src_pool, "src_pool")
         src_slots, weights = list(src_slots), list(weights)
         if len(src_slots) != len(weights) or not src_slots:
@@ -251,8 +245,6 @@ class Pool:
         self.weighted_sum_nb(dst_slot, src_slots, weights, start, count, src_pool).wait()
 
     def axpy_nb(self, y_slot, x_slot, alpha, start=0, count=None, x_pool=None):
-        from . import _core
-
         x = self._other(x_pool, "x_pool")
         return self._vecop_nb(_core.VEC_AXPY, y_slot, [(x, x_slot, 1.0)], alpha, start, count, "axpy")
 
@@ -261,8 +253,6 @@ class Pool:
         self.axpy_nb(y_slot, x_slot, alpha, start, count, x_pool).wait()
 
     def scale_nb(self, slot, alpha, start=0, count=None):
-        from . import _core
-
         return self._vecop_nb(_core.VEC_SCALE, slot, [], alpha, start, count, "scale")
 
     def scale(self, slot, alpha, start=0, count=None):
@@ -270,8 +260,6 @@ class Pool:
         self.scale_nb(slot, alpha, start, count).wait()
 
     def copy_nb(self, dst_slot, src_slot, start=0, count=None, src_pool=None):
-        from . import _core
-
         src = self._other(src_pool, "src_pool")
         return self._vecop_nb(_core.VEC_COPY, dst_slot, [(src, src_slot, 1.0)], 0.0, start, count, "copy")
 
