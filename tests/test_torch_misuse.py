@@ -91,12 +91,33 @@ def case_accumulation_ok():
     eddis.shutdown()
 
 
+def case_broadcast_state():
+    """Not a misuse: rank 0's weights and (non-empty) optimizer state reach every rank."""
+    import torch
+    import eddis.torch as eddis
+
+    eddis.init()
+    torch.manual_seed(eddis.rank())  # different weights on each rank
+    model = torch.nn.Sequential(torch.nn.Linear(10, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if eddis.rank() == 0:  # only rank 0 has optimizer state
+        model(torch.randn(4, 10)).sum().backward()
+        opt.step()
+    opt = eddis.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    eddis.broadcast_parameters(model.state_dict(), root_rank=0)
+    eddis.broadcast_optimizer_state(opt, root_rank=0)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()] +
+                     [opt.state[p]["exp_avg"].reshape(-1) for p in model.parameters()])
+    spread = eddis.allreduce((flat - eddis.broadcast(flat, 0)).abs().max().reshape(1), op=eddis.Max).item()
+    print(f"BROADCAST spread={spread}", flush=True)
+
+
 def case_all_caught():
     """Every recoverable misuse in one run: each error is printed, the run goes on."""
     import eddis.torch as eddis
 
     cases = ["no_init", "original_optimizer_step", "backward_twice", "zero_grad_before_step",
-             "wrap_model", "accumulation_ok"]
+             "wrap_model", "broadcast_state", "accumulation_ok"]
     for case in cases:
         try:
             globals()["case_" + case]()
@@ -153,6 +174,11 @@ def test_ranks_survive_caught_misuse_and_accumulation_works(caught_run):
     assert caught_run.returncode == 0, caught_run.stderr[-3000:]
     assert caught_run.stdout.count("ACCUMULATION OK") == 2
     assert caught_run.stdout.count("SURVIVED") == 2
+
+
+@pytest.mark.timeout(180)
+def test_broadcast_parameters_and_optimizer_state(caught_run):
+    assert caught_run.stdout.count("BROADCAST spread=0.0") == 2, caught_run.stdout
 
 
 @pytest.mark.timeout(90)
