@@ -302,7 +302,9 @@ cdef int server_send_reply(server_t *st, int ci, uint64_t req_id, int status,
     if plen:
         memcpy(buf + sizeof(smb_hdr_t), payload, plen)
     cdef ucp.ucp_request_param_t param
-    param.op_attr_mask = ucp.UCP_OP_ATTR_FIELD_CALLBACK | ucp.UCP_OP_ATTR_FIELD_USER_DATA
+    param.op_attr_mask = (ucp.UCP_OP_ATTR_FIELD_CALLBACK | ucp.UCP_OP_ATTR_FIELD_USER_DATA
+                          | ucp.UCP_OP_ATTR_FIELD_FLAGS)
+    param.flags = ucp.UCP_AM_SEND_FLAG_EAGER
     param.cb.send = _free_cb
     param.user_data = buf
     cdef ucs_status_ptr_t p = ucp.ucp_am_send_nbx(c.ep, AM_REPLY, NULL, 0, buf, total, &param)
@@ -1335,7 +1337,9 @@ cdef class ClientCore:
         cdef ucp.ucp_request_param_t param
         param.op_attr_mask = (ucp.UCP_OP_ATTR_FIELD_CALLBACK | ucp.UCP_OP_ATTR_FIELD_USER_DATA
                               | ucp.UCP_OP_ATTR_FIELD_FLAGS)
-        param.flags = ucp.UCP_AM_SEND_FLAG_REPLY
+        # Eager only: the server takes whole messages in its callback (a
+        # rendezvous request would arrive without its header).
+        param.flags = ucp.UCP_AM_SEND_FLAG_REPLY | ucp.UCP_AM_SEND_FLAG_EAGER
         param.cb.send = _free_cb
         param.user_data = buf
         cdef ucp.ucp_ep_h ep = self.conns[ci].ep

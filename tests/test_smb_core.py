@@ -171,6 +171,13 @@ def test_vector_ops_against_numpy(client, dtype):
     check(3, g)
     pool.axpy(3, 1, 1.0, x_pool=grads)
     check(3, 2 * g)
+    # the most sources one request takes, then one too many
+    now = [pool.read(slot=s).astype(np.float32) for s in (0, 1)]
+    pool.weighted_sum(4, [0, 1] * 512, [0.001, 0.002] * 512)
+    got = pool.read(slot=4).astype(np.float32)  # 1024 fp32 additions: looser bound
+    np.testing.assert_allclose(got, 0.512 * now[0] + 1.024 * now[1], rtol=max(tol, 2e-4), atol=max(tol, 2e-4))
+    with pytest.raises(SMBValueError):
+        pool.weighted_sum(4, [0] * 1025, [1.0] * 1025)
     with pytest.raises(SMBValueError):
         pool.weighted_sum(4, [0, 1], [1.0])
     with pytest.raises(SMBBoundsError):

@@ -17,6 +17,7 @@ bucket k+1 is written while bucket k is reduced.
 """
 import logging
 
+from .. import timeline
 from ..errors import SMBMemoryError, SMBTimeoutError
 from ..smb import _core  # noqa: F401  (without the built SMB extension there is no mode sync)
 from . import runtime
@@ -49,8 +50,11 @@ class SyncReducer(Reducer):
     def _submit(self, k):
         bucket = self.plan.buckets[k]
         view = self.plan.bucket_view(k)
-        wire = view if self.codec.is_identity else self.codec.compress(
-            view, out=self.plan.bucket_view(k, self._wire))
+        if self.codec.is_identity:
+            wire = view
+        else:
+            with timeline.span(timeline.COMPRESS, args={"step": self.step, "bucket": k, "bytes": view.nbytes}):
+                wire = self.codec.compress(view, out=self.plan.bucket_view(k, self._wire))
         self.slots_pool.write(wire, slot=self.rank, start=bucket.start, timeout=self.timeout)
         average = self.op == "average"
         return self.result_pool.reduce_nb(
@@ -72,7 +76,8 @@ class SyncReducer(Reducer):
         else:
             wire = self.plan.bucket_view(k, self._wire)
             self.result_pool.read(out=wire, slot=0, start=bucket.start, timeout=self.timeout)
-            self.codec.decompress(wire, view)
+            with timeline.span(timeline.DECOMPRESS, args={"step": self.step, "bucket": k, "bytes": wire.nbytes}):
+                self.codec.decompress(wire, view)
 
     def _release(self):
         # Free the pools once every rank is done with them (an SMB barrier, so a

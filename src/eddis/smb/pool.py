@@ -72,6 +72,9 @@ def as_array(buf, pool_dtype, writable, np_dtype=None):
     return arr
 
 
+MAX_SOURCES = 1024  # per server-side weighted sum (the server's limit)
+
+
 class _Segment:
     """One server's part of the pool."""
 
@@ -233,6 +236,9 @@ class Pool:
     def weighted_sum_nb(self, dst_slot, src_slots, weights, start=0, count=None, src_pool=None):
         src = self._other(src_pool, "src_pool")
         src_slots, weights = list(src_slots), list(weights)
+        if len(src_slots) > MAX_SOURCES:
+            raise SMBValueError(f"weighted_sum takes at most {MAX_SOURCES} sources, got {len(src_slots)}; "
+                                "split it into partial sums")
         if len(src_slots) != len(weights) or not src_slots:
             raise SMBValueError(f"weighted_sum needs as many weights as source slots (got "
                                 f"{len(src_slots)} slots, {len(weights)} weights), at least one")
