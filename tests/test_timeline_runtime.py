@@ -2,7 +2,8 @@
 
 Two smb-server processes (index 0 and 1) serve a run directory; 4 Open MPI ranks
 train a small torch model with eddis.torch's DistributedOptimizer in mode sync
-(gradient buckets reduced on the servers; small buckets, so several per step).
+(gradient buckets reduced on the servers, fp16 on the wire; small buckets, so
+several per step).
 The merged trace must hold every rank and both servers on one clock, each push
 after its bucket-ready; the profile must be in the run directory. A second run
 slows rank 2 down 2x (it sleeps as long as its forward took, before backward)
@@ -90,11 +91,11 @@ class Servers:
         return outputs
 
 
-def train(run_mpi, tmp_path, name, servers=2, ranks=4, steps=30, slow_rank=-1):
+def train(run_mpi, tmp_path, name, servers=2, ranks=4, steps=30, slow_rank=-1, compression="none"):
     run_dir = tmp_path / name / "run"
     timeline_dir = tmp_path / name / "timeline"
     env = {"EDDIS_RUN_DIR": str(run_dir), "EDDIS_TIMELINE": str(timeline_dir), "EDDIS_PROFILE": "1",
-           "EDDIS_MODE": "sync", "EDDIS_BUCKET_BYTES": "16K"}
+           "EDDIS_MODE": "sync", "EDDIS_BUCKET_BYTES": "16K", "EDDIS_COMPRESSION": compression}
     smb = Servers(run_dir, servers, python_env(env))
     try:
         proc = run_mpi(ranks, [PYTHON, __file__, str(steps), str(slow_rank)], env=env, timeout=400)
@@ -111,7 +112,7 @@ def test_sync_training_timeline_and_profile(run_mpi, tmp_path):
 
     from test_timeline_mpi import check_push_after_ready
 
-    run_dir, timeline_dir = train(run_mpi, tmp_path, "sync")
+    run_dir, timeline_dir = train(run_mpi, tmp_path, "sync", compression="fp16")
     out, summary = merge_timeline(timeline_dir)
     data = json.loads(out.read_text())
     assert summary["ranks"] == [0, 1, 2, 3] and summary["servers"] == [0, 1]
@@ -120,7 +121,8 @@ def test_sync_training_timeline_and_profile(run_mpi, tmp_path):
     for e in events:
         names.setdefault(e["pid"], set()).add(e["name"])
     for rank in range(4):
-        assert {"bucket_ready", "push", "pull", "wait", "optimizer_step", "clock_sync"} <= names[rank], names[rank]
+        assert {"bucket_ready", "compress", "push", "pull", "decompress", "wait", "optimizer_step",
+                "clock_sync"} <= names[rank], names[rank]
         assert check_push_after_ready(events, rank) >= 30 * 2  # several buckets per step
     for index in range(2):
         assert {"reduce", "smb_request"} <= names[SERVER_PID_BASE + index], names[SERVER_PID_BASE + index]
