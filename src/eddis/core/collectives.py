@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .. import settings
+from .. import settings, timeline
 from ..errors import ConfigError, EddisError
 from . import runtime
 
@@ -133,7 +133,8 @@ def allgather_object(obj, comm=None, timeout=None, what="allgather_object"):
 
 def barrier(comm=None, timeout=None, what="barrier"):
     comm = _comm(comm)
-    wait_request(_start(comm.Ibarrier), _timeout(timeout), what)
+    with timeline.span(timeline.BARRIER, args={"what": what}):
+        wait_request(_start(comm.Ibarrier), _timeout(timeout), what)
 
 
 def check_same(text, what, fix, comm=None, timeout=None):
