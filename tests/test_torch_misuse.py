@@ -163,10 +163,13 @@ def caught_run(request):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", sorted(CAUGHT))
 def test_misuse_error_names_problem_and_fix(caught_run, case):
-    lines = [l for l in caught_run.stdout.splitlines() if l.startswith(f"CASE {case}: ")]
-    assert len(lines) == 2, f"expected the error on both ranks:\n{caught_run.stdout}\n{caught_run.stderr[-2000:]}"
-    for word in CAUGHT[case]:
-        assert word in lines[0], f"{word!r} missing from {lines[0]!r}"
+    # mpirun may glue the two ranks' lines together: split on the marker, not on newlines
+    marker = f"CASE {case}: "
+    parts = [p.split("CASE ")[0] for p in caught_run.stdout.split(marker)[1:]]
+    assert len(parts) == 2, f"expected the error on both ranks:\n{caught_run.stdout}\n{caught_run.stderr[-2000:]}"
+    for part in parts:
+        for word in CAUGHT[case]:
+            assert word in part, f"{word!r} missing from {part!r}"
 
 
 @pytest.mark.timeout(180)
