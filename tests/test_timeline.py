@@ -1,8 +1,5 @@
 """Timeline writer, merge and failure handling in one process (real files, real threads)."""
 import json
-import os
-import resource
-import signal
 import subprocess
 import textwrap
 import threading

@@ -16,7 +16,6 @@ from conftest import PYTHON
 
 
 def worker(directory, steps):
-    import numpy as np
     import torch
     from mpi4py import MPI
 
@@ -83,7 +82,6 @@ def worker(directory, steps):
     tl.stop_timeline()
     print(f"rank {rank} done, offset {trace.clock['offset_to_rank0_ns']} ns "
           f"+- {trace.clock['uncertainty_ns']} ns", flush=True)
-    del np
 
 
 def check_push_after_ready(events, pid):

@@ -88,7 +88,6 @@ class Timeline:
         self._tids = {}
         self._threads = {}
         self._names = {}
-        self._first = True
         self._reported_dropped = 0
         self._file = None
         self._write_lock = threading.Lock()
@@ -191,7 +190,6 @@ class Timeline:
             ]
             self._file.write("[\n" + ",\n".join(json.dumps(m, separators=(",", ":")) for m in meta))
             self._file.flush()
-            self._first = False
             self._dump_clock()
         except OSError:
             self._close_file()
