@@ -121,6 +121,23 @@ def test_unwritable_run_dir_warns_and_recording_goes_on(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_merge_skips_a_damaged_rank_file(tmp_path):
+    from eddis.timeline.profile import ProfileWarning, StepProfiler, load_profile, merge_profiles
+
+    for rank in range(2):
+        prof = StepProfiler(tmp_path, rank, size=3)
+        for _ in range(4):
+            prof.step_end(8)
+        prof.close()
+    (tmp_path / "profile" / "rank-2.h5").write_bytes(b"cut short by a crash")
+    with pytest.warns(ProfileWarning, match="rank-2.h5"):
+        merged = merge_profiles(tmp_path)
+    run_attrs, ranks = load_profile(merged)
+    assert sorted(ranks) == [0, 1] and run_attrs["size"] == 3 and run_attrs["ranks_recorded"] == 2
+    assert all(list(d["step"]) == [1, 2, 3, 4] for d in ranks.values())
+
+
+@pytest.mark.timeout(60)
 def test_report_on_a_directory_without_profile_says_how_to_get_one(tmp_path):
     proc = subprocess.run([PYTHON, "-m", "eddis.timeline.cli", "report", str(tmp_path)],
                           env=python_env(), capture_output=True, text=True, timeout=60)

@@ -264,7 +264,12 @@ def merge_profiles(run_dir, output=None):
         ranks = out.create_group("ranks")
         first_attrs = None
         for path in files:
-            with h5py.File(path, "r") as f:
+            try:
+                f = h5py.File(path, "r")
+            except OSError as exc:  # a rank killed while appending: keep the others
+                warnings.warn(f"profile: skipping {path}: {exc}", ProfileWarning, stacklevel=2)
+                continue
+            with f:
                 attrs = dict(f.attrs)
                 if first_attrs is None:
                     first_attrs = attrs
@@ -277,8 +282,10 @@ def merge_profiles(run_dir, output=None):
                 nodes.append(str(attrs.get("node")))
                 gpu_types.append(str(attrs.get("gpu_type")))
                 modes.append(str(attrs.get("mode")))
+        if first_attrs is None:
+            raise FileNotFoundError(f"no readable per-rank profile under {Path(run_dir) / 'profile'}")
         out.attrs["size"] = int(first_attrs.get("size", len(files)))
-        out.attrs["ranks_recorded"] = len(files)
+        out.attrs["ranks_recorded"] = len(ranks)
         out.attrs["nodes"] = json.dumps(sorted(set(nodes)))
         out.attrs["gpu_types"] = json.dumps(sorted(set(gpu_types)))
         out.attrs["modes"] = json.dumps(sorted(set(modes)))
