@@ -422,11 +422,14 @@ def make_reducer(mode, plan, compression="none", op="average", timeout=None, nam
     """Build the reducer of ``mode`` (None: EDDIS_MODE) over ``plan``."""
     mode = settings.get("EDDIS_MODE") if mode is None else str(mode).lower()
     _load_builtin_modes()
-    if mode not in REDUCERS and mode not in ("easgd", "hybrid"):
+    if mode not in REDUCERS and mode not in ("sync", "easgd", "hybrid"):
         raise ConfigError(f"unknown mode {mode!r}; available: {', '.join(available_modes())}")
-    if mode not in REDUCERS:
-        raise ConfigError(f"mode {mode!r} is not available in this build; available: "
-                          f"{', '.join(available_modes())}")
-    if runtime.size() == 1:
+    if runtime.size() == 1:  # nothing to communicate: no SMB needed either
         return LocalReducer(plan, compression, op, timeout, name)
+    if mode not in REDUCERS:
+        hint = (" (it needs the SMB extension eddis.smb._core: build it with `python setup.py "
+                "build_ext --inplace` where libucx-dev is installed, or use mode='allreduce')"
+                if mode == "sync" else "")
+        raise ConfigError(f"mode {mode!r} is not available in this build{hint}; available: "
+                          f"{', '.join(available_modes())}")
     return REDUCERS[mode](plan, compression, op, timeout, name)
