@@ -226,13 +226,15 @@ def _start_embedded(st, configured):
                 f"{configured or '(EDDIS_RUN_DIR unset)'}, and the ranks span {st.num_nodes} "
                 "nodes, so an embedded server cannot serve them. Launch with eddis_job.sh or "
                 "`srun eddis-train` (one smb-server per node), or use mode='allreduce'.")
+    path = Path(configured) if configured else rundir.default_run_dir()
+    created = not path.exists()
     try:
-        path = Path(configured) if configured else rundir.default_run_dir()
-        created = not path.exists()
         rundir.create_run_dir(path)
         server = smb.Server(path, index=0, memory=settings.get("SMB_MEMORY"))
         server.start()
     except Exception as exc:  # every rank must hear about it, not only rank 0
+        if created:
+            shutil.rmtree(path, ignore_errors=True)
         return ("error", f"could not start the embedded SMB server: {type(exc).__name__}: {exc}")
     st.server = server
     st.owned_run_dir = path if created else None
