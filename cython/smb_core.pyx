@@ -244,6 +244,7 @@ cdef struct server_conn_t:
     void *close_req
     void *server            # back pointer for the error callback
     int index
+    double opened           # when the connection arrived (HELLO deadline)
 
 cdef struct region_t:
     int valid
@@ -275,6 +276,7 @@ cdef struct server_t:
     region_t *regions
     uint64_t requests
     uint64_t refused
+    double hello_timeout    # seconds a new connection has to authenticate
 
 
 cdef void _free_cb(void *request, ucs_status_t status, void *user_data) noexcept nogil:
@@ -365,6 +367,7 @@ cdef void _server_conn_request(ucp.ucp_conn_request_h request, void *arg) noexce
     c.server = st
     c.index = slot
     c.close_req = NULL
+    c.opened = smb_now()
     c.state = CONN_OPEN
     if ucp.ucp_ep_create(st.worker, &params, &c.ep) != ucp.UCS_OK:
         c.state = CONN_FREE
@@ -590,11 +593,26 @@ cdef ucs_status_t _server_am_request(void *arg, const void *header, size_t heade
     return ucp.UCS_OK
 
 
+cdef void drop_silent_conns(server_t *st, double now) noexcept nogil:
+    """Close connections that sent no HELLO in time: they hold a slot and prove nothing."""
+    cdef int i
+    for i in range(st.conn_hi):
+        if st.conns[i].state == CONN_OPEN and now - st.conns[i].opened > st.hello_timeout:
+            st.conns[i].state = CONN_REJECT
+            st.refused += 1
+            st.pending_close = 1
+
+
 cdef void server_loop(server_t *st) noexcept nogil:
     cdef unsigned n
     cdef ucs_status_t s
+    cdef double now, last_sweep = smb_now()
     while not st.stop:
         n = ucp.ucp_worker_progress(st.worker)
+        now = smb_now()
+        if now - last_sweep > 1.0:
+            last_sweep = now
+            drop_silent_conns(st, now)
         if st.pending_close:
             server_close_conns(st, False)
         if n != 0:
@@ -689,7 +707,8 @@ cdef class ServerCore:
             close(self.shm_fd)
             self.shm_fd = -1
 
-    def start(self, str host, int port, bytes token, bytes hello_reply, handler):
+    def start(self, str host, int port, bytes token, bytes hello_reply, handler,
+              double hello_timeout=30.0):
         """Create context, worker and listener; returns the port listened on."""
         cdef ucp.ucp_config_t *config = NULL
         cdef ucp.ucp_params_t params
@@ -700,6 +719,7 @@ cdef class ServerCore:
         cdef sockaddr_in addr
         if len(token) == 0 or len(token) > 255:
             raise _errors.SMBValueError("job token must be 1..255 bytes; recreate the run directory")
+        self.st.hello_timeout = hello_timeout
         memcpy(self.st.token, <const char*>token, len(token))
         self.st.token_len = len(token)
         self.st.hello_reply = <char*>malloc(len(hello_reply) + 1)

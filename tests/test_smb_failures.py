@@ -138,6 +138,29 @@ def test_server_sigkill_gives_errors_not_hangs(transport):
 
 
 @pytest.mark.timeout(60)
+def test_silent_connection_is_dropped(tmp_path, transport):
+    """A connection that never says HELLO is closed after the server's hello_timeout."""
+    from eddis.smb import Server, create_run_dir
+
+    run_dir = create_run_dir(tmp_path / "run")
+    server = Server(run_dir, memory=1 << 20, host="127.0.0.1", hello_timeout=0.5).start()
+    try:
+        silent = _core.ClientCore()
+        conn = silent.connect("127.0.0.1", server.port)
+        deadline = time.monotonic() + 20
+        while not silent.conn_failed(conn) and time.monotonic() < deadline:
+            silent.progress()
+            time.sleep(0.01)
+        assert silent.conn_failed(conn)
+        silent.close()
+        assert server.core.stats["refused"] == 1
+        with Client(run_dir, expected_servers=1, timeout=10) as client:   # still serving
+            assert client.counter("x").fetch_add(1) == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(60)
 def test_client_without_servers_times_out(tmp_path, transport):
     from eddis.smb import create_run_dir
 

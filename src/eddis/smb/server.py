@@ -105,7 +105,7 @@ class Server:
     """One SMB server. ``start()`` returns once its address file is published."""
 
     def __init__(self, run_dir, index=0, memory=None, host=None, port=0, token=None,
-                 hugepages=None):
+                 hugepages=None, hello_timeout=30.0):
         from . import _core
 
         self.run_dir = Path(run_dir)
@@ -116,6 +116,8 @@ class Server:
         self.host = host
         self.port = int(port or 0)
         self.token = token
+        # a connection that does not authenticate within this many seconds is closed
+        self.hello_timeout = float(hello_timeout)
         self.hugepages = settings.get("SMB_HUGEPAGES") if hugepages is None else bool(hugepages)
         self.core = _core.ServerCore()
         self.allocator = ArenaAllocator(self.memory)
@@ -144,7 +146,7 @@ class Server:
                      "arena": f"/proc/{os.getpid()}/fd/{self.core.arena_fd}",
                      "arena_size": self.memory, "pid": os.getpid()}
             self.port = self.core.start(listen, self.port, token.encode(), json.dumps(hello).encode(),
-                                        self._handle)
+                                        self._handle, self.hello_timeout)
             self.core.run_in_thread()
             self.started = True
             self.info = {"index": self.index, "hostname": local_hostname(), "host": published,
