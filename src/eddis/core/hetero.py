@@ -54,17 +54,19 @@ def should_stop():
 class HeteroStep:
     """Heterogeneity hooks of one distributed optimizer (see the module docstring)."""
 
-    def __init__(self, plan, reducer, mode=None, balance=None, gather=None, scatter=None,
+    def __init__(self, plan=None, reducer=None, mode=None, balance=None, gather=None, scatter=None,
                  measure_first_step=True):
-        """``measure_first_step=False``: the first step's compute is not a measure of
-        this rank's speed (a graph framework traces and compiles in it), so the
-        simulated slowdown neither sleeps in it nor learns from it."""
+        """``plan``/``reducer`` may come later (``attach``), when the framework knows its
+        parameters only at the first step but the data pipeline needs the shares
+        before. ``measure_first_step=False``: the first step's compute is not a
+        measure of this rank's speed (a graph framework traces and compiles in it),
+        so the simulated slowdown neither sleeps in it nor learns from it."""
         self.mode = str(settings.get("EDDIS_MODE") if mode is None else mode).lower()
         balance = settings.get("EDDIS_BALANCE") if balance is None else bool(balance)
         self.rank, self.size = runtime.rank(), runtime.size()
         self.group, self.num_groups = runtime.group(), runtime.num_groups()
-        self.plan = plan
-        self.reducer = reducer
+        self.plan = None
+        self.reducer = None
         self.gather_fn = gather
         self.scatter_fn = scatter
         self.step = 0
@@ -87,11 +89,28 @@ class HeteroStep:
         self.group_comm = None
         self.exchanging = False
         self._centre_ready = False
-        self.flat = np.empty(plan.total, dtype=np.float32)
-        if self.mode in ("easgd", "hybrid") and self.size > 1:
-            self._setup_averaging()
+        self.flat = None
         progress.set_mode_hint(self.mode)
         _current[0] = self
+        if plan is not None:
+            self.attach(plan, reducer)
+
+    def attach(self, plan, reducer, gather=None, scatter=None):
+        """The parameters' plan and the gradient reducer (collective for easgd/hybrid:
+        the centre variable's pool is set up here)."""
+        self.plan = plan
+        self.reducer = reducer
+        if gather is not None:
+            self.gather_fn = gather
+        if scatter is not None:
+            self.scatter_fn = scatter
+        self.flat = np.empty(plan.total, dtype=np.float32)
+        self.averager = None
+        self._centre_ready = False
+        if self.mode in ("easgd", "hybrid") and self.size > 1:
+            self._setup_averaging()
+        if self.global_batch is not None:
+            self._set_weight(self.step)
 
     def _setup_averaging(self):
         if self.mode == "hybrid":
@@ -212,6 +231,8 @@ class HeteroStep:
         return slice(start, start + sizes[self.rank])
 
     def _set_weight(self, step):
+        if self.reducer is None:
+            return  # attach() sets it
         if self.reducer.in_progress:
             return  # gradients of this step are already on their way; end_step sets the next
         self.reducer.set_weight(self.sizes_for(step, self.global_batch)[self.rank])

@@ -36,7 +36,7 @@ from ..core.runtime import (group, hostname, init, is_initialized, local_rank, l
                             num_groups, rank, shutdown, size)
 from . import callbacks, data  # noqa: E402
 from .compression import Compression  # noqa: E402
-from .data import local_batch_size, shard, shard_batches  # noqa: E402
+from .data import balanced_batches, local_batch_size, shard, shard_batches  # noqa: E402
 from .gradient_tape import DistributedGradientTape  # noqa: E402
 from .hetero import (configure_progress, final_model, global_step, progress_counts,  # noqa: E402
                      reset_progress, save_model, should_stop)
@@ -69,6 +69,6 @@ __all__ = [
     "DistributedGradientTape", "DistributedOptimizer", "Compression", "Average", "Sum", "Min",
     "Max", "Adasum", "ReduceOp", "broadcast_variables", "allreduce", "broadcast", "allgather",
     "allgather_object", "broadcast_object", "barrier", "callbacks", "data", "shard",
-    "shard_batches", "local_batch_size", "configure_progress", "should_stop", "global_step",
+    "shard_batches", "local_batch_size", "balanced_batches", "configure_progress", "should_stop", "global_step",
     "progress_counts", "reset_progress", "final_model", "save_model", "start_timeline", "stop_timeline",
 ]

@@ -13,12 +13,21 @@
   then computes exactly the gradient of the global batch (give the optimizer the
   local batch size as its sample count when the shares differ).
 - ``local_batch_size(global_batch_size, weights=None)``.
+- ``balanced_batches(dataset, global_batch_size, optimizer=None)``: like
+  ``shard_batches``, but each global batch is cut with the shares of the
+  ``DistributedOptimizer`` (``balance=True``: shares that follow each rank's
+  measured speed, rebalanced during training; equal shares otherwise), and the
+  optimizer's weight of this rank follows. Iterate whole epochs (no
+  ``steps_per_epoch`` shorter than the data): global batches are numbered as
+  the pipeline produces them.
 
 Shuffle *before* sharding with a seed that is the same on every rank
 (``dataset.shuffle(n, seed=42)``): the ranks then agree on the order and their
 shards do not overlap. Every rank reads the whole input (and keeps its part), so
 put expensive ``map`` calls after ``shard``.
 """
+import itertools
+
 import numpy as np
 import tensorflow as tf
 
@@ -82,3 +91,30 @@ def shard_batches(dataset, global_batch_size, weights=None, rank=None, size=None
     local = local_batch_size(global_batch_size, weights, rank, size)
     return shard(dataset, weights, block_size=global_batch_size, rank=rank, size=size).batch(
         local, drop_remainder=True)
+
+
+def balanced_batches(dataset, global_batch_size, optimizer=None):
+    """This rank's part of each global batch, as the optimizer's (balanced) shares say."""
+    from ..core import hetero
+
+    state = hetero.current() if optimizer is None else getattr(getattr(optimizer, "_eddis", None),
+                                                                "hetero", None)
+    if state is None:
+        raise ConfigError("balanced_batches needs an eddis.DistributedOptimizer: create it first "
+                          "(DistributedOptimizer(opt, balance=True)) and pass optimizer=")
+    global_batch = int(global_batch_size)
+    if global_batch < state.size:
+        raise ConfigError(f"global_batch_size {global_batch} is smaller than the number of ranks ({state.size})")
+    steps = itertools.count()
+
+    def bounds():
+        part = state.serve(next(steps), global_batch)
+        return np.int64(part.start), np.int64(part.stop)
+
+    def cut(*batch):
+        start, stop = tf.numpy_function(bounds, [], [tf.int64, tf.int64], stateful=True,
+                                        name="eddis_balanced_slice")
+        element = batch[0] if len(batch) == 1 else batch
+        return tf.nest.map_structure(lambda t: t[start:stop], element)
+
+    return dataset.batch(global_batch, drop_remainder=True).map(cut)

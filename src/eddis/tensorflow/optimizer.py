@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import settings
-from ..core import hetero, progress, runtime
+from ..core import hetero, runtime
 from ..errors import ConfigError, UsageError
 from .compression import codec_of
 from .ops import Average, resolve_op
@@ -88,10 +88,9 @@ class _DistributedOptimizer:
             cfg.reducer = GradientReducer(variables, cfg.mode, cfg.codec, cfg.op, cfg.bucket_bytes,
                                           "DistributedOptimizer")
             cfg.variables_key = key
-            cfg.hetero = hetero.HeteroStep(cfg.reducer.plan, cfg.reducer.reducer, cfg.mode, cfg.balance,
-                                           gather=_gatherer(cfg.reducer.plan, variables),
-                                           scatter=_scatterer(cfg.reducer.plan, variables),
-                                           measure_first_step=False)  # it traces the graph
+            cfg.hetero.attach(cfg.reducer.plan, cfg.reducer.reducer,
+                              gather=_gatherer(cfg.reducer.plan, variables),
+                              scatter=_scatterer(cfg.reducer.plan, variables))
             cfg.reducer.hooks = cfg.hetero
             if cfg.sample_count is not None and not _is_tensor(cfg.sample_count):
                 cfg.reducer.set_sample_count(cfg.sample_count)
@@ -227,8 +226,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     """Make ``optimizer`` (a Keras 3 optimizer) reduce gradients over all ranks.
 
     Horovod's signature; EDDIS adds ``mode`` ("sync" through SMB, "allreduce"
-    through MPI; default EDDIS_MODE), ``bucket_bytes`` (default
-    EDDIS_BUCKET_BYTES) and ``sample_count`` (see ``set_sample_count``).
+    through MPI, "easgd" and "hybrid" for mixed GPU generations; default
+    EDDIS_MODE), ``balance`` (sync: each rank's share of the global batch follows
+    its measured speed, with ``eddis.balanced_batches``; default EDDIS_BALANCE),
+    ``bucket_bytes`` (default EDDIS_BUCKET_BYTES) and ``sample_count`` (see
+    ``set_sample_count``).
     ``compression`` defaults to EDDIS_COMPRESSION. Returns the optimizer (the
     same object, or a ``LossScaleOptimizer`` around it under ``mixed_float16``);
     compile the model with it and ``jit_compile=False``.
@@ -272,8 +274,13 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                      settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes),
                      balance)
     config.sample_count = sample_count
+    # Built now (the data pipeline of balanced sync asks it for shares before the
+    # first step); it learns the variables at the first step (attach). It also tells
+    # the global learning counter the mode, which decides its lockstep units.
+    config.hetero = hetero.HeteroStep(mode=config.mode, balance=balance,
+                                      measure_first_step=False)  # the first step traces the graph
+    if config.hetero.balancer is not None and sample_count is not None:
+        raise ConfigError("balance=True sets each rank's sample count from its measured share; "
+                          "drop sample_count (and set_sample_count)")
     object.__setattr__(optimizer, "_eddis", config)
-    # the lockstep units of the global learning counter follow the mode; the
-    # counter may be configured before the first step builds the HeteroStep
-    progress.set_mode_hint(config.mode)
     return optimizer
