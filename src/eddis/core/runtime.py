@@ -236,6 +236,9 @@ def _start_embedded(st, configured):
         if created:
             shutil.rmtree(path, ignore_errors=True)
         return ("error", f"could not start the embedded SMB server: {type(exc).__name__}: {exc}")
+    # The runtime stops it at exit, after the barrier that lets every rank finish
+    # with it; the server's own exit hook would run first and pull it from under them.
+    atexit.unregister(getattr(server, "_stop_at_exit", None) or (lambda: None))
     st.server = server
     st.owned_run_dir = path if created else None
     log.info("started an embedded SMB server in %s", path)
