@@ -64,6 +64,8 @@ def main():
                         choices=["float32", "mixed_float16", "mixed_bfloat16"])
     parser.add_argument("--shares", default=None,
                         help="per-rank shares of every batch, e.g. 1,2 (default: equal)")
+    parser.add_argument("--balance", action="store_true",
+                        help="sync, --loop fit: shares of each global batch follow each rank's speed")
     parser.add_argument("--iterations", type=int, default=None,
                         help="easgd/hybrid: total iterations of all ranks (default: as many "
                              "local batches as the epochs hold)")
@@ -73,6 +75,8 @@ def main():
     eddis.init()  # EDDIS
     rank, size = eddis.rank(), eddis.size()  # EDDIS
     mode = args.mode or os.environ.get("EDDIS_MODE", "sync")
+    if args.balance and (args.loop != "fit" or mode not in ("sync", "allreduce") or args.shares):
+        parser.error("--balance needs --loop fit, mode sync or allreduce, and no --shares")
     keras.mixed_precision.set_global_policy(args.precision)
     keras.utils.set_random_seed(args.seed)
     x_train, x_test, y_train, y_test = load_data()
@@ -89,8 +93,10 @@ def main():
     optimizer = keras.optimizers.SGD(args.lr, momentum=0.9)
     elastic = mode in ("easgd", "hybrid")
     if args.loop == "fit" or elastic:  # (a tape loop in sync mode reduces in the tape instead)
-        optimizer = eddis.DistributedOptimizer(optimizer, mode=mode, compression=compression)  # EDDIS
-        optimizer.set_sample_count(local_batch)  # EDDIS: weight of this rank in the average
+        optimizer = eddis.DistributedOptimizer(optimizer, mode=mode, compression=compression,  # EDDIS
+                                               balance=args.balance)
+        if not args.balance:
+            optimizer.set_sample_count(local_batch)  # EDDIS: weight of this rank in the average
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     if elastic:  # EDDIS: ranks train at their own pace; the global counter ends training
@@ -99,6 +105,9 @@ def main():
         epochs, progress = 1, eddis.callbacks.ProgressControlCallback(total=total)  # EDDIS
         if args.loop == "tape":
             eddis.configure_progress(total=total)  # EDDIS: what the callback does for fit
+    elif args.balance:  # EDDIS: each global batch cut by the measured speeds
+        data = eddis.balanced_batches(train_set, args.batch_size, optimizer)
+        epochs, progress = args.epochs, None
     else:
         data = eddis.shard_batches(train_set, args.batch_size, shares)  # EDDIS
         epochs, progress = args.epochs, None
@@ -124,7 +133,10 @@ def main():
     logits = model.predict(x_test, batch_size=256, verbose=0)
     accuracy = float(np.mean(np.argmax(logits, axis=1) == y_test))
     counts = eddis.progress_counts() if elastic else None  # EDDIS
+    shares_now = optimizer.hetero.balancer.shares.round(3).tolist() if args.balance else None
     if rank == 0:
+        if shares_now is not None:
+            print(f"balanced shares: {shares_now}", flush=True)
         print(f"ranks {size}  mode {mode}  loop {args.loop}  "
               f"precision {args.precision}  last train loss {last_loss:.4f}", flush=True)
         if counts is not None:
