@@ -196,6 +196,19 @@ def _():
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
 
+@case("xla_switched_off_by_callback")
+def _():
+    import warnings
+    m = model()
+    m.compile(optimizer=eddis.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
+    assert m.jit_compile is True
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        m.fit(np.ones((8, 4), "float32"), np.zeros((8, 3), "float32"), batch_size=4, verbose=0,
+              callbacks=[eddis.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert m.jit_compile is False
+    assert any("jit_compile=False" in str(w.message) for w in seen)
+
 print("RESULTS " + json.dumps(results), flush=True)
 eddis.shutdown()
 '''
@@ -213,6 +226,7 @@ EXPECTED = {
     "mixed_float16_wraps_loss_scale": ("ok", ""),
     "save_and_load": ("ok", ""),
     "one_rank_matches_plain_keras": ("ok", ""),
+    "xla_switched_off_by_callback": ("ok", ""),
 }
 _worker = {}
 

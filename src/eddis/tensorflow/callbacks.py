@@ -7,6 +7,7 @@ list of them (the same epochs and steps on every rank, too).
 """
 import math
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -14,6 +15,18 @@ import numpy as np
 from ..core import collectives, runtime
 from ..errors import ConfigError
 from .ops import broadcast_variables
+
+
+def ensure_no_xla(model):
+    """EDDIS reduces gradients in ``tf.numpy_function`` ops, which XLA cannot compile.
+    Keras' ``jit_compile="auto"`` means XLA on GPU machines: switch it off and rebuild
+    the train function (called from on_train_begin, before the first step)."""
+    if getattr(model, "jit_compile", False) and not getattr(model, "run_eagerly", False):
+        warnings.warn("EDDIS: the model was compiled with XLA (jit_compile); the gradient reduction "
+                      "cannot run inside XLA, so training continues with jit_compile=False. Pass "
+                      "jit_compile=False to model.compile() to silence this.", stacklevel=3)
+        model.jit_compile = False
+        model.make_train_function(force=True)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -27,8 +40,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         if self.broadcast_done:
+            ensure_no_xla(self.model)
             return
         runtime._require("BroadcastGlobalVariablesCallback")
+        ensure_no_xla(self.model)
         broadcast_variables(self.model.variables, root_rank=self.root_rank)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
@@ -168,6 +183,7 @@ class ProgressControlCallback(keras.callbacks.Callback):
         from ..core import progress
 
         runtime._require("ProgressControlCallback")
+        ensure_no_xla(self.model)
         self.steps = 0
         previous = progress.controller()
         if previous is not None and previous.finished:  # an earlier fit used it up
