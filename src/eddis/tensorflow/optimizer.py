@@ -108,7 +108,7 @@ class _DistributedOptimizer:
 
     @property
     def hetero(self):
-        """The :class:`eddis.core.hetero.HeteroStep` (None before the first step)."""
+        """The optimizer's :class:`eddis.core.hetero.HeteroStep` (variables attached at step 1)."""
         return self._eddis.hetero
 
     def final_model(self):
