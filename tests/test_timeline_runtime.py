@@ -75,7 +75,11 @@ class Servers:
                  "--run-dir", str(self.run_dir), "--index", str(index), "--memory", "64M"],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                 start_new_session=True))
-        rundir.wait_for_servers(self.run_dir, count, timeout=60)
+        try:
+            rundir.wait_for_servers(self.run_dir, count, timeout=120)
+        except Exception as exc:
+            outputs = self.stop()
+            pytest.fail(f"smb-servers did not start: {exc}\n" + "\n".join(outputs), pytrace=False)
 
     def stop(self):
         outputs = []
