@@ -62,7 +62,13 @@ class HeteroStep:
         measure of this rank's speed (a graph framework traces and compiles in it),
         so the simulated slowdown neither sleeps in it nor learns from it."""
         self.mode = str(settings.get("EDDIS_MODE") if mode is None else mode).lower()
-        balance = settings.get("EDDIS_BALANCE") if balance is None else bool(balance)
+        initial = None
+        if balance is None:
+            balance = settings.get("EDDIS_BALANCE")
+        elif isinstance(balance, (list, tuple, np.ndarray)):
+            initial, balance = [float(w) for w in balance], True   # initial per-rank weights
+        else:
+            balance = bool(balance)
         self.rank, self.size = runtime.rank(), runtime.size()
         self.group, self.num_groups = runtime.group(), runtime.num_groups()
         self.plan = None
@@ -84,7 +90,7 @@ class HeteroStep:
                 raise ConfigError(f"balance=True balances synchronous training (mode 'sync' or "
                                   f"'allreduce'), not mode {self.mode!r}: easgd and hybrid already let "
                                   "faster ranks do more iterations. Drop balance or use mode='sync'.")
-            self.balancer = _balance.Balancer(self.size, self.rank)
+            self.balancer = _balance.Balancer(self.size, self.rank, initial=initial)
         self.averager = None
         self.group_comm = None
         self.exchanging = False

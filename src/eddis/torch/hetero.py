@@ -24,192 +24,42 @@ before the first gradient bucket of a step goes on the wire (the simulated
 slowdown sleeps here, so a slowed rank's gradients really arrive late);
 ``before_sync()`` when the step's gradients are final (``synchronize()``: end of
 the compute, measured for balancing) and ``after_step()`` after the wrapped
-optimizer's step (the elastic exchange; rebalancing). The algorithms live in
+optimizer's step (the elastic exchange; rebalancing). They are the core's
+framework-agnostic :class:`eddis.core.hetero.HeteroStep`; the algorithms live in
 ``eddis.core`` (easgd, hybrid, balance, progress, simulate).
 """
 import os
-import threading
-import time
 
 import numpy as np
 import torch
 import torch.utils.data
 
-from ..core import balance as _balance
-from ..core import collectives, easgd, hybrid, progress, runtime, simulate
+from ..core import collectives, hetero, progress, runtime
 from ..errors import ConfigError, UsageError
-from .. import settings
-
-_current = [None]        # the HeteroState of the newest DistributedOptimizer
-_loop_mark = [0.0]       # when should_stop() last returned (its waiting is not compute)
-_names = [0]
 
 
-class HeteroState:
-    """What one DistributedOptimizer needs for the heterogeneity features."""
+class HeteroState(hetero.HeteroStep):
+    """The heterogeneity hooks of one DistributedOptimizer: the core's
+    :class:`eddis.core.hetero.HeteroStep` over the optimizer's bucket plan and
+    reducer, with parameters copied to and from the flat vector by torch."""
 
     def __init__(self, optimizer, mode, balance):
         self.optimizer = optimizer
-        self.mode = str(settings.get("EDDIS_MODE") if mode is None else mode).lower()
-        initial = None
-        if balance is None:
-            balance = settings.get("EDDIS_BALANCE")
-        elif not isinstance(balance, bool):
-            initial, balance = list(balance), True   # initial per-rank weights
-        self.rank, self.size = runtime.rank(), runtime.size()
-        self.group, self.num_groups = runtime.group(), runtime.num_groups()
         self.params = optimizer._eddis_params
-        self.plan = optimizer._eddis_plan
-        self.reducer = optimizer.reducer
-        self.step = 0
-        self.slowdown = simulate.from_settings(self.rank, self.group, self.size, self.num_groups)
-        self._lock = threading.Lock()
-        self._pushed_step = -1
-        self._compute_estimate = None
-        self._slept_this_step = 0.0
-        self._last = time.perf_counter()
-        self.global_batch = None
-        self.balancer = None
-        if balance:
-            if self.mode not in ("sync", "allreduce"):
-                raise ConfigError(f"balance=True balances synchronous training (mode 'sync' or "
-                                  f"'allreduce'), not mode {self.mode!r}: easgd and hybrid already let "
-                                  "faster ranks do more iterations. Drop balance or use mode='sync'.")
-            self.balancer = _balance.Balancer(self.size, self.rank, initial=initial)
-        self.averager = None
-        self.group_comm = None
-        if self.mode in ("easgd", "hybrid") and self.size > 1:
-            self._setup_averaging()
-        progress.set_mode_hint(self.mode)
-        _current[0] = self
+        super().__init__(mode=mode, balance=balance, gather=self._gather_into,
+                         scatter=self._scatter_from)
+        self.attach(optimizer._eddis_plan, optimizer.reducer)
 
-    def _setup_averaging(self):
-        if self.mode == "hybrid":
-            members = hybrid.group_members()
-            hybrid.check_groups(members)
-            worker, workers = self.group, len(members)
-            self.group_comm = hybrid.group_comm()
-        else:
-            worker, workers = self.rank, self.size
-        _names[0] += 1
-        name = collectives.broadcast_object(f"eddis.{self.mode}.centre.{_names[0]}", root=0,
-                                            what=f"{self.mode} set-up")
-        self.averager = easgd.ElasticAverager(runtime.smb_client(), self.plan.total, worker, workers,
-                                              alpha=hybrid.default_alpha(workers), name=name)
-        self.flat = np.empty(self.plan.total, dtype=np.float32)
-        self.exchanging = self.group_comm is None or self.group_comm.Get_rank() == 0
-        self._centre_ready = False
-
-    # ------------------------------------------------------------ parameters <-> flat vector
-    def gather(self):
-        flat = self.flat
+    def _gather_into(self, flat):
         with torch.no_grad():
             for slot, p in zip(self.plan.slots, self.params):
-                view = torch.from_numpy(flat[slot.start:slot.start + slot.count])
-                view.copy_(p.detach().reshape(-1))
-        return flat
+                torch.from_numpy(flat[slot.start:slot.start + slot.count]).copy_(p.detach().reshape(-1))
 
-    def scatter(self, flat):
+    def _scatter_from(self, flat):
         with torch.no_grad():
             for slot, p in zip(self.plan.slots, self.params):
                 src = torch.from_numpy(flat[slot.start:slot.start + slot.count]).view(slot.shape)
                 p.copy_(src.to(device=p.device, dtype=p.dtype))
-
-    # ------------------------------------------------------------ hooks from the optimizer
-    def before_push(self):
-        """Before this step's first gradient bucket is marked ready (autograd thread)."""
-        if not self.slowdown.active:
-            return
-        with self._lock:
-            if self._pushed_step == self.step:
-                return
-            self._pushed_step = self.step
-        estimate = self._compute_estimate
-        if estimate is None:  # first step: what it computed so far
-            estimate = time.perf_counter() - self._compute_start()
-        self._slept_this_step = self.slowdown.stretch(estimate)
-
-    def _compute_start(self):
-        return max(self._last, _loop_mark[0])
-
-    def before_sync(self):
-        now = time.perf_counter()
-        elapsed = now - self._compute_start()
-        if self.slowdown.active:
-            if self._pushed_step != self.step:  # no bucket was pushed (no gradients): sleep now
-                self._pushed_step = self.step
-                self._slept_this_step = self.slowdown.stretch(elapsed)
-                elapsed += self._slept_this_step
-            self._compute_estimate = max(0.0, elapsed - self._slept_this_step)
-            self._slept_this_step = 0.0
-        if self.balancer is not None and self.global_batch is not None:
-            self.balancer.record(self.balancer.samples_for(self.step), elapsed)
-        if self.averager is not None and not self._centre_ready:
-            self._init_centre()
-
-    def _init_centre(self):
-        # every rank holds the broadcast parameters now; rank 0 makes them the centre
-        if self.rank == 0:
-            self.averager.initialize(self.gather())
-        collectives.barrier(what=f"{self.mode}: centre variable initialization")
-        self._centre_ready = True
-
-    def after_step(self):
-        if self.averager is not None and self.averager.due(self.step):
-            self._exchange()
-        if self.balancer is not None:
-            self.balancer.end_step(self.step)
-        self.step += 1
-        if self.global_batch is not None:
-            self._set_weight(self.step)
-        self._last = time.perf_counter()
-
-    def _exchange(self):
-        flat = self.gather()
-        if self.group_comm is None:
-            self.averager.exchange(flat)
-        else:
-            hybrid.exchange_group(self.averager, flat, self.group_comm)
-        self.scatter(flat)
-
-    # ------------------------------------------------------------ batches
-    def sizes_for(self, step, global_batch):
-        if self.balancer is not None:
-            return self.balancer.sizes_for(step, global_batch)
-        if self.global_batch is None:
-            self.global_batch = int(global_batch)
-        return _balance.balanced_sizes(int(global_batch), [1.0] * self.size)
-
-    def serve(self, step, global_batch):
-        """The slice of global batch ``step`` this rank computes; sets its weight."""
-        sizes = self.sizes_for(step, global_batch)
-        self.global_batch = int(global_batch)
-        if self.balancer is not None:
-            self.balancer.note_served(step)
-        if step == self.step:
-            self._set_weight(step)
-        start = sum(sizes[:self.rank])
-        return slice(start, start + sizes[self.rank])
-
-    def _set_weight(self, step):
-        if self.reducer.in_progress:
-            return  # gradients of this step are already on their way; after_step sets the next
-        self.reducer.set_weight(self.sizes_for(step, self.global_batch)[self.rank])
-
-    # ------------------------------------------------------------ the final model
-    def final_model(self):
-        """Collective: make every rank's parameters the job's final model."""
-        if self.averager is None:
-            return
-        if not self._centre_ready:
-            raise UsageError(f"mode {self.mode}: no training step was taken, so there is no centre "
-                             "variable yet; call save_checkpoint after training")
-        if self.exchanging:
-            self.averager.exchange(self.gather())   # the last local steps count too
-        self.averager.finish()
-        collectives.barrier(what=f"{self.mode}: final model (every worker's last exchange)")
-        self.scatter(self.averager.read_center(out=self.flat))
-        collectives.barrier(what=f"{self.mode}: final model (centre read)")
 
 
 def attach(optimizer, mode, balance):
@@ -220,7 +70,7 @@ def attach(optimizer, mode, balance):
 
 def _state_of(optimizer):
     if optimizer is None:
-        state = _current[0]
+        state = hetero.current()
         if state is None:
             raise UsageError("no eddis.DistributedOptimizer exists yet: create it first (or pass optimizer=)")
         return state
@@ -234,7 +84,7 @@ def _state_of(optimizer):
 def configure_progress(total=None, chunk=None, staleness=None, record=False):
     """Set up the global learning counter (collective; optional: the first
     should_stop() does it from EDDIS_TOTAL_ITERATIONS, EDDIS_CLAIM_CHUNK, EDDIS_STALENESS)."""
-    state = _current[0]
+    state = hetero.current()
     return progress.configure(total=total, chunk=chunk, staleness=staleness,
                               mode=state.mode if state is not None else None, record=record)
 
@@ -242,10 +92,7 @@ def configure_progress(total=None, chunk=None, staleness=None, record=False):
 def should_stop():
     """True once the job's iterations (EDDIS_TOTAL_ITERATIONS) are used up; else this
     rank runs one more step. Call it once per step, as the loop condition."""
-    try:
-        return progress.should_stop()
-    finally:
-        _loop_mark[0] = time.perf_counter()
+    return hetero.should_stop()   # notes when the loop's waiting ended: not compute time
 
 
 def global_step():
