@@ -606,7 +606,7 @@ cdef void drop_silent_conns(server_t *st, double now) noexcept nogil:
 cdef void server_loop(server_t *st) noexcept nogil:
     cdef unsigned n
     cdef ucs_status_t s
-    cdef double now, last_sweep = smb_now()
+    cdef double now, last_sweep = smb_now(), last_busy = 0
     while not st.stop:
         n = ucp.ucp_worker_progress(st.worker)
         now = smb_now()
@@ -616,6 +616,11 @@ cdef void server_loop(server_t *st) noexcept nogil:
         if st.pending_close:
             server_close_conns(st, False)
         if n != 0:
+            last_busy = now
+            continue
+        if now - last_busy < 50e-6:
+            # Requests come in bursts (buckets, counters): poll a little longer
+            # before sleeping, which saves a wakeup per request of a burst.
             continue
         s = ucp.ucp_worker_arm(st.worker)
         if s == ucp.UCS_OK:
