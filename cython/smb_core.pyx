@@ -569,7 +569,9 @@ cdef ucs_status_t _server_am_request(void *arg, const void *header, size_t heade
         server_reply_error(st, ci, h.req_id, ucp.UCS_ERR_INVALID_PARAM, b"malformed request header")
         return ucp.UCS_OK
     if c.state != CONN_AUTH:
-        if c.state == CONN_OPEN and h.op == OP_HELLO and plen == st.token_len \
+        if c.state != CONN_OPEN:
+            return ucp.UCS_OK               # being closed already: drop
+        if h.op == OP_HELLO and plen == st.token_len \
                 and memcmp(payload, st.token, plen) == 0:
             c.state = CONN_AUTH
             server_send_reply(st, ci, h.req_id, 0, st.hello_reply, st.hello_reply_len)
@@ -636,6 +638,7 @@ cdef class ServerCore:
     cdef object thread
     cdef public int port
     cdef int started
+    cdef uint64_t touched_end
 
     def __cinit__(self):
         self.st = <server_t*>calloc(1, sizeof(server_t))
@@ -822,7 +825,14 @@ cdef class ServerCore:
             raise _errors.SMBValueError(f"region slot {index} is not free")
         if offset + nbytes > self.st.arena_size:
             raise _errors.SMBBoundsError("region outside the arena")
-        memset(self.st.arena + offset, 0, nbytes)
+        # Only memory a freed region may have dirtied needs clearing; the arena
+        # beyond touched_end was never handed out and reads as zero already.
+        cdef uint64_t dirty_end = min(offset + nbytes, self.touched_end)
+        cdef char *start = self.st.arena + offset
+        if dirty_end > offset:
+            with nogil:
+                memset(start, 0, dirty_end - offset)
+        self.touched_end = max(self.touched_end, offset + nbytes)
         mp.field_mask = ucp.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | ucp.UCP_MEM_MAP_PARAM_FIELD_LENGTH
         mp.address = self.st.arena + offset
         mp.length = nbytes if nbytes else 1

@@ -102,6 +102,10 @@ def test_pool_write_read_across_servers(client):
     pool.free()
     with pytest.raises(SMBKeyError):
         client.pool("rw", 1001, dtype="float32", slots=3, create=False)
+    # a new pool in the freed memory starts zeroed
+    again = client.pool("rw-again", 1001, dtype="float32", slots=3)
+    np.testing.assert_array_equal(again.read(slot=2), np.zeros(1001, np.float32))
+    again.free()
 
 
 @pytest.mark.timeout(120)
