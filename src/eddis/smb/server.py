@@ -85,8 +85,13 @@ class Region:
 
 
 def local_hostname():
-    """The node name used to decide same-node mapping (fake nodes set EDDIS_HOSTNAME)."""
-    return os.environ.get("EDDIS_HOSTNAME") or socket.gethostname()
+    """The node name used to decide same-node mapping.
+
+    EDDIS_HOSTNAME (the launcher sets it for ranks), else SLURMD_NODENAME (set by
+    srun for servers and ranks alike, and distinct for the fake nodes of a dev
+    cluster), else the host name."""
+    return (os.environ.get("EDDIS_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
+            or socket.gethostname())
 
 
 def arena_name(run_dir, index):
