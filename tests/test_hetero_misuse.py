@@ -74,6 +74,23 @@ def case_configure_twice():
         opt.close()
 
 
+def case_counter_before_optimizer():
+    import eddis.torch as eddis
+
+    opt = None
+    _, first = _wrap(mode="sync")
+    first.close()
+    eddis.configure_progress(total=10)   # set up for the newest optimizer's mode: sync
+    try:
+        _, opt = _wrap(mode="easgd")
+    finally:
+        from eddis.core import progress
+
+        progress.reset()
+        if opt is not None:
+            opt.close()
+
+
 def case_checkpoint_plain_optimizer():
     import torch
     import eddis.torch as eddis
@@ -136,6 +153,7 @@ if __name__ != "__main__":
         "slowdown_unknown_rank": ("ConfigError", ["rank(s) [5]", "ranks 0..1"]),
         "no_total": ("ConfigError", ["EDDIS_TOTAL_ITERATIONS", "configure_progress(total=N)"]),
         "configure_twice": ("UsageError", ["already configured", "once per training run"]),
+        "counter_before_optimizer": ("UsageError", ["set up for mode 'sync'", "Create the DistributedOptimizer first"]),
         "checkpoint_plain_optimizer": ("ConfigError", ["eddis.DistributedOptimizer(...)"]),
         "checkpoint_unwritable": ("OSError", ["failed on rank 0", "/nonexistent-dir/model.pt"]),
         "global_batch_too_small": ("ConfigError", ["at least one sample per rank (2)"]),

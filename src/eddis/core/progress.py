@@ -118,6 +118,7 @@ class ProgressController:
         self.claims = 0
         self.waited = 0.0             # seconds spent waiting for the staleness bound
         self.history = [] if record else None
+        self.mode = None              # the training mode it was set up for (module API)
         if self.leader and self.total % self.unit:
             warnings.warn(f"the total of {self.total} iterations is not a multiple of the {self.unit} "
                           f"ranks that step together here; they leave the last "
@@ -225,6 +226,13 @@ _mode_hint = None
 def set_mode_hint(mode):
     """The training mode of the job's DistributedOptimizer (decides the lockstep units)."""
     global _mode_hint
+    mode = str(mode).lower()
+    ctl = _controller
+    if ctl is not None and not ctl.finished and ctl.mode != mode and runtime.is_initialized() \
+            and runtime.size() > 1:
+        raise UsageError(f"the global learning counter was set up for mode {ctl.mode!r} (the first "
+                         f"should_stop() or configure_progress() came before this optimizer), but the "
+                         f"optimizer trains with mode {mode!r}. Create the DistributedOptimizer first.")
     _mode_hint = mode
 
 
@@ -258,6 +266,7 @@ def configure(total=None, chunk=None, staleness=None, mode=None, record=False):
     _controller = ProgressController(runtime.smb_client(), total, runtime.rank(), runtime.size(),
                                       chunk=chunk, staleness=staleness, lockstep_comm=comm,
                                       name=name, record=record)
+    _controller.mode = mode
     runtime.register_closable(_controller)
     collectives.barrier(what="progress control set-up")
     return _controller
