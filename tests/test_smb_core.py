@@ -35,6 +35,8 @@ def cluster(request):
             servers.client_env["EDDIS_HOSTNAME"] = spec["client_host"]
         yield servers
     assert not servers.leftovers, f"servers left shared memory behind: {servers.leftovers}"
+    assert not servers.hung, f"servers {servers.hung} did not exit on SIGTERM"
+    assert not servers.unpublished, f"servers {servers.unpublished} left their address file"
 
 
 @pytest.fixture

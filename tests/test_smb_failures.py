@@ -101,6 +101,7 @@ def test_refusals_keep_the_server_serving(transport):
         other.close()
         client.close()
     assert not servers.leftovers
+    assert not servers.hung and not servers.unpublished
 
 
 @pytest.mark.timeout(120)
@@ -135,6 +136,23 @@ def test_server_sigkill_gives_errors_not_hangs(transport):
         print(f"errors after SIGKILL took {elapsed:.2f} s in all")
     # the arena was unlinked at creation: even a SIGKILLed server leaves nothing behind
     assert servers.leftovers == []
+    assert not servers.hung and not servers.unpublished  # the survivor stopped cleanly
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_cleanly_every_time(transport):
+    """Repeated SIGTERMs at random moments: every server exits, unpublishes, frees its memory."""
+    env, hostnames = transport
+    for _ in range(3):
+        servers = LocalServers(2, memory="4M", env=env, hostnames=hostnames).start()
+        client = Client(servers.run_dir, expected_servers=2, timeout=10)
+        client.pool("p", 100).write(np.ones(100, np.float32))
+        servers.procs[0].send_signal(signal.SIGTERM)
+        servers.procs[0].send_signal(signal.SIGTERM)   # a second one while stopping
+        servers.stop()
+        client.close()
+        assert not servers.hung, "a server did not exit on SIGTERM"
+        assert not servers.unpublished and not servers.leftovers
 
 
 @pytest.mark.timeout(60)

@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import sys
-import threading
+import time
 from pathlib import Path
 
 from .. import settings
@@ -413,10 +413,12 @@ def main(argv=None):
     index = args.index if args.index is not None else int(os.environ.get("SLURM_NODEID", "0"))
     token = rundir.read_token(args.expect_token_file or run_dir)
     port = args.port if args.port is not None else settings.get("SMB_PORT")
-    stop = threading.Event()
+    # A plain list, not a threading.Event: Event.set() in a signal handler can
+    # deadlock on the lock that the interrupted Event.wait() holds.
+    stop = []
 
     def on_signal(signum, frame):
-        stop.set()
+        stop.append(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -428,8 +430,8 @@ def main(argv=None):
         return 1
     print(f"smb-server {index} ready on {server.address} ({server.memory} bytes)", flush=True)
     try:
-        while not stop.wait(0.5):
-            pass
+        while not stop:
+            time.sleep(0.2)
     finally:
         server.stop()
     return 0

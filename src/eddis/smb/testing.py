@@ -48,6 +48,9 @@ class LocalServers:
         self.procs = []
         self.records = []
         self.leftovers = []
+        self.hung = []          # servers that needed SIGKILL after SIGTERM
+        self.killed = []        # servers the test killed itself
+        self.unpublished = []   # servers whose address file survived a clean stop
 
     def start(self):
         rundir.create_run_dir(self.run_dir)
@@ -68,6 +71,7 @@ class LocalServers:
         return self
 
     def kill(self, index, sig=signal.SIGKILL):
+        self.killed.append(index)
         self.procs[index].send_signal(sig)
         self.procs[index].wait(10)
 
@@ -77,13 +81,17 @@ class LocalServers:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
+        for index, proc in enumerate(self.procs):
             try:
                 _, err = proc.communicate(timeout=15)
             except subprocess.TimeoutExpired:
+                self.hung.append(index)  # did not exit on SIGTERM: a bug the tests report
                 proc.kill()
                 _, err = proc.communicate()
             errors.append(err)
+        for index in range(len(self.procs)):
+            if rundir.server_file(self.run_dir, index).exists() and index not in self.killed:
+                self.unpublished.append(index)
         self.procs = []
         # Servers unlink their arena right after creating it; anything here is a bug.
         from .server import arena_name
