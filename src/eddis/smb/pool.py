@@ -110,6 +110,9 @@ class Pool:
             base = client.servers[s]["base"]
             seg.local = base + info["offset"] if base else 0
             seg.rkey = 0 if seg.local else client._rkey(s, seg.rid, rkey)
+            if seg.local:
+                # fault the region into this process once, not during the first transfers
+                _core.prefault(seg.local, info["nbytes"])
             self.segments.append(seg)
 
     def __repr__(self):
