@@ -124,6 +124,11 @@ class HeteroStep:
             hybrid.check_groups(members)
             worker, workers = self.group, len(members)
             self.group_comm = hybrid.group_comm()
+            if workers == 1:
+                # one group is plain sync: an elastic pull towards a centre that only
+                # this group moves would merely damp its progress
+                self.group_comm = None
+                return
         else:
             worker, workers = self.rank, self.size
         _names[0] += 1
