@@ -125,3 +125,36 @@ def get_codec(name):
         return CODECS[key]
     except KeyError:
         raise ConfigError(f"unknown compression {name!r}; use one of none, fp16, bf16") from None
+
+
+class Compressor:
+    """Base of the adapters' ``Compression.*`` members (Horovod's compressor shape).
+
+    ``codec`` names the core codec the reducer uses on the wire; the adapters'
+    subclasses add ``compress``/``decompress`` on their framework's tensors.
+    """
+    codec = NONE
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class NoneCompressor(Compressor):
+    codec = NONE
+
+
+def codec_of(compression):
+    """The core codec for a Compression member, a codec name, or None (EDDIS_COMPRESSION)."""
+    from .. import settings
+
+    if compression is None:
+        return get_codec(settings.get("EDDIS_COMPRESSION"))
+    if isinstance(compression, Compressor) or (isinstance(compression, type)
+                                                and issubclass(compression, Compressor)):
+        return compression.codec
+    return get_codec(compression)

@@ -9,22 +9,7 @@ work on tensors like Horovod's.
 import tensorflow as tf
 
 from ..core import compression as _codecs
-
-
-class Compressor:
-    codec = _codecs.NONE
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class NoneCompressor(Compressor):
-    codec = _codecs.NONE
+from ..core.compression import Compressor, NoneCompressor, codec_of  # noqa: F401
 
 
 class FP16Compressor(Compressor):
@@ -53,15 +38,3 @@ class Compression:
     fp16 = FP16Compressor
     bf16 = BF16Compressor
 
-
-def codec_of(compression):
-    """The core codec for a Compression member, a codec name, or None (EDDIS_COMPRESSION)."""
-    from .. import settings
-
-    if compression is None:
-        return _codecs.get_codec(settings.get("EDDIS_COMPRESSION"))
-    if isinstance(compression, type) and issubclass(compression, Compressor):
-        return compression.codec
-    if isinstance(compression, Compressor):
-        return compression.codec
-    return _codecs.get_codec(compression)

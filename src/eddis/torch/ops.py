@@ -8,34 +8,8 @@ import numpy as np
 import torch
 
 from ..core import collectives, runtime
+from ..core.ops import Adasum, Average, Max, Min, ReduceOp, Sum, resolve_op  # noqa: F401
 from ..errors import ConfigError
-
-
-class ReduceOp:
-    def __init__(self, name):
-        self.name = name
-
-    def __repr__(self):
-        return self.name.capitalize()
-
-
-Average = ReduceOp("average")
-Sum = ReduceOp("sum")
-Min = ReduceOp("min")
-Max = ReduceOp("max")
-Adasum = ReduceOp("adasum")
-
-
-def _resolve_op(op, average):
-    if op is not None and average is not None:
-        raise ConfigError("pass either op= or the deprecated average=, not both")
-    if op is None:
-        op = Sum if average is False else Average
-    if isinstance(op, str):
-        op = ReduceOp(op.lower())
-    if op.name == "adasum":
-        raise ConfigError("Adasum is not supported by EDDIS; use op=Average (the default) or Sum")
-    return op
 
 
 def _to_numpy(tensor):
@@ -55,7 +29,7 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None,
     runtime._require("eddis.allreduce()")
     if process_set is not None:
         raise ConfigError("process sets are not supported by EDDIS; reduce over all ranks")
-    op = _resolve_op(op, average)
+    op = resolve_op(op, average)
     data = _to_numpy(tensor)
     if prescale_factor != 1.0:
         data = data * prescale_factor

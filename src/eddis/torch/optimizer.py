@@ -26,7 +26,7 @@ from ..core import BucketPlan, LocalReducer, collectives, make_reducer, runtime
 from ..errors import ConfigError, UsageError
 from . import hetero
 from .compression import codec_of
-from .ops import Average, ReduceOp, _resolve_op
+from .ops import Average, ReduceOp, resolve_op
 
 
 class _CudaFence:
@@ -54,7 +54,7 @@ class _DistributedOptimizer:
         names = _parameter_names(params, named_parameters)
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        op = _resolve_op(op, None)
+        op = resolve_op(op)
         if op.name not in ("average", "sum"):
             raise ConfigError(f"DistributedOptimizer reduces gradients with op=Average or Sum, not {op!r}")
         bucket_bytes = settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes)
