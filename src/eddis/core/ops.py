@@ -30,3 +30,16 @@ def resolve_op(op, average=None):
     if op.name not in ("average", "sum", "min", "max"):
         raise ConfigError(f"unknown reduction op {op!r}; use Average, Sum, Min or Max")
     return op
+
+
+def reject_unsupported_horovod_options(gradient_predivide_factor=1.0, groups=None, num_groups=0,
+                                       process_set=None):
+    """Horovod options that EDDIS has no use for: a clear error instead of silently ignoring them."""
+    if gradient_predivide_factor != 1.0:
+        raise ConfigError("gradient_predivide_factor is not supported (the reduction accumulates "
+                          "in fp32, so there is no overflow to avoid); leave it at 1.0")
+    if groups is not None or num_groups:
+        raise ConfigError("groups/num_groups (Horovod's tensor fusion groups) are not supported: "
+                          "EDDIS buckets by size; set bucket_bytes or EDDIS_BUCKET_BYTES instead")
+    if process_set is not None:
+        raise ConfigError("process sets are not supported by EDDIS")

@@ -298,3 +298,10 @@ def reset():
         except Exception:
             pass
     _controller = None
+
+
+def progress_counts():
+    """Collective: steps each rank did in this run, by rank (after training)."""
+    ctl = controller()
+    mine = 0 if ctl is None else ctl.steps_done
+    return collectives.allgather_object(mine, what="progress counts")

@@ -16,6 +16,7 @@ from .. import settings
 from ..core import runtime
 from ..errors import ConfigError
 from .compression import codec_of
+from ..core.ops import reject_unsupported_horovod_options
 from .ops import Average, resolve_op
 from .reduction import ReducerCache
 
@@ -69,14 +70,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     op = resolve_op(op)
     if op.name not in ("average", "sum"):
         raise ConfigError(f"DistributedGradientTape reduces gradients with op=Average or Sum, not {op!r}")
-    if gradient_predivide_factor != 1.0:
-        raise ConfigError("gradient_predivide_factor is not supported (the reduction accumulates "
-                          "in fp32, so there is no overflow to avoid); leave it at 1.0")
-    if groups is not None or num_groups:
-        raise ConfigError("groups/num_groups (Horovod's tensor fusion groups) are not supported: "
-                          "EDDIS buckets by size; set bucket_bytes or EDDIS_BUCKET_BYTES instead")
-    if process_set is not None:
-        raise ConfigError("process sets are not supported by EDDIS")
+    reject_unsupported_horovod_options(gradient_predivide_factor, groups, num_groups, process_set)
     mode = settings.get("EDDIS_MODE") if mode is None else str(mode).lower()
     if mode in ("easgd", "hybrid"):
         raise ConfigError(f"mode {mode!r} moves the parameters after the optimizer's update, which a "

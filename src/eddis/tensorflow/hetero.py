@@ -14,6 +14,7 @@ update); the algorithms are :mod:`eddis.core`'s, driven through
 import os
 
 from ..core import collectives, hetero, progress, runtime
+from ..core.progress import global_step, progress_counts  # noqa: F401  (re-exported)
 
 
 def configure_progress(total=None, chunk=None, staleness=None, record=False):
@@ -28,18 +29,6 @@ def should_stop():
     """True once the job's iterations are used up; else this rank runs one more step.
     Call it once per step, as the loop condition (ProgressControlCallback does it for fit)."""
     return hetero.should_stop()
-
-
-def global_step():
-    """Iterations started job-wide before this rank's current step (for schedules, logs)."""
-    return progress.global_step()
-
-
-def progress_counts():
-    """Collective: steps each rank did in this run, by rank (after training)."""
-    ctl = progress.controller()
-    mine = 0 if ctl is None else ctl.steps_done
-    return collectives.allgather_object(mine, what="progress counts")
 
 
 def reset_progress():

@@ -27,6 +27,7 @@ from .. import settings
 from ..core import hetero, runtime
 from ..errors import ConfigError, UsageError
 from .compression import codec_of
+from ..core.ops import reject_unsupported_horovod_options
 from .ops import Average, resolve_op
 from .reduction import GradientReducer
 
@@ -254,14 +255,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise ConfigError("backward_passes_per_step is not supported with Keras 3: create the optimizer "
                           "with gradient_accumulation_steps=N instead (Keras accumulates the reduced "
                           "gradients, which gives the same update)")
-    if gradient_predivide_factor != 1.0:
-        raise ConfigError("gradient_predivide_factor is not supported (the reduction accumulates "
-                          "in fp32, so there is no overflow to avoid); leave it at 1.0")
-    if groups is not None or num_groups:
-        raise ConfigError("groups/num_groups (Horovod's tensor fusion groups) are not supported: "
-                          "EDDIS buckets by size; set bucket_bytes or EDDIS_BUCKET_BYTES instead")
-    if process_set is not None:
-        raise ConfigError("process sets are not supported by EDDIS")
+    reject_unsupported_horovod_options(gradient_predivide_factor, groups, num_groups, process_set)
     if (keras.mixed_precision.global_policy().name == "mixed_float16"
             and not _is_loss_scale_optimizer(optimizer)):
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

@@ -35,6 +35,7 @@ import torch
 import torch.utils.data
 
 from ..core import collectives, hetero, progress, runtime
+from ..core.progress import global_step, progress_counts  # noqa: F401  (re-exported)
 from ..errors import ConfigError, UsageError
 
 
@@ -93,18 +94,6 @@ def should_stop():
     """True once the job's iterations (EDDIS_TOTAL_ITERATIONS) are used up; else this
     rank runs one more step. Call it once per step, as the loop condition."""
     return hetero.should_stop()   # notes when the loop's waiting ended: not compute time
-
-
-def global_step():
-    """Iterations started job-wide before this rank's current step (for schedules, logs)."""
-    return progress.global_step()
-
-
-def progress_counts():
-    """Collective: steps each rank did in this run, by rank (after training)."""
-    ctl = progress.controller()
-    mine = 0 if ctl is None else ctl.steps_done
-    return collectives.allgather_object(mine, what="progress counts")
 
 
 def final_model(optimizer=None):

@@ -26,6 +26,7 @@ from ..core import BucketPlan, LocalReducer, collectives, make_reducer, runtime
 from ..errors import ConfigError, UsageError
 from . import hetero
 from .compression import codec_of
+from ..core.ops import reject_unsupported_horovod_options
 from .ops import Average, ReduceOp, resolve_op
 
 
@@ -285,14 +286,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                           f"{type(optimizer).__name__}{hint}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise UsageError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    if gradient_predivide_factor != 1.0:
-        raise ConfigError("gradient_predivide_factor is not supported (the reduction accumulates "
-                          "in fp32, so there is no overflow to avoid); leave it at 1.0")
-    if groups is not None or num_groups:
-        raise ConfigError("groups/num_groups (Horovod's tensor fusion groups) are not supported: "
-                          "EDDIS buckets by size; set bucket_bytes or EDDIS_BUCKET_BYTES instead")
-    if process_set is not None:
-        raise ConfigError("process sets are not supported by EDDIS")
+    reject_unsupported_horovod_options(gradient_predivide_factor, groups, num_groups, process_set)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     # an LR scheduler may have patched step() on the instance: keep only the class's
