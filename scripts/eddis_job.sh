@@ -90,6 +90,9 @@ fi
 if [ "$components" -gt 1 ]; then het=(--het-group=$(seq -s, 0 $((components - 1)))); else het=(); fi
 srun "${het[@]}" --job-name=eddis-train --mpi=pmix --kill-on-bad-exit=1 eddis-train "${TRAIN[@]}" &
 trainer_pid=$!
+# srun can miss the end of a step whose ranks have all exited: bound that wait too.
+eddis-train --guard-trainers "$trainer_pid" &
+guard_pid=$!
 
 status=0
 while :; do
@@ -103,6 +106,9 @@ while :; do
     break
 done
 trainer_pid=
+kill "$guard_pid" 2>/dev/null
+wait "$guard_pid" 2>/dev/null
+[ -f "$EDDIS_RUN_DIR/launch/trainers.status" ] && status=$(cat "$EDDIS_RUN_DIR/launch/trainers.status")
 
 stop_steps smb-server "${server_pids[@]}"
 if [ "$status" -ne 0 ]; then

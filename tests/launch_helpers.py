@@ -78,4 +78,9 @@ def wait_job_end(cluster, job_id, timeout):
         if state is None:
             return ("FORGOTTEN", None)
         return state if state[0] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED") else None
-    return wait_until(ended, timeout, interval=0.5, what=f"job {job_id} to end")
+    try:
+        return wait_until(ended, timeout, interval=0.5, what=f"job {job_id} to end")
+    except AssertionError:
+        # a job left running would hold the nodes and stall every later test
+        cluster.run(["scancel", str(job_id)], timeout=30, check=False)
+        raise

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .. import settings
 from ..errors import SMBTimeoutError
-from .report import format_report, root_cause
+from .report import describe_exit, format_report, launches, read_records, root_cause
 
 
 def run_dir():
@@ -75,3 +75,77 @@ def print_report(path, job_code=None):
     first, failures, exits = root_cause(path)
     print(format_report(first, failures, exits, run_dir=path, job_code=job_code), file=sys.stderr, flush=True)
     return 0 if first is not None else 1
+
+
+TRAINERS_STATUS_FILE = "trainers.status"
+
+
+def _descendants(pid):
+    """pid and every process below it, from /proc."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, ()))
+    return found
+
+
+def _status_of(exits):
+    """The job status the exit records stand for: the first failure's, else 0."""
+    for record in sorted(exits, key=lambda r: r.get("time", 0.0)):
+        if record.get("signal"):
+            return 128 + int(record["signal"])
+        if record.get("code") and record.get("why") != "stopped":
+            return int(record["code"])
+    return 0
+
+
+def guard_trainer_step(path, srun_pid, grace=None, poll=1.0):
+    """Bound the job script's wait for the trainers' srun.
+
+    srun can miss the end of a step whose tasks have all exited (seen with
+    hetjob steps on a loaded host: every rank gone, srun waiting on). Once every
+    rank of the newest launch has recorded its exit, srun gets ``grace`` seconds
+    to return; after that this kills srun, writes the status the exit records
+    stand for to ``<run dir>/launch/trainers.status`` and says so. Returns when
+    srun has ended either way.
+    """
+    from .. import settings as _settings
+    import signal as _signal
+
+    grace = _settings.get("EDDIS_STEP_END_GRACE") if grace is None else grace
+    all_exited_at = None
+    while process_alive(srun_pid):
+        newest = launches(path)[-1:] or [None]
+        records = newest[0]
+        if records is not None:
+            starts = read_records(records.ranks)
+            size = max((r.get("size") or 0 for r in starts), default=0)
+            exits = read_records(records.exits)
+            if size and len(exits) >= size:
+                all_exited_at = all_exited_at or time.monotonic()
+                if time.monotonic() - all_exited_at >= grace:
+                    status = _status_of(exits)
+                    (Path(path) / "launch" / TRAINERS_STATUS_FILE).write_text(f"{status}\n")
+                    print(f"eddis-train: all {size} ranks exited ({', '.join(sorted({describe_exit(e.get('code'), e.get('signal')) for e in exits}))}) "
+                          f"but srun (pid {srun_pid}) had not returned {grace:.0f} s later; ending it "
+                          f"(EDDIS_STEP_END_GRACE). Job status {status}, from the ranks' exit records.",
+                          file=sys.stderr, flush=True)
+                    for pid in reversed(_descendants(srun_pid)):
+                        try:
+                            os.kill(pid, _signal.SIGKILL)
+                        except OSError:
+                            pass
+                    return 0
+        time.sleep(poll)
+    return 0

@@ -226,7 +226,7 @@ class Supervisor:
             "rank": self.info.rank, "host": self.info.hostname, "supervisor_pid": os.getpid(),
             "trainer_pid": self.child.pid, "command": self.argv, "time": time.time(),
             "local_rank": self.info.local_rank, "group": self.info.group, "gpu_type": self.info.gpu_type,
-            "gpu": self.info.gpu})
+            "gpu": self.info.gpu, "size": self.info.size})
 
         why = "exited"
         exit_fd = _exit_notifier(self.child.pid)

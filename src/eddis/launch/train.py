@@ -51,6 +51,9 @@ def build_parser():
                          help="seconds for --wait-servers (default SMB_CONNECT_TIMEOUT)")
     helpers.add_argument("--watch-pid", type=int, action="append", default=[],
                          help="with --wait-servers: fail at once if this process (a server step) ends")
+    helpers.add_argument("--guard-trainers", type=int, metavar="PID",
+                         help="return when the trainers' srun PID ends; if it has not EDDIS_STEP_END_GRACE s "
+                              "after every rank recorded its exit, end it and write launch/trainers.status")
     helpers.add_argument("--report", action="store_true",
                          help="print the root-cause report of the run dir's last failed launch")
     helpers.add_argument("--exit-code", type=int, default=None,
@@ -83,6 +86,8 @@ def _dispatch(args):
     if args.create_run_dir:
         print(jobsteps.create_run_dir(args.create_run_dir))
         return 0
+    if args.guard_trainers is not None:
+        return jobsteps.guard_trainer_step(jobsteps.run_dir(), args.guard_trainers)
     if args.wait_servers is not None:
         return jobsteps.wait_servers(jobsteps.run_dir(), args.wait_servers, args.timeout, args.watch_pid)
     if args.report:

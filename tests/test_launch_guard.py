@@ -1,0 +1,76 @@
+"""The job script's bound on the trainers' srun (eddis-train --guard-trainers).
+
+srun sometimes misses the end of a hetjob step whose ranks have all exited; the
+guard then ends srun after EDDIS_STEP_END_GRACE and leaves the status the
+ranks' exit records stand for. A real process plays the srun that never
+returns; the records are written by the launcher's own LaunchRecords.
+"""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from eddis.launch import jobsteps
+from eddis.launch.report import LaunchRecords
+
+
+def _launch(run_dir, exits):
+    records = LaunchRecords(run_dir, "77.2")
+    for rank in range(len(exits)):
+        records.start(rank, {"rank": rank, "host": "n1", "size": len(exits), "time": time.time()})
+    for rank, (code, sig) in enumerate(exits):
+        records.finish(rank, {"rank": rank, "host": "n1", "code": code, "signal": sig, "why": "exited",
+                              "time": time.time() + rank})
+    return records
+
+
+def _stuck_srun():
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("exits, status", [([(0, None), (0, None)], 0),
+                                           ([(0, None), (3, None)], 3),
+                                           ([(None, 9), (0, None)], 137)])
+def test_stuck_srun_is_ended_with_the_ranks_status(tmp_path, capsys, exits, status):
+    _launch(tmp_path, exits)
+    srun = _stuck_srun()
+    try:
+        started = time.monotonic()
+        assert jobsteps.guard_trainer_step(tmp_path, srun.pid, grace=1.0, poll=0.05) == 0
+        assert srun.wait(timeout=10) == -9
+        assert time.monotonic() - started >= 1.0
+    finally:
+        srun.kill()
+    assert (tmp_path / "launch" / "trainers.status").read_text().strip() == str(status)
+    assert "had not returned" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_srun_that_returns_is_left_alone(tmp_path):
+    _launch(tmp_path, [(0, None)])
+    srun = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    assert jobsteps.guard_trainer_step(tmp_path, srun.pid, grace=30.0, poll=0.05) == 0
+    assert srun.wait(timeout=10) == 0
+    assert not (tmp_path / "launch" / "trainers.status").exists()
+
+
+@pytest.mark.timeout(60)
+def test_ranks_still_running_keep_srun_alive(tmp_path):
+    records = LaunchRecords(tmp_path, "77.2")
+    for rank in range(2):
+        records.start(rank, {"rank": rank, "size": 2, "time": time.time()})
+    records.finish(0, {"rank": 0, "code": 0, "signal": None, "why": "exited", "time": time.time()})
+    srun = _stuck_srun()
+    try:
+        guard = subprocess.Popen([sys.executable, "-c", (
+            "import sys; from eddis.launch import jobsteps; "
+            f"sys.exit(jobsteps.guard_trainer_step({str(tmp_path)!r}, {srun.pid}, grace=0.2, poll=0.05))")],
+            env={"PYTHONPATH": str(__import__("conftest").SRC), "PATH": "/usr/bin:/bin"})
+        time.sleep(2.0)
+        assert srun.poll() is None and guard.poll() is None, "the guard ended srun while a rank still ran"
+    finally:
+        srun.kill()
+    assert guard.wait(timeout=10) == 0
+    assert not (tmp_path / "launch" / "trainers.status").exists()
