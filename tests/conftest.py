@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,25 @@ def slurm_cluster():
                     pytrace=False)
     return cluster
 
+
+
+@pytest.fixture(autouse=True)
+def _cancel_jobs_left_on_the_dev_cluster(request):
+    """A job a failed test leaves running would hold n1/n2 and stall every later Slurm test."""
+    yield
+    if "slurm_cluster" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("slurm_cluster")
+    left = subprocess.run(["squeue", "-h", "-o", "%A"], env=cluster.env, capture_output=True, text=True,
+                          timeout=30)
+    jobs = sorted(set(left.stdout.split()))
+    if jobs:
+        subprocess.run(["scancel", *jobs], env=cluster.env, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and subprocess.run(
+                ["squeue", "-h", "-o", "%A"], env=cluster.env, capture_output=True, text=True,
+                timeout=30).stdout.strip():
+            time.sleep(0.5)
 
 def _nodes_idle(cluster):
     if not cluster.conf.exists():
