@@ -4,6 +4,7 @@ The run directory and the server files belong to :mod:`eddis.smb.rundir` (team
 contract); these helpers only call it and turn its errors into clear exits.
 """
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -120,10 +121,7 @@ def guard_trainer_step(path, srun_pid, grace=None, poll=1.0):
     stand for to ``<run dir>/launch/trainers.status`` and says so. Returns when
     srun has ended either way.
     """
-    from .. import settings as _settings
-    import signal as _signal
-
-    grace = _settings.get("EDDIS_STEP_END_GRACE") if grace is None else grace
+    grace = settings.get("EDDIS_STEP_END_GRACE") if grace is None else grace
     all_exited_at = None
     while process_alive(srun_pid):
         newest = launches(path)[-1:] or [None]
@@ -143,7 +141,7 @@ def guard_trainer_step(path, srun_pid, grace=None, poll=1.0):
                           file=sys.stderr, flush=True)
                     for pid in reversed(_descendants(srun_pid)):
                         try:
-                            os.kill(pid, _signal.SIGKILL)
+                            os.kill(pid, signal.SIGKILL)
                         except OSError:
                             pass
                     return 0
