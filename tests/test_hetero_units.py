@@ -217,8 +217,10 @@ def test_easgd_exchange_arithmetic(smb_run_dir):
         x0 = np.full(n, 4.0, np.float32)
         x1 = np.full(n, -8.0, np.float32)
         workers[0].exchange(x0)          # d = 1: x0 -> 3, centre -> 1
+        workers[0].finish()              # the centre's axpy runs in the background: let it land
         np.testing.assert_allclose(x0, 3.0)
         workers[1].exchange(x1)          # d = 0.25 (-8 - 1) = -2.25: x1 -> -5.75, centre -> -1.25
+        workers[1].finish()
         np.testing.assert_allclose(x1, -5.75)
         np.testing.assert_allclose(workers[0].read_center(), -1.25)
         assert ElasticAverager(client, n, 0, 4, name="units.easgd4").alpha == pytest.approx(0.225)
