@@ -115,6 +115,36 @@ def test_up_twice_sinfo_and_down_leaves_nothing(private_cluster):
     assert run("down").returncode == 0  # down twice is fine too
 
 
+@pytest.mark.timeout(240)
+def test_up_after_the_daemons_were_killed_starts_clean(private_cluster):
+    # What a stopped session or CI machine leaves: daemons SIGKILLed, no `down`. Job ids
+    # start again at 1 after `up`, so stale Open MPI folders must not survive it.
+    state, env, run = private_cluster
+    first = run("up")
+    assert first.returncode == 0, first.stdout + first.stderr
+    prolog = (state / "taskprolog.sh").read_text()
+    shm = Path(prolog.split("OMPI_MCA_btl_vader_backing_directory=", 1)[1].split("/$SLURMD_NODENAME")[0])
+    stale = shm / "n1" / "eddis-1.0-n1"
+    stale.mkdir(parents=True)
+    (stale / "vader_segment.n1.1.0").write_bytes(b"x")
+    job = subprocess.run(["sbatch", "-p", "a100", "--wrap", "sleep 300", "-o", "/dev/null"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert job.returncode == 0, job.stderr
+    for pid_file in (state / "run").glob("*.pid"):
+        try:
+            os.kill(int(pid_file.read_text().strip()), 9)
+        except ProcessLookupError:
+            pass
+    old = set(marked_processes(state))
+
+    second = run("up")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "already up" not in second.stdout
+    assert not stale.exists()
+    assert old.isdisjoint(marked_processes(state)), "a task of the killed cluster survived `up`"
+    assert (shm / "n1").is_dir() and (shm / "n2").is_dir()
+
+
 @pytest.mark.timeout(60)
 def test_taken_port_is_refused_with_a_hint(private_cluster):
     state, env, run = private_cluster

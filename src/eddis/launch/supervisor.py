@@ -22,6 +22,7 @@ import threading
 import time
 
 from .. import settings
+from .mpishm import MpiShm
 from .output import LinePump, TracebackCatcher
 from .report import LaunchRecords, describe_exit, launch_key, stop_requested
 
@@ -65,42 +66,6 @@ def default_threads(env, local_size):
     cpus = env.get("SLURM_CPUS_ON_NODE")
     total = int(cpus) if cpus and cpus.isdigit() else (os.cpu_count() or 1)
     return str(max(1, total // max(1, local_size)))
-
-
-class MpiShm:
-    """A per-launch folder for Open MPI's shared-memory (vader) segments on this node.
-
-    Open MPI names them ``vader_segment.<host>.<jobid>.<local rank>`` and unlinks
-    them only at a clean MPI_Finalize; a killed rank leaves its segment behind.
-    Each supervisor removes the segment of its own local rank after the trainer
-    has exited, and the folder goes with the last one.
-    """
-
-    VARIABLE = "OMPI_MCA_btl_vader_backing_directory"
-
-    def __init__(self, env, key, hostname):
-        base = env.get(self.VARIABLE) or "/dev/shm"
-        self.path = os.path.join(base, f"eddis-{key}-{hostname}")
-
-    def prepare(self, child_env):
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        child_env[self.VARIABLE] = self.path
-
-    def cleanup(self, local_rank, last):
-        try:
-            names = os.listdir(self.path)
-        except OSError:
-            return
-        for name in names:
-            if last or name.endswith(f".{local_rank}"):
-                try:
-                    os.unlink(os.path.join(self.path, name))
-                except OSError:
-                    pass
-        try:
-            os.rmdir(self.path)
-        except OSError:
-            pass  # other local ranks still use it
 
 
 class Supervisor:
@@ -263,7 +228,7 @@ class Supervisor:
         if exit_fd is not None:
             os.close(exit_fd)
         # first the shared memory: on scancel a SIGKILL may follow soon
-        shm.cleanup(self.info.local_rank, last=False)
+        shm.cleanup(self.info.local_rank)
         for pump in pumps:  # drain what the trainer wrote before it ended
             pump.join(timeout=10)
 

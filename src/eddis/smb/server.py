@@ -434,7 +434,16 @@ def main(argv=None):
             time.sleep(0.2)
     finally:
         server.stop()
+        _remove_launch_leftovers()
     return 0
+
+
+def _remove_launch_leftovers():
+    """The job's Open MPI segment folders on this node: the server is the job's last EDDIS process here."""
+    from ..launch import mpishm
+
+    for path in mpishm.remove_job_folders(os.environ):
+        logging.getLogger(__name__).info("removed %s, which a launch of this job left", path)
 
 
 if __name__ == "__main__":
