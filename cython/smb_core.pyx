@@ -23,6 +23,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, 
 cimport libucp as ucp
 from libucp cimport ucs_status_t, ucs_status_ptr_t
 cimport smb_vecops as vec
+cimport smb_vecpool as vp
 
 import errno as _errno
 import os as _os
@@ -282,6 +283,8 @@ cdef struct server_t:
     uint64_t requests
     uint64_t refused
     double hello_timeout    # seconds a new connection has to authenticate
+    vp.smb_vecpool_t *vecpool   # reduction threads (NULL before start: the caller alone)
+    int reduce_threads
 
 
 cdef void _free_cb(void *request, ucs_status_t status, void *user_data) noexcept nogil:
@@ -423,11 +426,13 @@ cdef int check_range(region_t *r, uint32_t slot, uint64_t start, uint64_t count)
 
 
 cdef const char *run_vecop(server_t *st, const vec_req_t *q, const vec_src_t *srcs,
-                           int *status) noexcept nogil:
+                           int *status, int *threads_used) noexcept nogil:
     """Validate and run one vector operation on the server's own memory.
 
-    Returns NULL on success, else a message (and *status) for the error reply."""
+    Returns NULL on success, else a message (and *status) for the error reply;
+    *threads_used says on how many threads it ran."""
     cdef region_t *dst = get_region(st, q.dst_region)
+    cdef vp.smb_vecjob_t job
     cdef region_t *r
     cdef uint32_t i
     cdef int rc = 0
@@ -459,24 +464,32 @@ cdef const char *run_vecop(server_t *st, const vec_req_t *q, const vec_src_t *sr
         ptrs[i] = st.arena + r.offset + (srcs[i].slot * r.length + q.start) * r.itemsize
         dtypes[i] = r.dtype
         weights[i] = srcs[i].weight
-    cdef void *d = st.arena + dst.offset + (q.dst_slot * dst.length + q.start) * dst.itemsize
+    job.dst = st.arena + dst.offset + (q.dst_slot * dst.length + q.start) * dst.itemsize
+    job.dst_dtype = dst.dtype
+    job.srcs = ptrs
+    job.src_dtypes = dtypes
+    job.weights = weights
+    job.nsrc = q.nsrc
+    job.alpha = q.alpha
+    job.count = q.count
     status[0] = ucp.UCS_ERR_INVALID_PARAM
     if q.kind == VEC_WEIGHTED_SUM:
         if q.nsrc < 1:
             return b"weighted_sum: needs at least one source"
-        rc = vec.smb_weighted_sum(d, dst.dtype, ptrs, dtypes, weights, q.nsrc, q.count)
+        job.kind = vp.SMB_VECJOB_WEIGHTED_SUM
     elif q.kind == VEC_AXPY:
         if q.nsrc != 1:
             return b"axpy: needs exactly one source"
-        rc = vec.smb_axpy(d, dst.dtype, ptrs[0], dtypes[0], q.alpha, q.count)
+        job.kind = vp.SMB_VECJOB_AXPY
     elif q.kind == VEC_SCALE:
-        rc = vec.smb_scale(d, dst.dtype, q.alpha, q.count)
+        job.kind = vp.SMB_VECJOB_SCALE
     elif q.kind == VEC_COPY:
         if q.nsrc != 1:
             return b"copy: needs exactly one source"
-        rc = vec.smb_convert(d, dst.dtype, ptrs[0], dtypes[0], q.count)
+        job.kind = vp.SMB_VECJOB_CONVERT
     else:
         return b"vector op: unknown kind"
+    rc = vp.smb_vecpool_run(st.vecpool, &job, threads_used)
     if rc != 0:
         return b"vector op: kernel refused the dtype"
     status[0] = ucp.UCS_OK
@@ -522,6 +535,7 @@ cdef void handle_vecop(server_t *st, int ci, uint64_t req_id, const char *payloa
                        size_t plen) noexcept nogil:
     cdef vec_req_t q
     cdef int status = 0
+    cdef int threads_used = 0
     cdef const char *err
     if plen < sizeof(vec_req_t):
         server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"vector op: malformed request")
@@ -530,7 +544,8 @@ cdef void handle_vecop(server_t *st, int ci, uint64_t req_id, const char *payloa
     if q.nsrc > MAX_VEC_SOURCES or plen != sizeof(vec_req_t) + q.nsrc * sizeof(vec_src_t):
         server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"vector op: malformed request")
         return
-    err = run_vecop(st, &q, <const vec_src_t*>(payload + sizeof(vec_req_t)), &status)
+    err = run_vecop(st, &q, <const vec_src_t*>(payload + sizeof(vec_req_t)), &status,
+                    &threads_used)
     if err != NULL:
         server_reply_error(st, ci, req_id, status, err)
     else:
@@ -658,6 +673,7 @@ cdef class ServerCore:
     def __dealloc__(self):
         if self.st != NULL:
             if not self.started:
+                vp.smb_vecpool_destroy(self.st.vecpool)
                 free(self.st.regions)
                 free(self.st.hello_reply)
                 free(self.st)
@@ -675,7 +691,11 @@ cdef class ServerCore:
 
     @property
     def stats(self):
-        return {"requests": self.st.requests, "refused": self.st.refused}
+        cdef unsigned long ops = 0, split_ops = 0
+        vp.smb_vecpool_counts(self.st.vecpool, &ops, &split_ops)
+        return {"requests": self.st.requests, "refused": self.st.refused,
+                "reduce_threads": self.st.reduce_threads, "vector_ops": ops,
+                "vector_ops_split": split_ops}
 
     def create_arena(self, str shm_name, uint64_t size, bint hugepages=False):
         """Create and map the POSIX shared-memory arena; returns a note on huge pages."""
@@ -721,8 +741,9 @@ cdef class ServerCore:
             self.shm_fd = -1
 
     def start(self, str host, int port, bytes token, bytes hello_reply, handler,
-              double hello_timeout=30.0):
-        """Create context, worker and listener; returns the port listened on."""
+              double hello_timeout=30.0, int reduce_threads=1):
+        """Create the reduction threads, context, worker and listener; returns the port
+        listened on. reduce_threads counts the request thread: 1 starts no worker."""
         cdef ucp.ucp_config_t *config = NULL
         cdef ucp.ucp_params_t params
         cdef ucp.ucp_worker_params_t wparams
@@ -732,6 +753,16 @@ cdef class ServerCore:
         cdef sockaddr_in addr
         if len(token) == 0 or len(token) > 255:
             raise _errors.SMBValueError("job token must be 1..255 bytes; recreate the run directory")
+        if reduce_threads < 1 or reduce_threads > vp.SMB_VECPOOL_MAX_THREADS:
+            raise _errors.ConfigError(
+                f"{reduce_threads} reduction threads: use 1..{vp.SMB_VECPOOL_MAX_THREADS}")
+        if self.st.vecpool == NULL:
+            err = vp.smb_vecpool_create(reduce_threads, &self.st.vecpool)
+            if err != 0:
+                raise _errors.from_errno(
+                    err, f"cannot start {reduce_threads} reduction threads: {_os.strerror(err)}; "
+                         "use fewer (SMB_REDUCE_THREADS / smb-server --reduce-threads)")
+        self.st.reduce_threads = reduce_threads
         self.st.hello_timeout = hello_timeout
         memcpy(self.st.token, <const char*>token, len(token))
         self.st.token_len = len(token)
@@ -787,6 +818,7 @@ cdef class ServerCore:
         """Stop the loop, close every endpoint and release UCX state."""
         cdef double deadline
         if not self.started:
+            self._stop_reduce_threads()
             self.destroy_arena()
             return
         self.st.stop = 1
@@ -795,6 +827,8 @@ cdef class ServerCore:
         if self.thread is not None:
             self.thread.join(10)
             self.thread = None
+        # after the request loop: it is the only thread that hands work to the pool
+        self._stop_reduce_threads()
         if self.st.listener != NULL:
             ucp.ucp_listener_destroy(self.st.listener)
             self.st.listener = NULL
@@ -817,6 +851,11 @@ cdef class ServerCore:
             self.st.context = NULL
         self.destroy_arena()
         self.started = 0
+
+    def _stop_reduce_threads(self):
+        with nogil:
+            vp.smb_vecpool_destroy(self.st.vecpool)
+        self.st.vecpool = NULL
 
     # -------------------------------------------- called from the control handler
     def region_register(self, int index, uint64_t offset, uint64_t nbytes, uint64_t slots,
@@ -886,14 +925,19 @@ cdef class ServerCore:
 
     def weighted_sum(self, uint32_t dst_region, uint32_t dst_slot, uint64_t start, uint64_t count,
                      list sources):
-        """dst = sum(w * src) over [(region, slot, weight)], with the GIL released."""
+        """dst = sum(w * src) over [(region, slot, weight)], with the GIL released.
+
+        Returns the number of threads that computed it."""
         cdef size_t n = len(sources)
         if n > MAX_VEC_SOURCES:
             raise _errors.SMBValueError("weighted_sum: at most 1024 sources")
         cdef vec_req_t q
         cdef vec_src_t *srcs = <vec_src_t*>malloc(max(n, 1) * sizeof(vec_src_t))
         cdef int status = 0
+        cdef int threads_used = 0
         cdef const char *err
+        if srcs == NULL:
+            raise MemoryError()
         q.kind = VEC_WEIGHTED_SUM
         q.nsrc = <uint32_t>n
         q.dst_region = dst_region
@@ -906,10 +950,11 @@ cdef class ServerCore:
             srcs[i].slot = slot
             srcs[i].weight = weight
         with nogil:
-            err = run_vecop(self.st, &q, srcs, &status)
+            err = run_vecop(self.st, &q, srcs, &status, &threads_used)
         free(srcs)
         if err != NULL:
             raise _errors.from_ucs_status(status, (<bytes>err).decode())
+        return threads_used
 
 
 # ================================================================== client

@@ -369,9 +369,10 @@ static inline void smb_store_f64(void *dst, int dtype, size_t off, const double 
     }
 }
 
-static inline size_t smb_chunk_len(size_t off, size_t count)
+/* length of the chunk at off in a range that ends at end */
+static inline size_t smb_chunk_len(size_t off, size_t end)
 {
-    size_t left = count - off;
+    size_t left = end - off;
     return left < SMB_VECOPS_CHUNK ? left : SMB_VECOPS_CHUNK;
 }
 
@@ -379,14 +380,17 @@ static inline size_t smb_chunk_len(size_t off, size_t count)
 /* Kernels                                                                   */
 /* ------------------------------------------------------------------------ */
 
+/* Each kernel is a check of its arguments plus a *_range loop over elements
+   [begin, end).  Every element's arithmetic depends on that element alone, so
+   running disjoint ranges on several threads (smb_vecpool.h) gives exactly the
+   bits of one call over the whole count. */
+
 /* dst[i] = sum_k weights[k] * srcs[k][i], k < nsrc, i < count.
    Accumulates in float64 when dst or any source is float64, else float32.
    dst may be the same buffer as any source. */
-static inline int smb_weighted_sum(void *dst, int dst_dtype, const void *const *srcs,
-                                   const int *src_dtypes, const double *weights, size_t nsrc,
-                                   size_t count)
+static inline int smb_weighted_sum_check(const void *dst, int dst_dtype, const void *const *srcs,
+                                         const int *src_dtypes, size_t nsrc, size_t count)
 {
-    int wide = dst_dtype == SMB_DTYPE_FLOAT64;
     if (!smb_dtype_valid(dst_dtype))
         return SMB_VECOPS_EDTYPE;
     if (nsrc == 0)
@@ -396,17 +400,23 @@ static inline int smb_weighted_sum(void *dst, int dst_dtype, const void *const *
             return SMB_VECOPS_EDTYPE;
         if (count && !srcs[k])
             return SMB_VECOPS_ENULL;
-        wide |= src_dtypes[k] == SMB_DTYPE_FLOAT64;
     }
-    if (count == 0)
-        return SMB_VECOPS_OK;
-    if (!dst)
+    if (count && !dst)
         return SMB_VECOPS_ENULL;
+    return SMB_VECOPS_OK;
+}
 
+static inline void smb_weighted_sum_range(void *dst, int dst_dtype, const void *const *srcs,
+                                          const int *src_dtypes, const double *weights,
+                                          size_t nsrc, size_t begin, size_t end)
+{
+    int wide = dst_dtype == SMB_DTYPE_FLOAT64;
+    for (size_t k = 0; k < nsrc; k++)
+        wide |= src_dtypes[k] == SMB_DTYPE_FLOAT64;
     if (!wide) {
         float acc[SMB_VECOPS_CHUNK], tmp[SMB_VECOPS_CHUNK];
-        for (size_t off = 0; off < count; off += SMB_VECOPS_CHUNK) {
-            size_t n = smb_chunk_len(off, count);
+        for (size_t off = begin; off < end; off += SMB_VECOPS_CHUNK) {
+            size_t n = smb_chunk_len(off, end);
             smb_mul_f32(acc, (float)weights[0], smb_load_f32(srcs[0], src_dtypes[0], off, n, tmp), n);
             for (size_t k = 1; k < nsrc; k++)
                 smb_muladd_f32(acc, (float)weights[k],
@@ -416,8 +426,8 @@ static inline int smb_weighted_sum(void *dst, int dst_dtype, const void *const *
     } else {
         double acc[SMB_VECOPS_CHUNK], tmp[SMB_VECOPS_CHUNK];
         float tmp32[SMB_VECOPS_CHUNK];
-        for (size_t off = 0; off < count; off += SMB_VECOPS_CHUNK) {
-            size_t n = smb_chunk_len(off, count);
+        for (size_t off = begin; off < end; off += SMB_VECOPS_CHUNK) {
+            size_t n = smb_chunk_len(off, end);
             smb_mul_f64(acc, weights[0], smb_load_f64(srcs[0], src_dtypes[0], off, n, tmp, tmp32), n);
             for (size_t k = 1; k < nsrc; k++)
                 smb_muladd_f64(acc, weights[k],
@@ -425,25 +435,37 @@ static inline int smb_weighted_sum(void *dst, int dst_dtype, const void *const *
             smb_store_f64(dst, dst_dtype, off, acc, n, tmp32);
         }
     }
-    return SMB_VECOPS_OK;
+}
+
+static inline int smb_weighted_sum(void *dst, int dst_dtype, const void *const *srcs,
+                                   const int *src_dtypes, const double *weights, size_t nsrc,
+                                   size_t count)
+{
+    int rc = smb_weighted_sum_check(dst, dst_dtype, srcs, src_dtypes, nsrc, count);
+    if (rc == SMB_VECOPS_OK)
+        smb_weighted_sum_range(dst, dst_dtype, srcs, src_dtypes, weights, nsrc, 0, count);
+    return rc;
 }
 
 /* y[i] += alpha * x[i]; x may be the same buffer as y. */
-static inline int smb_axpy(void *y, int y_dtype, const void *x, int x_dtype, double alpha,
-                           size_t count)
+static inline int smb_axpy_check(const void *y, int y_dtype, const void *x, int x_dtype,
+                                 size_t count)
 {
     if (!smb_dtype_valid(y_dtype) || !smb_dtype_valid(x_dtype))
         return SMB_VECOPS_EDTYPE;
-    if (count == 0)
-        return SMB_VECOPS_OK;
-    if (!x || !y)
+    if (count && (!x || !y))
         return SMB_VECOPS_ENULL;
+    return SMB_VECOPS_OK;
+}
 
+static inline void smb_axpy_range(void *y, int y_dtype, const void *x, int x_dtype, double alpha,
+                                  size_t begin, size_t end)
+{
     if (y_dtype != SMB_DTYPE_FLOAT64 && x_dtype != SMB_DTYPE_FLOAT64) {
         float acc[SMB_VECOPS_CHUNK], tmp[SMB_VECOPS_CHUNK];
         float a = (float)alpha;
-        for (size_t off = 0; off < count; off += SMB_VECOPS_CHUNK) {
-            size_t n = smb_chunk_len(off, count);
+        for (size_t off = begin; off < end; off += SMB_VECOPS_CHUNK) {
+            size_t n = smb_chunk_len(off, end);
             if (y_dtype == SMB_DTYPE_FLOAT32) {
                 /* x is staged in tmp unless it is float32 too */
                 smb_axpy_inplace_f32((float *)y + off, a, smb_load_f32(x, x_dtype, off, n, tmp), n);
@@ -456,8 +478,8 @@ static inline int smb_axpy(void *y, int y_dtype, const void *x, int x_dtype, dou
     } else {
         double acc[SMB_VECOPS_CHUNK], tmp[SMB_VECOPS_CHUNK];
         float tmp32[SMB_VECOPS_CHUNK];
-        for (size_t off = 0; off < count; off += SMB_VECOPS_CHUNK) {
-            size_t n = smb_chunk_len(off, count);
+        for (size_t off = begin; off < end; off += SMB_VECOPS_CHUNK) {
+            size_t n = smb_chunk_len(off, end);
             if (y_dtype == SMB_DTYPE_FLOAT64) {
                 smb_axpy_inplace_f64((double *)y + off, alpha,
                                      smb_load_f64(x, x_dtype, off, n, tmp, tmp32), n);
@@ -468,61 +490,97 @@ static inline int smb_axpy(void *y, int y_dtype, const void *x, int x_dtype, dou
             }
         }
     }
-    return SMB_VECOPS_OK;
+}
+
+static inline int smb_axpy(void *y, int y_dtype, const void *x, int x_dtype, double alpha,
+                           size_t count)
+{
+    int rc = smb_axpy_check(y, y_dtype, x, x_dtype, count);
+    if (rc == SMB_VECOPS_OK)
+        smb_axpy_range(y, y_dtype, x, x_dtype, alpha, 0, count);
+    return rc;
 }
 
 /* x[i] *= alpha */
-static inline int smb_scale(void *x, int dtype, double alpha, size_t count)
+static inline int smb_scale_check(const void *x, int dtype, size_t count)
 {
     if (!smb_dtype_valid(dtype))
         return SMB_VECOPS_EDTYPE;
-    if (count == 0)
-        return SMB_VECOPS_OK;
-    if (!x)
+    if (count && !x)
         return SMB_VECOPS_ENULL;
+    return SMB_VECOPS_OK;
+}
+
+static inline void smb_scale_range(void *x, int dtype, double alpha, size_t begin, size_t end)
+{
+    if (begin >= end)
+        return;
     if (dtype == SMB_DTYPE_FLOAT32) {
-        smb_scale_inplace_f32((float *)x, (float)alpha, count);
+        smb_scale_inplace_f32((float *)x + begin, (float)alpha, end - begin);
     } else if (dtype == SMB_DTYPE_FLOAT64) {
-        smb_scale_inplace_f64((double *)x, alpha, count);
+        smb_scale_inplace_f64((double *)x + begin, alpha, end - begin);
     } else {
         float acc[SMB_VECOPS_CHUNK];
-        for (size_t off = 0; off < count; off += SMB_VECOPS_CHUNK) {
-            size_t n = smb_chunk_len(off, count);
+        for (size_t off = begin; off < end; off += SMB_VECOPS_CHUNK) {
+            size_t n = smb_chunk_len(off, end);
             smb_load_f32(x, dtype, off, n, acc);
             smb_scale_inplace_f32(acc, (float)alpha, n);
             smb_store_f32(x, dtype, off, acc, n);
         }
     }
-    return SMB_VECOPS_OK;
+}
+
+static inline int smb_scale(void *x, int dtype, double alpha, size_t count)
+{
+    int rc = smb_scale_check(x, dtype, count);
+    if (rc == SMB_VECOPS_OK)
+        smb_scale_range(x, dtype, alpha, 0, count);
+    return rc;
 }
 
 /* dst[i] = src[i] converted to dst_dtype.  dst and src may be the very same
    address (in-place conversion, e.g. float32 -> float16 compressing into the
    front half of its own buffer, or back); otherwise they must not overlap. */
-static inline int smb_convert(void *dst, int dst_dtype, const void *src, int src_dtype,
-                              size_t count)
+static inline int smb_convert_check(const void *dst, int dst_dtype, const void *src, int src_dtype,
+                                    size_t count)
 {
     if (!smb_dtype_valid(dst_dtype) || !smb_dtype_valid(src_dtype))
         return SMB_VECOPS_EDTYPE;
-    if (count == 0)
-        return SMB_VECOPS_OK;
-    if (!dst || !src)
+    if (count && (!dst || !src))
         return SMB_VECOPS_ENULL;
+    return SMB_VECOPS_OK;
+}
+
+/* An in-place conversion between sizes moves every element to another byte
+   offset, so its chunks depend on each other's order: one range only, the
+   whole count, never split over threads. */
+static inline int smb_convert_splittable(const void *dst, int dst_dtype, const void *src,
+                                         int src_dtype)
+{
+    return dst != src || smb_dtype_size(dst_dtype) == smb_dtype_size(src_dtype);
+}
+
+static inline void smb_convert_range(void *dst, int dst_dtype, const void *src, int src_dtype,
+                                     size_t begin, size_t end)
+{
+    if (begin >= end)
+        return;
     if (dst_dtype == src_dtype) {
+        size_t size = smb_dtype_size(src_dtype);
         if (dst != src)
-            memcpy(dst, src, count * smb_dtype_size(src_dtype));
-        return SMB_VECOPS_OK;
+            memcpy((char *)dst + begin * size, (const char *)src + begin * size, (end - begin) * size);
+        return;
     }
     int in_place = dst == src;
     /* in place and widening: walk backwards so no chunk overwrites unread input */
     int backwards = in_place && smb_dtype_size(dst_dtype) > smb_dtype_size(src_dtype);
-    size_t nchunks = (count + SMB_VECOPS_CHUNK - 1) / SMB_VECOPS_CHUNK;
+    size_t nchunks = (end - begin + SMB_VECOPS_CHUNK - 1) / SMB_VECOPS_CHUNK;
     int wide = dst_dtype == SMB_DTYPE_FLOAT64 || src_dtype == SMB_DTYPE_FLOAT64;
     float tmp[SMB_VECOPS_CHUNK];
     double tmp64[SMB_VECOPS_CHUNK];
     for (size_t c = 0; c < nchunks; c++) {
-        size_t off = (backwards ? nchunks - 1 - c : c) * SMB_VECOPS_CHUNK;
-        size_t n = smb_chunk_len(off, count);
+        size_t off = begin + (backwards ? nchunks - 1 - c : c) * SMB_VECOPS_CHUNK;
+        size_t n = smb_chunk_len(off, end);
         if (!wide) {
             const float *v = smb_load_f32(src, src_dtype, off, n, tmp);
             if (in_place && v != tmp) {  /* float32 source still points into the buffer */
@@ -543,7 +601,15 @@ static inline int smb_convert(void *dst, int dst_dtype, const void *src, int src
                           tmp);
         }
     }
-    return SMB_VECOPS_OK;
+}
+
+static inline int smb_convert(void *dst, int dst_dtype, const void *src, int src_dtype,
+                              size_t count)
+{
+    int rc = smb_convert_check(dst, dst_dtype, src, src_dtype, count);
+    if (rc == SMB_VECOPS_OK)
+        smb_convert_range(dst, dst_dtype, src, src_dtype, 0, count);
+    return rc;
 }
 
 /* The contract's name for the same operation. */

@@ -207,6 +207,12 @@ register("SMB_MEMORY", "size", 1 << 30,
 register("SMB_PORT", "int", 0, "TCP port an smb-server listens on (0: any free port).", flag="--port")
 register("SMB_HUGEPAGES", "bool", False,
          "Back server memory with huge pages when available (falls back with a warning).")
+register("SMB_REDUCE_THREADS", "int", 0,
+         "Threads an smb-server uses for each large vector operation (the reduction of a bucket, "
+         "axpy, scale, copy), its request thread included; 1 reduces on the request thread alone. "
+         "0 (auto): half the CPUs the server may run on, at most 8, since the trainers of the node "
+         "need the other half and a few threads already saturate a socket's memory bandwidth.",
+         flag="--reduce-threads")
 register("SMB_LOCAL_MAP", "bool", True,
          "Map the memory of a server on the same host directly (zero-copy). "
          "0 forces every transfer through UCX, to test the remote path on one machine.")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .. import settings
-from ..errors import (EddisError, SMBBoundsError, SMBKeyError, SMBMemoryError, SMBPermissionError,
+from ..errors import (ConfigError, EddisError, SMBBoundsError, SMBKeyError, SMBMemoryError, SMBPermissionError,
                       SMBValueError)
 from .. import timeline
 from . import rundir
@@ -29,6 +29,7 @@ log = logging.getLogger("eddis.smb.server")
 MAX_REGIONS = 65536
 SMALL_ALIGN = 64
 PAGE_ALIGN = 4096
+MAX_REDUCE_THREADS = 256   # SMB_VECPOOL_MAX_THREADS of the native core
 
 
 class ArenaAllocator:
@@ -94,6 +95,31 @@ def local_hostname():
             or socket.gethostname())
 
 
+def resolve_reduce_threads(value=None):
+    """Threads for the server's vector operations: `value`, else SMB_REDUCE_THREADS; 0 is auto.
+
+    Auto takes half the CPUs this process may run on, at most 8: the trainers of
+    the node need the other half, and a streaming reduction saturates a
+    socket's memory bandwidth with a few threads."""
+    if value is None:
+        value = settings.get("SMB_REDUCE_THREADS")
+    if isinstance(value, str):
+        text = value.strip()
+        threads = int(text) if text.isdigit() else -1
+    elif isinstance(value, int) and not isinstance(value, bool):
+        threads = value
+    else:
+        threads = -1
+    if not 0 <= threads <= MAX_REDUCE_THREADS:
+        raise ConfigError(
+            f"SMB_REDUCE_THREADS={value!r} is not a thread count: set it (or smb-server "
+            f"--reduce-threads) to 0 for auto or to 1..{MAX_REDUCE_THREADS}")
+    if threads == 0:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = min(8, max(1, (cpus or 1) // 2))
+    return threads
+
+
 def arena_name(run_dir, index):
     digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
     return f"/eddis-smb-{digest}-{int(index)}"
@@ -110,7 +136,7 @@ class Server:
     """One SMB server. ``start()`` returns once its address file is published."""
 
     def __init__(self, run_dir, index=0, memory=None, host=None, port=0, token=None,
-                 hugepages=None, hello_timeout=30.0):
+                 hugepages=None, hello_timeout=30.0, reduce_threads=None):
         from . import _core
 
         self.run_dir = Path(run_dir)
@@ -124,6 +150,7 @@ class Server:
         # a connection that does not authenticate within this many seconds is closed
         self.hello_timeout = float(hello_timeout)
         self.hugepages = settings.get("SMB_HUGEPAGES") if hugepages is None else bool(hugepages)
+        self.reduce_threads = resolve_reduce_threads(reduce_threads)
         self.core = _core.ServerCore()
         self.allocator = ArenaAllocator(self.memory)
         self.regions = {}
@@ -138,7 +165,8 @@ class Server:
     # ------------------------------------------------------------ lifecycle
     def start(self):
         token = self.token if self.token is not None else rundir.read_token(self.run_dir)
-        self.timeline = timeline.for_server(self.index, metadata={"memory": self.memory})
+        self.timeline = timeline.for_server(self.index, metadata={
+            "memory": self.memory, "reduce_threads": self.reduce_threads})
         shm = f"{arena_name(self.run_dir, self.index)}-{os.getpid()}"
         note = self.core.create_arena(shm, self.memory, self.hugepages)
         atexit.register(self._stop_at_exit)
@@ -151,16 +179,18 @@ class Server:
                      "arena": f"/proc/{os.getpid()}/fd/{self.core.arena_fd}",
                      "arena_size": self.memory, "pid": os.getpid()}
             self.port = self.core.start(listen, self.port, token.encode(), json.dumps(hello).encode(),
-                                        self._handle, self.hello_timeout)
+                                        self._handle, self.hello_timeout, self.reduce_threads)
             self.core.run_in_thread()
             self.started = True
             self.info = {"index": self.index, "hostname": local_hostname(), "host": published,
-                         "port": self.port, "pid": os.getpid(), "memory": self.memory}
+                         "port": self.port, "pid": os.getpid(), "memory": self.memory,
+                         "reduce_threads": self.reduce_threads}
             rundir.publish_server(self.run_dir, self.index, self.info)
         except BaseException:
             self.core.stop()
             raise
-        log.info("smb-server %d serving %d bytes on %s:%d", self.index, self.memory, published, self.port)
+        log.info("smb-server %d serving %d bytes on %s:%d, %d reduction thread(s)", self.index,
+                 self.memory, published, self.port, self.reduce_threads)
         return self
 
     def _stop_at_exit(self):
@@ -347,13 +377,14 @@ class Server:
             scale = 1.0 / total
         started = timeline.now_ns()
         try:
-            self.core.weighted_sum(key[0], key[1], key[2], key[3],
-                                   [(src, slot, w * scale) for _, _, src, slot, w in items])
+            threads = self.core.weighted_sum(key[0], key[1], key[2], key[3],
+                                             [(src, slot, w * scale) for _, _, src, slot, w in items])
         except EddisError as exc:
             status, message = _error_reply(exc)
             return self._reply_all(items, conn, req_id, status, message)
         self.timeline.complete(timeline.REDUCE, started, args={
-            "generation": key[4], "parties": parties, "start": key[2], "count": key[3]})
+            "generation": key[4], "parties": parties, "start": key[2], "count": key[3],
+            "threads": threads})
         return self._reply_all(items, conn, req_id, 0, json.dumps({"weight": total}).encode())
 
     def _reply_all(self, items, conn, req_id, status, payload):
@@ -401,6 +432,9 @@ def main(argv=None):
     parser.add_argument("--memory", default=None, help="bytes to lend, suffix K/M/G (default SMB_MEMORY)")
     parser.add_argument("--host", default=None, help="IPv4 address to listen on (default: all, publishes this host's address)")
     parser.add_argument("--port", type=int, default=None, help="TCP port (default SMB_PORT, 0: any)")
+    parser.add_argument("--reduce-threads", default=None,
+                        help="threads per large vector operation, the request thread included "
+                             "(default SMB_REDUCE_THREADS; 0: auto, half the usable CPUs, at most 8)")
     parser.add_argument("--expect-token-file", default=None, help="token file (default: <run dir>/token)")
     parser.add_argument("--create-run-dir", action="store_true", help="create the run directory and token if absent")
     parser.add_argument("--log-level", default=None)
@@ -424,11 +458,12 @@ def main(argv=None):
     signal.signal(signal.SIGINT, on_signal)
     try:
         server = Server(run_dir, index=index, memory=args.memory, host=args.host, port=port,
-                        token=token).start()
+                        token=token, reduce_threads=args.reduce_threads).start()
     except EddisError as exc:
         print(f"smb-server: {exc}", file=sys.stderr)
         return 1
-    print(f"smb-server {index} ready on {server.address} ({server.memory} bytes)", flush=True)
+    print(f"smb-server {index} ready on {server.address} ({server.memory} bytes, "
+          f"{server.reduce_threads} reduction thread(s))", flush=True)
     try:
         while not stop:
             time.sleep(0.2)
