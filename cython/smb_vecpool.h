@@ -6,12 +6,19 @@
  * gradients, while DDP's ring spreads the same additions over all ranks.
  *
  * How: the thread that asks for an operation (the server's request loop) cuts
- * the element range into contiguous parts, one per thread, wakes the workers,
- * runs part 0 itself and waits until the workers have finished theirs.  Part
- * boundaries are multiples of SMB_VECPOOL_ALIGN elements, so no two threads
- * write into the same cache line for any dtype.  Each element's arithmetic is
- * the same whoever computes it (smb_vecops.h: no FMA, per-element sums), so
- * the result is bit-identical to one thread's.
+ * the element range into contiguous parts, up to SMB_VECPOOL_PARTS_PER_THREAD
+ * per thread, and wakes the workers; then it and every worker that is awake
+ * claim parts one at a time until none is left, and the caller waits only for
+ * parts already claimed.  On a node where the trainers keep every core busy a
+ * worker may not run for a while: the others take its share instead of waiting
+ * for it.  Part boundaries are multiples of SMB_VECPOOL_ALIGN elements, so no
+ * two threads write into the same cache line for any dtype.  Each element's
+ * arithmetic is the same whoever computes it (smb_vecops.h: no FMA,
+ * per-element sums), so the result is bit-identical to one thread's.
+ *
+ * A claim is a compare-and-swap on one word that holds the operation's epoch
+ * and the next part, so a worker that wakes late can never take a part of a
+ * later operation with the job of an earlier one.
  *
  * Operations smaller than SMB_VECPOOL_MIN_PART elements per part stay on the
  * calling thread: waking a sleeping worker costs a few microseconds, as much
@@ -48,6 +55,11 @@ enum {
    of a worker costs about as much as the work it would take over. */
 #define SMB_VECPOOL_MIN_PART 32768
 #define SMB_VECPOOL_MAX_THREADS 256
+/* More parts than threads, so that a thread the scheduler holds back costs
+   one small part of delay at most, not a whole thread's share. */
+#define SMB_VECPOOL_PARTS_PER_THREAD 4
+/* the claim word: epoch << SMB_VECPOOL_PART_BITS | next part */
+#define SMB_VECPOOL_PART_BITS 20
 
 typedef struct {
     int kind;                       /* SMB_VECJOB_* */
@@ -76,13 +88,15 @@ typedef struct smb_vecpool {
     pthread_mutex_t busy;           /* held by the caller of the running operation */
     pthread_mutex_t mu;             /* guards everything below */
     pthread_cond_t wake;            /* workers: a new epoch, or stop */
-    pthread_cond_t done;            /* caller: remaining reached 0 */
+    pthread_cond_t done;            /* caller: finished reached nparts */
     int stop;
-    unsigned long epoch;
+    uint64_t epoch;
     const smb_vecjob_t *job;
     size_t nparts;
     size_t part;                    /* elements per part but the last */
-    int remaining;                  /* worker parts of this epoch not finished */
+    size_t finished;                /* parts of this epoch done */
+    int helpers;                    /* workers that ran a part of this epoch */
+    uint64_t claim;                 /* atomic: epoch << PART_BITS | next part */
     unsigned long ops;              /* operations run, and how many were split */
     unsigned long split_ops;
 } smb_vecpool_t;
@@ -132,28 +146,41 @@ static inline void smb_vecjob_range(const smb_vecjob_t *j, size_t begin, size_t 
 static inline size_t smb_vecjob_parts(const smb_vecjob_t *j, int threads)
 {
     size_t parts = j->count / SMB_VECPOOL_MIN_PART;
+    size_t most = (size_t)threads * SMB_VECPOOL_PARTS_PER_THREAD;
     if (j->kind == SMB_VECJOB_CONVERT
         && !smb_convert_splittable(j->dst, j->dst_dtype, j->srcs[0], j->src_dtypes[0]))
         return 1;
-    if (parts > (size_t)threads)
-        parts = (size_t)threads;
+    if (parts > most)
+        parts = most;
     return parts ? parts : 1;
 }
 
-/* elements [begin, end) of part p */
-static inline void smb_vecpool_bounds(size_t count, size_t nparts, size_t part, size_t p,
-                                      size_t *begin, size_t *end)
+/* Claim and run parts of operation `epoch` until none is left; returns how
+   many this thread ran.  Also the caller's loop. */
+static inline size_t smb_vecpool_claim_and_run(smb_vecpool_t *pool, uint64_t epoch,
+                                               const smb_vecjob_t *job, size_t nparts, size_t part)
 {
-    *begin = p * part;
-    *end = p + 1 == nparts ? count : (p + 1) * part;
+    size_t ran = 0;
+    uint64_t word = __atomic_load_n(&pool->claim, __ATOMIC_ACQUIRE);
+    for (;;) {
+        size_t p = (size_t)(word & ((1u << SMB_VECPOOL_PART_BITS) - 1));
+        if (word >> SMB_VECPOOL_PART_BITS != epoch || p >= nparts)
+            return ran;
+        if (!__atomic_compare_exchange_n(&pool->claim, &word, word + 1, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            continue;                       /* word now holds the current value */
+        size_t begin = p * part, end = p + 1 == nparts ? job->count : (p + 1) * part;
+        smb_vecjob_range(job, begin, end);
+        ran++;
+        word++;
+    }
 }
 
 static void *smb_vecpool_worker(void *arg)
 {
     smb_vecpool_arg_t *a = (smb_vecpool_arg_t *)arg;
     smb_vecpool_t *pool = a->pool;
-    size_t me = (size_t)a->index;
-    unsigned long seen = 0;
+    uint64_t seen = 0;
     sigset_t all;
     /* signals belong to the server's main thread (its SIGTERM handler) */
     sigfillset(&all);
@@ -166,17 +193,21 @@ static void *smb_vecpool_worker(void *arg)
             pthread_cond_wait(&pool->wake, &pool->mu);
         if (pool->stop)
             break;
+        /* job, nparts and part belong to this epoch; a claim only succeeds
+           while the claim word still carries it, that is while the caller
+           waits for this very operation */
         seen = pool->epoch;
-        if (me >= pool->nparts)
-            continue;                       /* this operation has fewer parts */
         const smb_vecjob_t *job = pool->job;
-        size_t nparts = pool->nparts, part = pool->part, begin, end;
+        size_t nparts = pool->nparts, part = pool->part;
         pthread_mutex_unlock(&pool->mu);
-        smb_vecpool_bounds(job->count, nparts, part, me, &begin, &end);
-        smb_vecjob_range(job, begin, end);
+        size_t ran = smb_vecpool_claim_and_run(pool, seen, job, nparts, part);
         pthread_mutex_lock(&pool->mu);
-        if (--pool->remaining == 0)
-            pthread_cond_signal(&pool->done);
+        if (ran) {
+            pool->helpers++;
+            pool->finished += ran;
+            if (pool->finished == pool->nparts)
+                pthread_cond_signal(&pool->done);
+        }
     }
     pthread_mutex_unlock(&pool->mu);
     return NULL;
@@ -259,35 +290,39 @@ fail_alloc:
     return rc;
 }
 
-/* Run one operation; *threads_used (may be NULL) says on how many threads.
-   pool may be NULL: the caller alone.  Returns 0 or a SMB_VECOPS_E* code. */
+/* Run one operation; *threads_used (may be NULL) says how many threads took
+   part.  pool may be NULL: the caller alone.  Returns 0 or a SMB_VECOPS_E* code. */
 static inline int smb_vecpool_run(smb_vecpool_t *pool, const smb_vecjob_t *job, int *threads_used)
 {
     int rc = smb_vecjob_check(job);
-    size_t nparts = 1, part = 0, begin, end;
+    int used = 1;
     if (threads_used)
         *threads_used = rc == SMB_VECOPS_OK;
     if (rc != SMB_VECOPS_OK || job->count == 0)
         return rc;
     if (pool && pool->nthreads > 1 && smb_vecjob_parts(job, pool->nthreads) > 1
         && pthread_mutex_trylock(&pool->busy) == 0) {
-        nparts = smb_vecjob_parts(job, pool->nthreads);
-        part = job->count / nparts / SMB_VECPOOL_ALIGN * SMB_VECPOOL_ALIGN;
+        size_t nparts = smb_vecjob_parts(job, pool->nthreads);
+        size_t part = job->count / nparts / SMB_VECPOOL_ALIGN * SMB_VECPOOL_ALIGN;
+        uint64_t epoch;
         pthread_mutex_lock(&pool->mu);
+        epoch = ++pool->epoch;
         pool->job = job;
         pool->nparts = nparts;
         pool->part = part;
-        pool->remaining = (int)nparts - 1;
-        pool->epoch++;
+        pool->finished = 0;
+        pool->helpers = 0;
+        __atomic_store_n(&pool->claim, epoch << SMB_VECPOOL_PART_BITS, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&pool->wake);
         pthread_mutex_unlock(&pool->mu);
-        smb_vecpool_bounds(job->count, nparts, part, 0, &begin, &end);
-        smb_vecjob_range(job, begin, end);
+        size_t ran = smb_vecpool_claim_and_run(pool, epoch, job, nparts, part);
         pthread_mutex_lock(&pool->mu);
-        /* no timeout: the workers only compute on this process's memory and
-           each finishes its part in bounded time */
-        while (pool->remaining > 0)
+        pool->finished += ran;
+        /* no timeout: every part left is being computed by a worker that
+           claimed it, on this process's memory, in bounded time */
+        while (pool->finished < nparts)
             pthread_cond_wait(&pool->done, &pool->mu);
+        used += pool->helpers;
         pool->job = NULL;
         pthread_mutex_unlock(&pool->mu);
         pthread_mutex_unlock(&pool->busy);
@@ -298,7 +333,7 @@ static inline int smb_vecpool_run(smb_vecpool_t *pool, const smb_vecjob_t *job, 
     if (pool)
         __atomic_fetch_add(&pool->ops, 1, __ATOMIC_RELAXED);
     if (threads_used)
-        *threads_used = (int)nparts;
+        *threads_used = used;
     return SMB_VECOPS_OK;
 }
 

@@ -214,3 +214,57 @@ def test_bad_thread_count_is_refused(tmp_path, how):
     assert proc.returncode != 0
     assert "SMB_REDUCE_THREADS" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_callers_and_many_operations(tmp_path, monkeypatch):
+    """Two threads call the server core at once, 60 accumulating operations each.
+
+    Each operation adds into its destination (slot 2 += w * slot 0), so a part
+    that ran twice, or not at all, or with another operation's job, changes the
+    final bits. A caller that finds the pool busy reduces alone."""
+    import threading
+
+    from eddis.smb import rundir
+
+    monkeypatch.delenv("EDDIS_HOSTNAME", raising=False)
+    run_dir = tmp_path / "run"
+    rundir.create_run_dir(run_dir)
+    n, rounds = 3 * MIN_PART + 5, 60
+    rng = np.random.default_rng(3)
+    server = smb_server.Server(run_dir, memory="32M", host="127.0.0.1", reduce_threads=3).start()
+    try:
+        with Client(run_dir, expected_servers=1, timeout=30) as c:
+            pools = [c.pool(f"acc{i}", n, slots=3) for i in range(2)]
+            data = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+            for pool, x in zip(pools, data):
+                pool.write(x, slot=0)
+            rids = [server.regions[f"pool:acc{i}"].rid for i in range(2)]
+            weights = [[float(w) for w in rng.uniform(-1, 1, rounds)] for _ in range(2)]
+            errors = []
+
+            def work(i):
+                try:
+                    for w in weights[i]:
+                        server.core.weighted_sum(rids[i], 2, 0, n, [(rids[i], 2, 1.0), (rids[i], 0, w)])
+                except BaseException as exc:  # reported by the main thread
+                    errors.append(exc)
+
+            before = server.core.stats
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(90)
+            assert not any(t.is_alive() for t in threads)
+            assert not errors, errors
+            after = server.core.stats
+            for pool, x, ws in zip(pools, data, weights):
+                want = np.zeros(n, np.float32)
+                for w in ws:
+                    want = np.float32(1.0) * want + np.float32(w) * x
+                assert pool.read(slot=2).tobytes() == want.tobytes()
+    finally:
+        server.stop()
+    assert after["vector_ops"] - before["vector_ops"] == 2 * rounds
+    assert after["vector_ops_split"] > before["vector_ops_split"]
