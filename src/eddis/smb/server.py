@@ -115,9 +115,15 @@ def resolve_reduce_threads(value=None):
             f"SMB_REDUCE_THREADS={value!r} is not a thread count: set it (or smb-server "
             f"--reduce-threads) to 0 for auto or to 1..{MAX_REDUCE_THREADS}")
     if threads == 0:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        threads = min(8, max(1, (cpus or 1) // 2))
+        threads = min(8, max(1, _usable_cpus() // 2))
     return threads
+
+
+def _usable_cpus():
+    """CPUs this process may run on (its affinity: a Slurm step's, a taskset's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def arena_name(run_dir, index):
@@ -191,6 +197,12 @@ class Server:
             raise
         log.info("smb-server %d serving %d bytes on %s:%d, %d reduction thread(s)", self.index,
                  self.memory, published, self.port, self.reduce_threads)
+        usable = _usable_cpus()
+        if self.reduce_threads > usable:
+            # a Slurm step's tasks are bound to their own CPUs (one by default)
+            log.warning("%d reduction threads share %d usable CPU(s) of this process; give the "
+                        "server more (e.g. srun --cpus-per-task) or set SMB_REDUCE_THREADS lower",
+                        self.reduce_threads, usable)
         return self
 
     def _stop_at_exit(self):
