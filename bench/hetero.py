@@ -1,12 +1,24 @@
 """Mixed GPU generations, simulated: DDP vs EDDIS sync, balanced sync, easgd and hybrid.
 
     python bench/hetero.py [--configs 1111,1112,1123] [--samples 49152] [--target-loss 0.15]
-                           [--json out.json]
+                           [--device-ms 0.5] [--json out.json]
 
 Four ranks train the same MLP (64-512-512-10) on scikit-learn's digits with
-the same total number of samples; per-rank slowdown factors (EDDIS_SIMULATE_SLOWDOWN,
-the testing aid: a rank sleeps (f-1) x its compute time each step) stand in for
-GPU generations. One ``mpirun`` per configuration runs, in order:
+the same total number of samples; per-rank slowdown factors stand in for GPU
+generations. Two ways to make a rank slower:
+
+- ``--device-ms D`` (default 0.5): a simulated accelerator. Every step, after
+  the forward pass and before backward, a rank with factor f sleeps
+  ``f x D ms`` per sample of its mini-batch: the time its GPU would compute,
+  during which the host CPU is free, as on a real GPU node. The real CPU work
+  (the small MLP, communication) comes on top. This keeps the speed ratios
+  between ranks fixed however the 4 ranks share this machine's cores.
+- ``--device-ms 0``: EDDIS_SIMULATE_SLOWDOWN, the testing aid of the runtime
+  (a rank sleeps (f-1) x its measured CPU compute time each step); on a machine
+  with fewer cores than ranks the measured compute time itself swings with
+  the load, and so do the ratios.
+
+One ``mpirun`` per configuration runs, in order:
 
 - ``solo``: every rank trains alone (no communication), all at once, with its
   slowdown: its samples/s is its solo throughput; the ideal throughput of the
@@ -40,6 +52,14 @@ REPO = Path(__file__).resolve().parent.parent
 LOCAL_BATCH = 64
 CONTENDERS = ["ddp", "sync", "balanced", "easgd", "hybrid"]
 EMA = 0.9
+
+
+def simulated_device(factor, device_ms):
+    """Sleep the time a GPU of this speed factor would compute a mini-batch of ``n`` samples."""
+    def compute(n):
+        if device_ms > 0:
+            time.sleep(factor * device_ms * n / 1000.0)
+    return compute
 
 
 def load_digits():
@@ -102,7 +122,8 @@ def worker(args):
     # -- solo: local training only, all ranks at once, each with its slowdown
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    slow = simulate.Slowdown(factors[rank])
+    slow = simulate.Slowdown(1.0 if args.device_ms > 0 else factors[rank])
+    device = simulated_device(factors[rank], args.device_ms)
     rng = np.random.default_rng(rank)
     compute = []
     for step in range(args.solo_steps // 4 + args.solo_steps):   # a quarter untimed, to warm up
@@ -113,7 +134,9 @@ def worker(args):
         idx = torch.from_numpy(rng.integers(0, len(xtr), LOCAL_BATCH))
         t = time.perf_counter()
         opt.zero_grad()
-        F.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+        loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+        device(len(idx))
+        loss.backward()
         opt.step()
         compute.append(time.perf_counter() - t)
         slow.stretch(compute[-1])
@@ -127,7 +150,8 @@ def worker(args):
         if name == "ddp":
             res = run_ddp(args, rank, size, factors[rank], compute_estimate, xtr, ytr, accuracy)
         else:
-            res = run_eddis(args, name, rank, size, global_batch, total_iterations, xtr, ytr, accuracy)
+            res = run_eddis(args, name, rank, size, global_batch, total_iterations, xtr, ytr, accuracy,
+                            simulated_device(factors[rank], args.device_ms))
         res["samples_per_s"] = args.samples / res["wall"]
         res["efficiency"] = res["samples_per_s"] / results["solo"]["ideal"]
         results[name] = res
@@ -140,7 +164,7 @@ def worker(args):
     eddis.shutdown()
 
 
-def run_eddis(args, name, rank, size, global_batch, total_iterations, xtr, ytr, accuracy):
+def run_eddis(args, name, rank, size, global_batch, total_iterations, xtr, ytr, accuracy, device):
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -149,7 +173,10 @@ def run_eddis(args, name, rank, size, global_batch, total_iterations, xtr, ytr, 
     model = make_model()
     mode = {"sync": "sync", "balanced": "sync", "easgd": "easgd", "hybrid": "hybrid"}[name]
     sync_like = mode == "sync"
-    lr = 0.2 if sync_like else 0.05
+    # The linear scaling rule: 0.2 for the global batch of 4 x 64 in sync, 0.05 per rank's 64
+    # in easgd, and in hybrid 0.05 x the group's ranks, whose gradients it averages.
+    group_size = [float(c) for c in args.factors].count(float(args.factors[rank]))
+    lr = {"sync": 0.2, "easgd": 0.05, "hybrid": 0.05 * group_size}[mode]
     opt = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
                                      named_parameters=model.named_parameters(), mode=mode,
                                      balance=name == "balanced")
@@ -170,6 +197,7 @@ def run_eddis(args, name, rank, size, global_batch, total_iterations, xtr, ytr, 
             idx = torch.from_numpy(rng.integers(0, len(xtr), LOCAL_BATCH))
         opt.zero_grad()
         loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+        device(len(idx))
         loss.backward()
         opt.step()
         if rank == 0:
@@ -199,7 +227,8 @@ def run_ddp(args, rank, size, factor, compute_estimate, xtr, ytr, accuracy):
                                 world_size=size)
     model = torch.nn.parallel.DistributedDataParallel(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    slow = simulate.Slowdown(factor)
+    slow = simulate.Slowdown(1.0 if args.device_ms > 0 else factor)
+    device = simulated_device(factor, args.device_ms)
     global_batch = LOCAL_BATCH * size
     steps = args.samples // global_batch
     order = np.random.default_rng(7).permutation(len(xtr))
@@ -213,6 +242,7 @@ def run_ddp(args, rank, size, factor, compute_estimate, xtr, ytr, accuracy):
         opt.zero_grad()
         loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
         slow.stretch(compute_estimate)   # before backward: the gradients leave late
+        device(len(idx))
         loss.backward()
         opt.step()
         if rank == 0:
@@ -244,8 +274,9 @@ def launch(config, args, tmp):
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
-               EDDIS_SIMULATE_SLOWDOWN=",".join(f"{r}:{f}" for r, f in enumerate(factors)),
                EDDIS_COMM_TIMEOUT="300", PYTHONWARNINGS="ignore::UserWarning")
+    if args.device_ms <= 0:
+        env["EDDIS_SIMULATE_SLOWDOWN"] = ",".join(f"{r}:{f}" for r, f in enumerate(factors))
     shm = tempfile.mkdtemp(prefix="eddis-bench-ompi-", dir="/dev/shm")
     env["OMPI_MCA_btl_vader_backing_directory"] = shm
     cmd = ["mpirun", "--oversubscribe"]
@@ -256,12 +287,21 @@ def launch(config, args, tmp):
         cmd += ["-n", "1", "-x", f"EDDIS_GROUP={g}", "-x", f"EDDIS_NUM_GROUPS={len(set(groups))}",
                 sys.executable, __file__, "--worker", "--factors", config, "--out", str(out),
                 "--samples", str(args.samples), "--target-loss", str(args.target_loss),
-                "--solo-steps", str(args.solo_steps), "--port", str(port),
+                "--server", args.server, "--solo-steps", str(args.solo_steps), "--port", str(port), "--device-ms", str(args.device_ms),
                 "--contenders", ",".join(args.contenders)]
+    server = None
+    if args.server == "external":
+        sys.path.insert(0, str(REPO / "src"))
+        from eddis.smb.testing import LocalServers
+
+        server = LocalServers(1, memory="512M").start()
+        env["EDDIS_RUN_DIR"] = str(server.run_dir)
     try:
         subprocess.run(cmd, env=env, check=True, timeout=args.timeout)
     finally:
         subprocess.run(["rm", "-rf", shm])
+        if server is not None:
+            server.stop()
     return json.loads(out.read_text())
 
 
@@ -294,6 +334,12 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=49152, help="training samples per contender")
     p.add_argument("--target-loss", type=float, default=0.15)
     p.add_argument("--solo-steps", type=int, default=100)
+    p.add_argument("--server", choices=["external", "embedded"], default="external",
+                   help="EDDIS through an smb-server process (as eddis-train and the Slurm job script "
+                        "run it, default) or through the server embedded in rank 0 (plain mpirun)")
+    p.add_argument("--device-ms", type=float, default=0.5,
+                   help="simulated GPU time per sample at factor 1, in ms (0: stretch the CPU compute "
+                        "with EDDIS_SIMULATE_SLOWDOWN instead)")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", default=None, help="also write all figures to this file")
@@ -309,7 +355,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for config in args.configs.split(","):
             results[config] = launch(config, args, tmp)
-    text = report(results)
+    how = (f"simulated device: {args.device_ms:g} ms per sample at factor 1, times the rank's factor"
+           if args.device_ms > 0 else "EDDIS_SIMULATE_SLOWDOWN: CPU compute stretched by each rank's factor")
+    text = how + "\n" + report(results)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
