@@ -66,14 +66,28 @@ trap 'on_signal SIGINT' INT
 eddis-train --create-run-dir "$EDDIS_RUN_DIR" >/dev/null || exit 1
 echo "eddis_job: job $SLURM_JOB_ID, $components component(s), run dir $EDDIS_RUN_DIR"
 
+# The fewest CPUs the job holds on one node of a component ("16(x2),8" -> 8).
+fewest_cpus() {
+    local part fewest=
+    for part in ${1//,/ }; do
+        part=${part%%(*}
+        [[ $part =~ ^[0-9]+$ ]] || continue
+        if [ -z "$fewest" ] || [ "$part" -lt "$fewest" ]; then fewest=$part; fi
+    done
+    echo "${fewest:-1}"
+}
+
 # One smb-server per node of every component: a background step beside the trainers.
+# It may use every CPU the job holds on its node (it overlaps the trainers): its
+# reduction threads (SMB_REDUCE_THREADS) would share one bound CPU otherwise.
 servers=0
 for ((g = 0; g < components; g++)); do
     if [ "$components" -gt 1 ]; then het=(--het-group=$g); nodes_var=SLURM_JOB_NUM_NODES_HET_GROUP_$g
-    else het=(); nodes_var=SLURM_JOB_NUM_NODES; fi
+        cpus_var=SLURM_JOB_CPUS_PER_NODE_HET_GROUP_$g
+    else het=(); nodes_var=SLURM_JOB_NUM_NODES; cpus_var=SLURM_JOB_CPUS_PER_NODE; fi
     nodes=${!nodes_var}
     srun "${het[@]}" --job-name=smb-server --overlap --nodes="$nodes" --ntasks="$nodes" \
-        --ntasks-per-node=1 --gres=none --kill-on-bad-exit=1 \
+        --ntasks-per-node=1 --cpus-per-task="$(fewest_cpus "${!cpus_var:-1}")" --gres=none --kill-on-bad-exit=1 \
         bash -c "exec smb-server --run-dir \"\$EDDIS_RUN_DIR\" --index \$(($servers + SLURM_NODEID))" &
     server_pids+=($!)
     servers=$((servers + nodes))

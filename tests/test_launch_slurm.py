@@ -110,12 +110,33 @@ def test_rank_exception_report_has_the_traceback(slurm_cluster, job_env, tmp_pat
     assert_job_left_nothing(job_env["EDDIS_RUN_DIR"], job_id)
 
 
+def environ_of(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.decode(errors="replace").partition("=")[::2] for item in f.read().split(b"\0") if item)
+
+
+def assert_servers_hold_the_jobs_cpus(run_dir):
+    """Each smb-server step may use every CPU its component holds on the node (for its reduction
+    threads), not the one CPU a step's task gets by default."""
+    servers = [pid for pid, cmd in processes_with_env("EDDIS_RUN_DIR", str(run_dir))
+               if "eddis.smb.server import main" in cmd]
+    assert len(servers) == 2, servers
+    for pid in servers:
+        env = environ_of(pid)
+        group = env.get("SLURM_HET_JOB_OFFSET", "0")
+        held = env.get(f"SLURM_JOB_CPUS_PER_NODE_HET_GROUP_{group}") or env["SLURM_JOB_CPUS_PER_NODE"]
+        fewest = min(int(part.split("(")[0]) for part in held.split(","))
+        assert fewest > 1, held  # the test jobs hold several CPUs per node
+        assert env.get("SLURM_CPUS_PER_TASK") == str(fewest), (env.get("SLURM_CPUS_PER_TASK"), held)
+
+
 @pytest.mark.timeout(300)
 def test_scancel_leaves_nothing_behind(slurm_cluster, job_env, tmp_path):
     out = tmp_path / "job.out"
     job_id = sbatch(slurm_cluster, job_env, out, TRAINER, "--steps", "3000", "--step-seconds", "0.1")
     run_dir = Path(job_env["EDDIS_RUN_DIR"])
     wait_for_training(run_dir, out)
+    assert_servers_hold_the_jobs_cpus(run_dir)
     slurm_cluster.run(["scancel", job_id], timeout=30)
     state, _ = wait_job_end(slurm_cluster, job_id, 60)
     assert state == "CANCELLED", state
