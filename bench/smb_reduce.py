@@ -29,21 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from eddis.smb import rundir  # noqa: E402
 from eddis.smb.server import Server  # noqa: E402
+from smb_bandwidth import parse_size, size_label  # noqa: E402  (bench/ is sys.path[0])
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def parse_size(text):
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if text[-1:] in "KMG" else text) * scale)
-
-
-def size_label(n):
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def default_threads():

@@ -98,8 +98,11 @@ class Servers:
 def train(run_mpi, tmp_path, name, servers=2, ranks=4, steps=30, slow_rank=-1, compression="none"):
     run_dir = tmp_path / name / "run"
     timeline_dir = tmp_path / name / "timeline"
+    # The servers sum (EDDIS_SYNC_REDUCE=server), so that their side of the timeline has reductions
+    # too; on one node the ranks would sum by default.
     env = {"EDDIS_RUN_DIR": str(run_dir), "EDDIS_TIMELINE": str(timeline_dir), "EDDIS_PROFILE": "1",
-           "EDDIS_MODE": "sync", "EDDIS_BUCKET_BYTES": "16K", "EDDIS_COMPRESSION": compression}
+           "EDDIS_MODE": "sync", "EDDIS_BUCKET_BYTES": "16K", "EDDIS_COMPRESSION": compression,
+           "EDDIS_SYNC_REDUCE": "server"}
     smb = Servers(run_dir, servers, python_env(env))
     try:
         proc = run_mpi(ranks, [PYTHON, __file__, str(steps), str(slow_rank)], env=env, timeout=400)

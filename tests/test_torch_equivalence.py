@@ -22,7 +22,11 @@ TOLERANCE = {"none": 1e-5, "fp16": 5e-3, "bf16": 5e-2}
 CONFIGS = [  # (mode, compression, model, weighted shares)
     (mode, comp, model, False)
     for mode in ("allreduce", "sync") for comp in ("none", "fp16", "bf16") for model in ("mlp", "cnn")
-] + [("allreduce", "none", "mlp", True), ("sync", "none", "mlp", True)]
+] + [("allreduce", "none", "mlp", True), ("sync", "none", "mlp", True)] + [
+    # mode sync summed by the server instead of the ranks (EDDIS_SYNC_REDUCE=server); plain
+    # "sync" above runs the ranks' sum, since mpirun puts every rank on this one node
+    ("sync:server", comp, "mlp", weighted) for comp in ("none", "bf16") for weighted in (False, True)
+    if not (weighted and comp != "none")]
 
 
 def make_model(kind):
@@ -49,6 +53,8 @@ def train_config(mode, compression, kind, weighted):
     from eddis.core import batch_slice
 
     rank, size = eddis.rank(), eddis.size()
+    mode, _, reduce_by = mode.partition(":")
+    os.environ["EDDIS_SYNC_REDUCE"] = reduce_by or "auto"
     torch.manual_seed(0)
     model = make_model(kind)
     reference = copy.deepcopy(model) if rank == 0 else None
@@ -74,13 +80,14 @@ def train_config(mode, compression, kind, weighted):
     rank0 = eddis.broadcast(flat, root_rank=0)
     spread = eddis.allreduce((flat - rank0).abs().max().reshape(1), op=eddis.Max).item()
     buckets = len(optimizer.reducer.plan.buckets)
+    by_ranks = getattr(optimizer.reducer, "_by_ranks", None) is not None
     optimizer.close()
     if reference is None:
         return None
     ref = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
-    return {"mode": mode, "compression": compression, "model": kind, "weighted": weighted,
-            "ranks": size, "rel_error": float((flat - ref).norm() / ref.norm()),
-            "rank_spread": spread, "buckets": buckets}
+    return {"mode": mode + (f":{reduce_by}" if reduce_by else ""), "compression": compression, "model": kind,
+            "weighted": weighted, "ranks": size, "rel_error": float((flat - ref).norm() / ref.norm()),
+            "rank_spread": spread, "buckets": buckets, "by_ranks": by_ranks}
 
 
 def worker():
@@ -92,7 +99,7 @@ def worker():
     for config in CONFIGS:
         if only and ",".join(map(str, config)) not in only.split(";"):
             continue
-        if config[0] not in available_modes() or (eddis.size() == 1 and config[1] != "none"):
+        if config[0].partition(":")[0] not in available_modes() or (eddis.size() == 1 and config[1] != "none"):
             continue
         result = train_config(*config)
         if result is not None:
@@ -130,7 +137,7 @@ CASES = [(ranks, config) for ranks in (1, 2, 4) for config in CONFIGS
 def test_matches_single_process_on_global_batch(run_mpi, ranks, config):
     from eddis.core import available_modes
 
-    if config[0] not in available_modes():
+    if config[0].partition(":")[0] not in available_modes():
         pytest.skip(f"mode {config[0]} needs the SMB extension (eddis.smb), which is not built")
     results = _run(run_mpi, ranks)
     assert config in results, f"worker printed no result for {config}"
@@ -139,3 +146,6 @@ def test_matches_single_process_on_global_batch(run_mpi, ranks, config):
     assert r["rel_error"] < TOLERANCE[config[1]], r
     if config[1] == "none":
         assert r["buckets"] > 1, "the test model must span several buckets"
+    if ranks > 1 and config[0].startswith("sync"):
+        # on one node the ranks sum unless told to leave it to the server
+        assert r["by_ranks"] == (config[0] == "sync"), r

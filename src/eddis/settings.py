@@ -162,6 +162,11 @@ register("EDDIS_BUCKET_BYTES", "size", 25 << 20,
 register("EDDIS_COMM_TIMEOUT", "float", 300.0,
          "Seconds optimizer.step() and other collective calls wait for other ranks before "
          "raising TimeoutError.")
+register("EDDIS_SYNC_REDUCE", "str", "auto",
+         "Who sums a bucket in mode sync: server (the SMB server of each column range), ranks "
+         "(every rank sums its share of each bucket in the server memory it maps; needs all "
+         "ranks and servers on one node) or auto (ranks when that holds, else server).",
+         choices=["auto", "server", "ranks"])
 register("EDDIS_EMBEDDED_SERVER", "bool", True,
          "When no SMB server has published itself in the run directory (plain mpirun on one "
          "node), start one inside local rank 0; 0 makes that an error instead.")

@@ -14,13 +14,28 @@ sample-weighted average (fp32 accumulation) into the result pool and completes
 every contributor's request; the finish thread then reads the result range and
 decompresses it into the plan's buffer. One round trip per bucket and server;
 bucket k+1 is written while bucket k is reduced.
-"""
-import logging
 
-from .. import timeline
-from ..errors import SMBMemoryError, SMBTimeoutError
+When every rank and every server share one node (``EDDIS_SYNC_REDUCE=auto``,
+the default, or ``ranks``), the ranks sum instead of the server, as an MPI
+shared-memory allreduce does: each rank maps the servers' memory, so after
+writing its slot it counts itself in (a per-bucket arrival counter, a CPU
+atomic in the mapped memory), waits for all W, sums its 1/W share of the
+bucket's columns over the W slots into the result pool with the same kernels
+as the server (fp32 accumulation), counts itself done and, once all W are
+done, reads the whole bucket back. The additions are spread over all ranks
+instead of one server thread, and no request goes through the server.
+"""
+import ctypes
+import logging
+import time
+
+import numpy as np
+
+from .. import settings, timeline
+from ..errors import ConfigError, SMBMemoryError, SMBTimeoutError
 from ..smb import _core  # noqa: F401  (without the built SMB extension there is no mode sync)
-from . import runtime
+from ..smb import _vecops
+from . import collectives, runtime
 from .reducer import Reducer, register_mode
 
 log = logging.getLogger("eddis.core.sync")
@@ -45,7 +60,77 @@ class SyncReducer(Reducer):
                 f"{self.client.num_servers} server(s): raise SMB_MEMORY / --memory, or use compression "
                 "fp16/bf16 to halve it.", exc.code) from exc
         self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
+        self._by_ranks = self._rank_reduction()
         self._start_threads()
+
+    # ------------------------------------------------------------ who sums
+    def _rank_reduction(self):
+        """Per-bucket state of the rank-side sum, or None when the servers sum (collective)."""
+        choice = settings.get("EDDIS_SYNC_REDUCE")
+        client = self.client
+        mapped = all(client.is_local(s) for s in range(client.num_servers))
+        everyone = collectives.allgather_object(mapped, timeout=self.timeout,
+                                                what="mode sync: do all ranks map every SMB server?")
+        if choice == "server" or (choice == "auto" and not all(everyone)):
+            return None
+        if not all(everyone):
+            far = [r for r, ok in enumerate(everyone) if not ok]
+            raise ConfigError(
+                f"EDDIS_SYNC_REDUCE=ranks needs every rank on the node of every SMB server, but "
+                f"rank(s) {far} are not; use EDDIS_SYNC_REDUCE=auto (or server) for multi-node jobs")
+        weights = client.pool(self.pool_name + ".weights", client.num_servers, dtype="float64",
+                              slots=self.size)
+        seg = weights.segments[0]
+        stride = seg.stop - seg.start
+        self._weights_pool = weights
+        self._all_weights = _mapped(seg.local, self.size * stride, np.float64)[::stride]
+        self._counters = []
+        state = []
+        dtype = self.codec.smb_dtype
+        np_dtype = self.slots_pool.np_dtype
+        itemsize = self.slots_pool.itemsize
+        for k, bucket in enumerate(self.plan.buckets):
+            arrived = client.counter(f"{self.pool_name}.arrived.{k}")
+            done = client.counter(f"{self.pool_name}.done.{k}")
+            self._counters += [arrived, done]
+            lo, hi = _share(bucket.start, bucket.count, self.rank, self.size)
+            pieces = []
+            for (seg_s, col, n, _), (seg_r, col_r, _, _) in zip(self.slots_pool._pieces(lo, hi - lo),
+                                                                self.result_pool._pieces(lo, hi - lo)):
+                width = seg_s.stop - seg_s.start
+                sources = [_mapped(seg_s.local + (r * width + col) * itemsize, n, np_dtype)
+                           for r in range(self.size)]
+                pieces.append((_mapped(seg_r.local + col_r * itemsize, n, np_dtype), sources))
+            # An earlier reducer of the same name may have left counts behind: start from them.
+            state.append({"arrived": arrived, "done": done, "pieces": pieces, "count": hi - lo,
+                          "base": (arrived.read(), done.read())})
+        # Read before anyone counts again: nobody leaves this collective before all have read.
+        bases = collectives.allgather_object([st["base"] for st in state], timeout=self.timeout,
+                                             what="mode sync: counter bases")
+        if any(b != bases[0] for b in bases):
+            raise ConfigError("mode sync: the ranks found different reduction counters; two "
+                              f"optimizers share the name {self.pool_name!r} at once? Give each its own.")
+        self._sum_dtype = dtype
+        self._generation = [0] * self.num_buckets
+        log.info("mode sync: the %d ranks sum the buckets in the servers' mapped memory", self.size)
+        return state
+
+    def _wait_count(self, counter, target, what):
+        deadline = time.monotonic() + self.timeout
+        polls = 0
+        while counter.read() < target:
+            if time.monotonic() > deadline:
+                raise SMBTimeoutError(
+                    f"step {self.step}: {what}: not every rank arrived within {self.timeout:g} s "
+                    "(another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is slow)")
+            polls += 1
+            # yield first (the others are moments away in a balanced step), then back off
+            time.sleep(0 if polls < 64 else min(5e-4, 2e-5 * (polls - 63)))
+
+    def _prepare_step(self):
+        if self._by_ranks is not None:
+            # read by the others after they saw this rank arrive at a bucket of this step
+            self._all_weights[self.rank] = self._step_weight if self.op == "average" else 1.0
 
     def _submit(self, k):
         bucket = self.plan.buckets[k]
@@ -56,12 +141,38 @@ class SyncReducer(Reducer):
             with timeline.span(timeline.COMPRESS, args={"step": self.step, "bucket": k, "bytes": view.nbytes}):
                 wire = self.codec.compress(view, out=self.plan.bucket_view(k, self._wire))
         self.slots_pool.write(wire, slot=self.rank, start=bucket.start, timeout=self.timeout)
+        if self._by_ranks is not None:
+            self._generation[k] += 1
+            self._by_ranks[k]["arrived"].fetch_add(1)
+            return self._generation[k]
         average = self.op == "average"
         return self.result_pool.reduce_nb(
             self.rank, self._step_weight if average else 1.0, self.size, 0, self.step,
             src_pool=self.slots_pool, start=bucket.start, count=bucket.count, average=average)
 
+    def _sum_share(self, k, generation):
+        state = self._by_ranks[k]
+        arrived_base, done_base = state["base"]
+        self._wait_count(state["arrived"], arrived_base + generation * self.size, f"bucket {k}")
+        weights = self._all_weights.copy()
+        if self.op == "average":
+            total = float(weights.sum())
+            if total == 0:
+                raise ConfigError(f"step {self.step}: the ranks' weights sum to 0; cannot average")
+            weights /= total
+        with timeline.span(timeline.REDUCE, args={"step": self.step, "bucket": k, "count": state["count"],
+                                                  "by": "ranks"}):
+            for dst, sources in state["pieces"]:
+                _vecops.weighted_sum(dst, sources, weights, dtype=self._sum_dtype,
+                                     src_dtypes=[self._sum_dtype] * self.size)
+        state["done"].fetch_add(1)
+        self._wait_count(state["done"], done_base + generation * self.size, f"bucket {k} (the others' shares)")
+
     def _finish(self, k, request):
+        if self._by_ranks is not None:
+            self._sum_share(k, request)
+            self._read_result(k)
+            return
         try:
             request.wait(self.timeout)
         except SMBTimeoutError as exc:
@@ -69,6 +180,9 @@ class SyncReducer(Reducer):
                 f"step {self.step}, bucket {k}: not every rank contributed within {self.timeout:g} s "
                 "(another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is slow)",
                 exc.code) from exc
+        self._read_result(k)
+
+    def _read_result(self, k):
         view = self.plan.bucket_view(k)
         bucket = self.plan.buckets[k]
         if self.codec.is_identity:
@@ -87,8 +201,23 @@ class SyncReducer(Reducer):
             if self.rank == 0:
                 self.slots_pool.free()
                 self.result_pool.free()
+                if self._by_ranks is not None:
+                    self._weights_pool.free()
         except Exception as exc:  # the server frees everything when it stops anyway
             log.warning("could not free the sync pools %s: %s", self.pool_name, exc)
+
+
+def _share(start, count, rank, size, align=64):
+    """Rank's contiguous share [lo, hi) of a bucket's columns, cut at multiples of ``align``."""
+    def cut(i):
+        return start + (count * i // size) // align * align if i < size else start + count
+    return cut(rank), cut(rank + 1)
+
+
+def _mapped(address, count, np_dtype):
+    """A numpy view of ``count`` elements of mapped server memory at ``address``."""
+    np_dtype = np.dtype(np_dtype)
+    return np.frombuffer((ctypes.c_char * (count * np_dtype.itemsize)).from_address(address), dtype=np_dtype)
 
 
 register_mode("sync", SyncReducer)
