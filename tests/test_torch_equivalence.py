@@ -95,10 +95,10 @@ def worker():
     from eddis.core import available_modes
 
     eddis.init()
-    only = os.environ.get("EQUIV_CONFIGS")
-    for config in CONFIGS:
-        if only and ",".join(map(str, config)) not in only.split(";"):
-            continue
+    only = os.environ.get("EQUIV_CONFIGS")  # "mode,compression,model,weighted;..." (e.g. sync,none,mlp,False)
+    configs = CONFIGS if not only else [(m, c, k, w == "True") for m, c, k, w in
+                                        (entry.split(",") for entry in only.split(";"))]
+    for config in configs:
         if config[0].partition(":")[0] not in available_modes() or (eddis.size() == 1 and config[1] != "none"):
             continue
         result = train_config(*config)
@@ -149,3 +149,20 @@ def test_matches_single_process_on_global_batch(run_mpi, ranks, config):
     if ranks > 1 and config[0].startswith("sync"):
         # on one node the ranks sum unless told to leave it to the server
         assert r["by_ranks"] == (config[0] == "sync"), r
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_do_not_map_the_servers_leave_the_sum_to_them(run_mpi):
+    from eddis.core import available_modes
+
+    if "sync" not in available_modes():
+        pytest.skip("mode sync needs the SMB extension (eddis.smb), which is not built")
+    # SMB_LOCAL_MAP=0: the ranks reach the server over UCX as from another node
+    env = {"SMB_LOCAL_MAP": "0", "EQUIV_CONFIGS": "sync,none,mlp,False"}
+    proc = run_mpi(2, [PYTHON, __file__], env=env, timeout=240, check=True)
+    [r] = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r["by_ranks"] is False and r["rel_error"] < TOLERANCE["none"], r
+    env["EQUIV_CONFIGS"] = "sync:ranks,none,mlp,False"
+    proc = run_mpi(2, [PYTHON, __file__], env=env, timeout=240)
+    assert proc.returncode != 0
+    assert "EDDIS_SYNC_REDUCE=ranks needs every rank on the node of every SMB server" in proc.stdout + proc.stderr
