@@ -38,16 +38,28 @@ trainer_pid=
 
 # SIGTERM the steps with this name (scancel, not kill: srun answers SIGTERM with SIGKILL,
 # which would leave the servers' shared memory behind), then wait for their sruns.
+step_ids() {
+    squeue -h -s -j "${job_ids%,}" -o '%i %j' 2>/dev/null | awk -v n="$1" '$2 == n {print $1}'
+}
 stop_steps() {
     local name=$1; shift
-    local pids=("$@") deadline=$((SECONDS + 30)) pid steps
+    local pids=("$@") deadline=$((SECONDS + 30)) pid steps polls=0 gone_at=
     [ ${#pids[@]} -gt 0 ] || return 0
-    steps=$(squeue -h -s -j "${job_ids%,}" -o '%i %j' 2>/dev/null | awk -v n="$name" '$2 == n {print $1}')
+    steps=$(step_ids "$name")
     [ -z "$steps" ] || scancel --signal=TERM $steps 2>/dev/null
     for pid in "${pids[@]}"; do
-        while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+        while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
+            # srun can miss the end of a hetjob step (Slurm 22.05): once Slurm lists none of
+            # these steps any more, give their sruns 3 s and stop waiting for them
+            if [ $((++polls % 5)) -eq 0 ] && [ -z "$(step_ids "$name")" ]; then
+                gone_at=${gone_at:-$SECONDS}
+                [ $((SECONDS - gone_at)) -ge 3 ] && break 2
+            fi
+            sleep 0.2
+        done
     done
     [ -z "$steps" ] || scancel $steps 2>/dev/null  # whatever did not stop in time
+    kill -9 "${pids[@]}" 2>/dev/null  # an srun still waiting for a step that has ended
     wait "${pids[@]}" 2>/dev/null
 }
 

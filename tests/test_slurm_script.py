@@ -97,3 +97,26 @@ def test_plan_errors_name_the_problem_and_the_partitions():
         parse_counts("a100", "--gpus")
     with pytest.raises(ConfigError, match="ask for a type"):
         plan_components([("all", 2)], parts)
+
+
+def _shell_function(text, name):
+    start = text.index(f"\n{name}() {{") + 1
+    return text[start:text.index("\n}\n", start) + 3]
+
+
+@pytest.mark.timeout(60)
+def test_stop_steps_gives_up_on_an_srun_whose_step_has_ended(tmp_path):
+    # Slurm 22.05's srun can miss the end of a hetjob step and wait forever; stop_steps must
+    # notice that Slurm no longer lists the step and end that srun instead of waiting on it.
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for tool in ("squeue", "scancel"):  # Slurm lists no step of the job any more
+        (stubs / tool).write_text("#!/bin/sh\nexit 0\n")
+        (stubs / tool).chmod(0o755)
+    text = example_job_script()
+    script = (_shell_function(text, "step_ids") + _shell_function(text, "stop_steps")
+              + 'job_ids="41,"\nsleep 300 &\nstuck=$!\nstop_steps eddis-train "$stuck"\n'
+              + 'kill -0 "$stuck" 2>/dev/null && echo "still running" || echo "srun ended"\n')
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=20,
+                          env={"PATH": f"{stubs}:/usr/bin:/bin"})
+    assert proc.stdout.strip() == "srun ended", proc.stdout + proc.stderr
