@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from .. import settings, timeline
+from ..timeline.events import CAT_COMM
 from ..errors import ConfigError, SMBMemoryError, SMBTimeoutError
 from ..smb import _core  # noqa: F401  (without the built SMB extension there is no mode sync)
 from ..smb import _vecops
@@ -160,8 +161,9 @@ class SyncReducer(Reducer):
             if total == 0:
                 raise ConfigError(f"step {self.step}: the ranks' weights sum to 0; cannot average")
             weights /= total
-        with timeline.span(timeline.REDUCE, args={"step": self.step, "bucket": k, "count": state["count"],
-                                                  "by": "ranks"}):
+        # the event the server records for its sum, here on the rank's own thread: comm, not server
+        with timeline.span(timeline.REDUCE, cat=CAT_COMM, args={"step": self.step, "bucket": k,
+                                                                "count": state["count"], "by": "ranks"}):
             for dst, sources in state["pieces"]:
                 _vecops.weighted_sum(dst, sources, weights, dtype=self._sum_dtype,
                                      src_dtypes=[self._sum_dtype] * self.size)

@@ -17,7 +17,7 @@ BUCKET_READY = "bucket_ready"      # instant: a bucket's gradients are all compu
 COMPRESS = "compress"              # fp32 -> fp16/bf16 before the push
 DECOMPRESS = "decompress"          # back to fp32 after the pull
 PUSH = "push"                      # write this worker's slot of a bucket into SMB
-REDUCE = "reduce"                  # server-side weighted sum / average of a bucket
+REDUCE = "reduce"                  # weighted sum / average of a bucket (server; ranks on one node: cat comm)
 AXPY = "axpy"                      # server-side y += alpha x (EASGD centre update)
 PULL = "pull"                      # read the reduced bucket back
 ALLREDUCE = "allreduce"            # MPI allreduce baseline mode
