@@ -111,6 +111,29 @@ def test_pool_write_read_across_servers(client):
 
 
 @pytest.mark.timeout(120)
+def test_pool_mapped_views_are_the_servers_memory(client, cluster):
+    pool = client.pool("mapped", 1000, dtype="float32", slots=2)
+    try:
+        if cluster.transport != "same-node":
+            with pytest.raises(SMBValueError, match="not mapped into this process"):
+                pool.mapped_views(1, 300, 500)
+            return
+        views = pool.mapped_views(1, 300, 500)
+        assert [v.size for v in views] == [33, 333, 134]  # 3 servers hold columns 0/333/666 on
+        data = np.arange(500, dtype=np.float32)
+        pool.write(data, slot=1, start=300)
+        assert np.array_equal(np.concatenate(views), data)
+        views[1][:] = -1  # writing a view writes the pool
+        expected = data.copy()
+        expected[33:366] = -1
+        assert np.array_equal(pool.read(slot=1, start=300, count=500), expected)
+        with pytest.raises(SMBBoundsError):
+            pool.mapped_views(2, 0, 1)
+    finally:
+        pool.free()
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", ["float64", "int64", "uint8", "float16", "bfloat16"])
 def test_pool_dtypes_and_buffers(client, dtype):
     import torch

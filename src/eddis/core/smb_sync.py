@@ -25,7 +25,6 @@ as the server (fp32 accumulation), counts itself done and, once all W are
 done, reads the whole bucket back. The additions are spread over all ranks
 instead of one server thread, and no request goes through the server.
 """
-import ctypes
 import logging
 import time
 
@@ -79,29 +78,18 @@ class SyncReducer(Reducer):
             raise ConfigError(
                 f"EDDIS_SYNC_REDUCE=ranks needs every rank on the node of every SMB server, but "
                 f"rank(s) {far} are not; use EDDIS_SYNC_REDUCE=auto (or server) for multi-node jobs")
-        weights = client.pool(self.pool_name + ".weights", client.num_servers, dtype="float64",
-                              slots=self.size)
-        seg = weights.segments[0]
-        stride = seg.stop - seg.start
-        self._weights_pool = weights
-        self._all_weights = _mapped(seg.local, self.size * stride, np.float64)[::stride]
-        self._counters = []
+        # one column per server (a pool spreads its columns over all of them); column 0 is used
+        self._weights_pool = client.pool(self.pool_name + ".weights", client.num_servers, dtype="float64",
+                                         slots=self.size)
+        self._weights = [self._weights_pool.mapped_views(r, 0, 1)[0] for r in range(self.size)]
         state = []
-        dtype = self.codec.smb_dtype
-        np_dtype = self.slots_pool.np_dtype
-        itemsize = self.slots_pool.itemsize
         for k, bucket in enumerate(self.plan.buckets):
             arrived = client.counter(f"{self.pool_name}.arrived.{k}")
             done = client.counter(f"{self.pool_name}.done.{k}")
-            self._counters += [arrived, done]
             lo, hi = _share(bucket.start, bucket.count, self.rank, self.size)
-            pieces = []
-            for (seg_s, col, n, _), (seg_r, col_r, _, _) in zip(self.slots_pool._pieces(lo, hi - lo),
-                                                                self.result_pool._pieces(lo, hi - lo)):
-                width = seg_s.stop - seg_s.start
-                sources = [_mapped(seg_s.local + (r * width + col) * itemsize, n, np_dtype)
-                           for r in range(self.size)]
-                pieces.append((_mapped(seg_r.local + col_r * itemsize, n, np_dtype), sources))
+            # per server piece of this rank's share: (result, [slot 0, ..., slot W-1])
+            pieces = list(zip(self.result_pool.mapped_views(0, lo, hi - lo),
+                              zip(*(self.slots_pool.mapped_views(r, lo, hi - lo) for r in range(self.size)))))
             # An earlier reducer of the same name may have left counts behind: start from them.
             state.append({"arrived": arrived, "done": done, "pieces": pieces, "count": hi - lo,
                           "base": (arrived.read(), done.read())})
@@ -111,8 +99,6 @@ class SyncReducer(Reducer):
         if any(b != bases[0] for b in bases):
             raise ConfigError("mode sync: the ranks found different reduction counters; two "
                               f"optimizers share the name {self.pool_name!r} at once? Give each its own.")
-        self._sum_dtype = dtype
-        self._generation = [0] * self.num_buckets
         log.info("mode sync: the %d ranks sum the buckets in the servers' mapped memory", self.size)
         return state
 
@@ -131,7 +117,7 @@ class SyncReducer(Reducer):
     def _prepare_step(self):
         if self._by_ranks is not None:
             # read by the others after they saw this rank arrive at a bucket of this step
-            self._all_weights[self.rank] = self._step_weight if self.op == "average" else 1.0
+            self._weights[self.rank][0] = self._step_weight if self.op == "average" else 1.0
 
     def _submit(self, k):
         bucket = self.plan.buckets[k]
@@ -143,9 +129,8 @@ class SyncReducer(Reducer):
                 wire = self.codec.compress(view, out=self.plan.bucket_view(k, self._wire))
         self.slots_pool.write(wire, slot=self.rank, start=bucket.start, timeout=self.timeout)
         if self._by_ranks is not None:
-            self._generation[k] += 1
             self._by_ranks[k]["arrived"].fetch_add(1)
-            return self._generation[k]
+            return self.step + 1  # this bucket's generation: how often every rank has counted in
         average = self.op == "average"
         return self.result_pool.reduce_nb(
             self.rank, self._step_weight if average else 1.0, self.size, 0, self.step,
@@ -155,7 +140,7 @@ class SyncReducer(Reducer):
         state = self._by_ranks[k]
         arrived_base, done_base = state["base"]
         self._wait_count(state["arrived"], arrived_base + generation * self.size, f"bucket {k}")
-        weights = self._all_weights.copy()
+        weights = np.array([w[0] for w in self._weights])
         if self.op == "average":
             total = float(weights.sum())
             if total == 0:
@@ -165,8 +150,8 @@ class SyncReducer(Reducer):
         with timeline.span(timeline.REDUCE, cat=CAT_COMM, args={"step": self.step, "bucket": k,
                                                                 "count": state["count"], "by": "ranks"}):
             for dst, sources in state["pieces"]:
-                _vecops.weighted_sum(dst, sources, weights, dtype=self._sum_dtype,
-                                     src_dtypes=[self._sum_dtype] * self.size)
+                _vecops.weighted_sum(dst, sources, weights, dtype=self.codec.smb_dtype,
+                                     src_dtypes=[self.codec.smb_dtype] * self.size)
         state["done"].fetch_add(1)
         self._wait_count(state["done"], done_base + generation * self.size, f"bucket {k} (the others' shares)")
 
@@ -214,12 +199,6 @@ def _share(start, count, rank, size, align=64):
     def cut(i):
         return start + (count * i // size) // align * align if i < size else start + count
     return cut(rank), cut(rank + 1)
-
-
-def _mapped(address, count, np_dtype):
-    """A numpy view of ``count`` elements of mapped server memory at ``address``."""
-    np_dtype = np.dtype(np_dtype)
-    return np.frombuffer((ctypes.c_char * (count * np_dtype.itemsize)).from_address(address), dtype=np_dtype)
 
 
 register_mode("sync", SyncReducer)

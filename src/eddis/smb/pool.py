@@ -7,6 +7,8 @@ Each server holds its column range for every slot, slot-major. A transfer is
 cut into one contiguous piece per server; the pieces are issued together and
 waited on together, so every server's bandwidth is used.
 """
+import ctypes
+
 import numpy as np
 
 from ..errors import SMBBoundsError, SMBValueError
@@ -140,6 +142,23 @@ class Pool:
             if lo < hi:
                 yield seg, lo - seg.start, hi - lo, lo - start
 
+    def _offset(self, seg, slot, col):
+        """Byte offset of (slot, column col) in a server's segment: slot-major."""
+        return (slot * (seg.stop - seg.start) + col) * self.itemsize
+
+    def mapped_views(self, slot=0, start=0, count=None):
+        """numpy views of elements [start, start+count) of slot, one per server piece, straight
+        into the memory of servers mapped into this process (same node); no copy, no request."""
+        slot, start, count = self._range(slot, start, count)
+        views = []
+        for seg, col, n, _ in self._pieces(start, count):
+            if not seg.local:
+                raise SMBValueError(f"pool {self.name!r}: server {seg.server} is not mapped into this "
+                                    "process (another node, or SMB_LOCAL_MAP=0); use read/write")
+            memory = (ctypes.c_char * (n * self.itemsize)).from_address(seg.local + self._offset(seg, slot, col))
+            views.append(np.frombuffer(memory, dtype=self.np_dtype))
+        return views
+
     def _other(self, pool, what):
         if pool is None:
             return self
@@ -188,15 +207,15 @@ class Pool:
         for seg, col, n, off in self._pieces(start, count):
             nbytes = n * itemsize
             mine = base + off * itemsize
-            theirs = seg.addr + (slot * (seg.stop - seg.start) + col) * itemsize
             if seg.local:
-                theirs += seg.local - seg.addr
+                theirs = seg.local + self._offset(seg, slot, col)
                 if put:
                     _core.memcpy_nogil(theirs, mine, nbytes)
                 else:
                     _core.memcpy_nogil(mine, theirs, nbytes)
                 local.append(seg.server)
                 continue
+            theirs = seg.addr + self._offset(seg, slot, col)
             if pending is None:
                 pending = client._pending()
                 pending.keep = arr
