@@ -33,20 +33,20 @@ def case_balance_weights_wrong_length():
     _wrap(mode="sync", balance=[1, 2, 3])
 
 
-def case_slowdown_typo():
-    os.environ["EDDIS_SIMULATE_SLOWDOWN"] = "1:half"
+def _wrap_with_slowdown(spec):
+    os.environ["EDDIS_SIMULATE_SLOWDOWN"] = spec
     try:
         _wrap(mode="sync")
     finally:
         del os.environ["EDDIS_SIMULATE_SLOWDOWN"]
+
+
+def case_slowdown_typo():
+    _wrap_with_slowdown("1:half")
 
 
 def case_slowdown_unknown_rank():
-    os.environ["EDDIS_SIMULATE_SLOWDOWN"] = "5:2"
-    try:
-        _wrap(mode="sync")
-    finally:
-        del os.environ["EDDIS_SIMULATE_SLOWDOWN"]
+    _wrap_with_slowdown("5:2")
 
 
 def case_no_total():
