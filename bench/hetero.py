@@ -54,12 +54,15 @@ CONTENDERS = ["ddp", "sync", "balanced", "easgd", "hybrid"]
 EMA = 0.9
 
 
-def simulated_device(factor, device_ms):
-    """Sleep the time a GPU of this speed factor would compute a mini-batch of ``n`` samples."""
-    def compute(n):
+def rank_speed(factor, device_ms):
+    """(CPU stretch, simulated device) of a rank with this factor: ``device(n)`` sleeps the time a GPU
+    of this speed would compute n samples (--device-ms), else the stretch slows the CPU compute."""
+    from eddis.core import simulate
+
+    def device(n):
         if device_ms > 0:
             time.sleep(factor * device_ms * n / 1000.0)
-    return compute
+    return simulate.Slowdown(1.0 if device_ms > 0 else factor), device
 
 
 def load_digits():
@@ -105,7 +108,6 @@ def worker(args):
 
     torch.set_num_threads(1)
     import eddis.torch as eddis
-    from eddis.core import simulate
 
     eddis.init()
     rank, size = eddis.rank(), eddis.size()
@@ -122,8 +124,7 @@ def worker(args):
     # -- solo: local training only, all ranks at once, each with its slowdown
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    slow = simulate.Slowdown(1.0 if args.device_ms > 0 else factors[rank])
-    device = simulated_device(factors[rank], args.device_ms)
+    slow, device = rank_speed(factors[rank], args.device_ms)
     rng = np.random.default_rng(rank)
     compute = []
     for step in range(args.solo_steps // 4 + args.solo_steps):   # a quarter untimed, to warm up
@@ -151,7 +152,7 @@ def worker(args):
             res = run_ddp(args, rank, size, factors[rank], compute_estimate, xtr, ytr, accuracy)
         else:
             res = run_eddis(args, name, rank, size, global_batch, total_iterations, xtr, ytr, accuracy,
-                            simulated_device(factors[rank], args.device_ms))
+                            rank_speed(factors[rank], args.device_ms)[1])
         res["samples_per_s"] = args.samples / res["wall"]
         res["efficiency"] = res["samples_per_s"] / results["solo"]["ideal"]
         results[name] = res
@@ -220,15 +221,13 @@ def run_ddp(args, rank, size, factor, compute_estimate, xtr, ytr, accuracy):
     import torch.distributed as dist
     import torch.nn.functional as F
     import eddis.torch as eddis
-    from eddis.core import simulate
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                                 world_size=size)
     model = torch.nn.parallel.DistributedDataParallel(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    slow = simulate.Slowdown(1.0 if args.device_ms > 0 else factor)
-    device = simulated_device(factor, args.device_ms)
+    slow, device = rank_speed(factor, args.device_ms)
     global_batch = LOCAL_BATCH * size
     steps = args.samples // global_batch
     order = np.random.default_rng(7).permutation(len(xtr))
@@ -287,7 +286,7 @@ def launch(config, args, tmp):
         cmd += ["-n", "1", "-x", f"EDDIS_GROUP={g}", "-x", f"EDDIS_NUM_GROUPS={len(set(groups))}",
                 sys.executable, __file__, "--worker", "--factors", config, "--out", str(out),
                 "--samples", str(args.samples), "--target-loss", str(args.target_loss),
-                "--server", args.server, "--solo-steps", str(args.solo_steps), "--port", str(port), "--device-ms", str(args.device_ms),
+                "--solo-steps", str(args.solo_steps), "--port", str(port), "--device-ms", str(args.device_ms),
                 "--contenders", ",".join(args.contenders)]
     server = None
     if args.server == "external":
