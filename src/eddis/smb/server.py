@@ -490,7 +490,7 @@ def _remove_launch_leftovers():
     from ..launch import mpishm
 
     for path in mpishm.remove_job_folders(os.environ):
-        logging.getLogger(__name__).info("removed %s, which a launch of this job left", path)
+        log.info("removed %s, which a launch of this job left", path)
 
 
 if __name__ == "__main__":
