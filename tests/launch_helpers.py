@@ -21,18 +21,22 @@ def make_bin(directory):
     return directory
 
 
+def environ_of(pid):
+    """A process's environment as a dict (raises OSError once it is gone)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.decode(errors="replace").partition("=")[::2] for item in f.read().split(b"\0") if item)
+
+
 def processes_with_env(name, value):
     """PIDs of live processes whose environment has name=value (our run dir marks every process of a job)."""
-    needle = f"{name}={value}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    with open(f"/proc/{entry}/cmdline", "rb") as c:
-                        found.append((int(entry), c.read().replace(b"\0", b" ").decode(errors="replace")))
+            if environ_of(entry).get(name) == value:
+                with open(f"/proc/{entry}/cmdline", "rb") as c:
+                    found.append((int(entry), c.read().replace(b"\0", b" ").decode(errors="replace")))
         except OSError:
             continue
     return found

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO
-from launch_helpers import (TRAINER, job_state, make_bin, processes_with_env, shm_leftovers, wait_job_end,
+from launch_helpers import (TRAINER, environ_of, job_state, make_bin, processes_with_env, shm_leftovers, wait_job_end,
                             wait_until)
 
 pytest.importorskip("eddis.smb.server", reason="the SMB server (eddis.smb.server) is not in this checkout")
@@ -108,11 +108,6 @@ def test_rank_exception_report_has_the_traceback(slurm_cluster, job_env, tmp_pat
     assert re.search(r"ROOT CAUSE: rank 2 on host n2 exited with code 1", report)
     assert "RuntimeError: injected failure on rank 2 at step 5" in report
     assert_job_left_nothing(job_env["EDDIS_RUN_DIR"], job_id)
-
-
-def environ_of(pid):
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        return dict(item.decode(errors="replace").partition("=")[::2] for item in f.read().split(b"\0") if item)
 
 
 def assert_servers_hold_the_jobs_cpus(run_dir):
