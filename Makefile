@@ -24,7 +24,7 @@ APT_PACKAGES := build-essential pkg-config python3-dev python3-venv \
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 NATIVE_SOURCES := setup.py setup.cfg $(wildcard cython/*.pyx cython/*.pxd cython/*.h)
 
-.PHONY: test demo setup system-packages cluster cluster-down build clean-build help
+.PHONY: test demo setup system-packages cluster cluster-down build clean-build help hugepages
 
 help:
 	@echo "make test   set up (apt, .venv, build, local Slurm cluster) and run the test suite"
@@ -78,9 +78,19 @@ cluster: system-packages
 cluster-down:
 	$(SUDO) env EDDIS_DEV_CLUSTER_DIR=$(EDDIS_DEV_CLUSTER_DIR) scripts/eddis-dev-cluster down
 
+# A few explicit huge pages (16 MiB), so the tests cover smb-server's hugetlb arena;
+# where the kernel refuses, those tests are skipped and say why.
+hugepages:
+	@[ -w /proc/sys/vm/nr_hugepages ] || [ -n "$(SUDO)" ] || exit 0; \
+	free=$$(awk '/^HugePages_Free/ {print $$2}' /proc/meminfo); total=$$(cat /proc/sys/vm/nr_hugepages 2>/dev/null || echo 0); \
+	if [ "$${free:-0}" -lt 8 ]; then \
+	  $(SUDO) sh -c "echo $$((total + 8 - $${free:-0})) > /proc/sys/vm/nr_hugepages" 2>/dev/null || true; \
+	  echo "hugetlb pages free for the tests: $$(awk '/^HugePages_Free/ {print $$2}' /proc/meminfo)"; \
+	fi
+
 # make turns every failing status into 2; pytest's own status is kept in
 # .eddis-dev/pytest.rc so .ci/run can tell "no tests collected" (5) from failures.
-test: setup
+test: setup hugepages
 	@rm -f $(STAMPS)/pytest.rc
 	cd $(REPO) && OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; echo $$rc > $(STAMPS)/pytest.rc; exit $$rc; }
 

@@ -72,6 +72,15 @@ cdef extern from *:
         nanosleep(&ts, NULL);
     }
     static inline int smb_errno(void) { return errno; }
+    #include <sys/mman.h>
+    #ifndef MFD_HUGETLB
+    #define MFD_HUGETLB 0x0004U
+    #endif
+    static inline int smb_memfd_hugetlb(const char *name) {
+        /* not MFD_CLOEXEC: like the POSIX arena, same-node clients open it
+           through /proc/<pid>/fd, which needs no inheritance anyway */
+        return memfd_create(name, MFD_HUGETLB);
+    }
     #ifndef MADV_POPULATE_WRITE
     #define MADV_POPULATE_WRITE 23
     #endif
@@ -90,6 +99,7 @@ cdef extern from *:
     int smb_poll_fd(int fd, int ms) nogil
     void smb_pause(unsigned idle) nogil
     int smb_errno() nogil
+    int smb_memfd_hugetlb(const char *name) nogil
     enum: SMB_MADV_POPULATE_WRITE
     FILE *smb_memstream(char **buf, size_t *len) nogil
 
@@ -697,40 +707,59 @@ cdef class ServerCore:
                 "reduce_threads": self.st.reduce_threads, "vector_ops": ops,
                 "vector_ops_split": split_ops}
 
-    def create_arena(self, str shm_name, uint64_t size, bint hugepages=False):
-        """Create and map the POSIX shared-memory arena; returns a note on huge pages."""
+    def create_arena(self, str shm_name, uint64_t size, uint64_t hugetlb_page=0,
+                     bint transparent=False):
+        """Create and map the shared-memory arena of `size` bytes.
+
+        hugetlb_page > 0: back it with explicit huge pages of that size (an
+        anonymous MFD_HUGETLB memfd, size rounded up to whole pages); the kernel
+        reserves the pages at mmap, so a shortage is an error here (MemoryError
+        for ENOMEM), never a SIGBUS later. Otherwise POSIX shared memory, with
+        madvise(MADV_HUGEPAGE) when `transparent`; returns False when that
+        madvise is refused. Policy (which to try, fallbacks, reports) is the
+        caller's."""
         name = shm_name.encode()
-        cdef int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0o600)
-        if fd < 0:
-            err = smb_errno()
-            if err == _errno.EEXIST:
-                raise _errors.SMBValueError(
-                    f"shared memory {shm_name} already exists (it is unlinked right after "
-                    f"creation, so another process is creating one now); retry", err)
-            raise _errors.from_errno(err, f"shm_open({shm_name}) failed: {_os.strerror(err)}")
-        # Unlinked at once: the memory lives as long as this process holds the
-        # descriptor, so even a SIGKILLed server leaves nothing in /dev/shm.
-        # Same-node clients map it through /proc/<pid>/fd/<fd>.
-        shm_unlink(name)
+        cdef int fd
+        cdef int err
+        cdef uint64_t mapped = size
+        if hugetlb_page:
+            mapped = (size + hugetlb_page - 1) // hugetlb_page * hugetlb_page
+            fd = smb_memfd_hugetlb(name)
+            if fd < 0:
+                err = smb_errno()
+                raise _errors.from_errno(err, f"memfd_create(MFD_HUGETLB) failed: {_os.strerror(err)}")
+        else:
+            fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0o600)
+            if fd < 0:
+                err = smb_errno()
+                if err == _errno.EEXIST:
+                    raise _errors.SMBValueError(
+                        f"shared memory {shm_name} already exists (it is unlinked right after "
+                        f"creation, so another process is creating one now); retry", err)
+                raise _errors.from_errno(err, f"shm_open({shm_name}) failed: {_os.strerror(err)}")
+            # Unlinked at once: the memory lives as long as this process holds the
+            # descriptor, so even a SIGKILLed server leaves nothing in /dev/shm.
+            # Same-node clients map it through /proc/<pid>/fd/<fd>.
+            shm_unlink(name)
         self.shm_fd = fd
-        if ftruncate(fd, size) != 0:
+        if ftruncate(fd, mapped) != 0:
             err = smb_errno()
             self.destroy_arena()
-            raise _errors.from_errno(err, f"cannot size shared memory to {size} bytes: {_os.strerror(err)}")
-        cdef void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+            raise _errors.from_errno(err, f"cannot size shared memory to {mapped} bytes: {_os.strerror(err)}")
+        cdef void *p = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
         if p == MAP_FAILED:
             err = smb_errno()
             self.destroy_arena()
-            raise _errors.from_errno(err, f"cannot map {size} bytes of shared memory: {_os.strerror(err)}")
+            raise _errors.from_errno(err, f"cannot map {mapped} bytes of shared memory: {_os.strerror(err)}")
         self.st.arena = <char*>p
-        self.st.arena_size = size
-        note = None
-        if hugepages:
-            # Shared memory gets transparent huge pages only where the kernel's
-            # shmem_enabled policy allows; madvise is the only knob we have.
-            if madvise(p, size, MADV_HUGEPAGE) != 0:
-                note = "huge pages unavailable for shared memory (madvise failed); using normal pages"
-        return note
+        self.st.arena_size = mapped
+        if transparent and not hugetlb_page:
+            return madvise(p, mapped, MADV_HUGEPAGE) == 0
+        return True
+
+    @property
+    def arena_address(self):
+        return <uintptr_t>self.st.arena
 
     def destroy_arena(self):
         if self.st.arena != NULL:

@@ -210,8 +210,13 @@ register("SMB_CONNECT_TIMEOUT", "float", 60.0,
 register("SMB_MEMORY", "size", 1 << 30,
          "Bytes of memory each smb-server lends (suffix K/M/G).", flag="--memory")
 register("SMB_PORT", "int", 0, "TCP port an smb-server listens on (0: any free port).", flag="--port")
-register("SMB_HUGEPAGES", "bool", False,
-         "Back server memory with huge pages when available (falls back with a warning).")
+register("SMB_HUGEPAGES", "str", "off",
+         "Huge pages for an smb-server's memory: hugetlb (explicit pages reserved with "
+         "vm.nr_hugepages; refused when too few are free), transparent (madvise on the shared "
+         "memory; refused when the kernel's shmem_enabled policy is never or deny), auto "
+         "(hugetlb, else transparent, else normal pages with a warning) or off. The server logs "
+         "what it got, read back from /proc/self/smaps.",
+         choices=["off", "auto", "hugetlb", "transparent"], flag="--hugepages")
 register("SMB_REDUCE_THREADS", "int", 0,
          "Threads an smb-server uses for each large vector operation (the reduction of a bucket, "
          "axpy, scale, copy), its request thread included; 1 reduces on the request thread alone. "

@@ -21,6 +21,7 @@ from ..errors import (ConfigError, EddisError, SMBBoundsError, SMBKeyError, SMBM
                       SMBValueError)
 from .. import timeline
 from . import rundir
+from .hugepages import MODES as HUGEPAGE_MODES, arena_pages, describe as describe_pages, plan as hugepage_plan
 from .protocol import (CONTROL_SEPARATOR, DTYPES, ITEMSIZE, STATUS_BOUNDS, STATUS_INVALID,
                        STATUS_NO_ELEM, STATUS_NO_MEMORY, STATUS_REJECTED, decode_control)
 
@@ -155,7 +156,9 @@ class Server:
         self.token = token
         # a connection that does not authenticate within this many seconds is closed
         self.hello_timeout = float(hello_timeout)
-        self.hugepages = settings.get("SMB_HUGEPAGES") if hugepages is None else bool(hugepages)
+        self.hugepages = settings.get("SMB_HUGEPAGES") if hugepages is None else str(hugepages)
+        # checked now, so a node without the huge pages asked for fails before it listens
+        (self.page_kind, self.page_size), self._page_warning = hugepage_plan(self.hugepages, self.memory)
         self.reduce_threads = resolve_reduce_threads(reduce_threads)
         self.core = _core.ServerCore()
         self.allocator = ArenaAllocator(self.memory)
@@ -174,23 +177,21 @@ class Server:
         self.timeline = timeline.for_server(self.index, metadata={
             "memory": self.memory, "reduce_threads": self.reduce_threads})
         shm = f"{arena_name(self.run_dir, self.index)}-{os.getpid()}"
-        note = self.core.create_arena(shm, self.memory, self.hugepages)
+        self._create_arena(shm)
         atexit.register(self._stop_at_exit)
-        if note:
-            log.warning(note)
         try:
             listen = self.host or "0.0.0.0"
             published = self.host if self.host and self.host != "0.0.0.0" else _published_host()
             hello = {"index": self.index, "hostname": local_hostname(),
                      "arena": f"/proc/{os.getpid()}/fd/{self.core.arena_fd}",
-                     "arena_size": self.memory, "pid": os.getpid()}
+                     "arena_size": self.core.arena_size, "pid": os.getpid()}
             self.port = self.core.start(listen, self.port, token.encode(), json.dumps(hello).encode(),
                                         self._handle, self.hello_timeout, self.reduce_threads)
             self.core.run_in_thread()
             self.started = True
             self.info = {"index": self.index, "hostname": local_hostname(), "host": published,
                          "port": self.port, "pid": os.getpid(), "memory": self.memory,
-                         "reduce_threads": self.reduce_threads}
+                         "reduce_threads": self.reduce_threads, "pages": self.page_kind}
             rundir.publish_server(self.run_dir, self.index, self.info)
         except BaseException:
             self.core.stop()
@@ -204,6 +205,33 @@ class Server:
                         "server more (e.g. srun --cpus-per-task) or set SMB_REDUCE_THREADS lower",
                         self.reduce_threads, usable)
         return self
+
+    def _create_arena(self, shm):
+        if self._page_warning:
+            log.warning(self._page_warning)
+        try:
+            madvised = self.core.create_arena(shm, self.memory, self.page_size,
+                                              self.page_kind == "transparent")
+        except MemoryError as exc:
+            if self.page_kind != "hugetlb" or self.hugepages == "hugetlb":
+                raise
+            # another process took the free pages between the plan and the mmap
+            log.warning("SMB_HUGEPAGES=auto: the hugetlb pages ran out (%s); using normal pages", exc)
+            self.page_kind, self.page_size = "off", 0
+            madvised = self.core.create_arena(shm, self.memory)
+        if not madvised:
+            log.warning("SMB_HUGEPAGES=%s: madvise(MADV_HUGEPAGE) was refused; the arena uses "
+                        "normal pages", self.hugepages)
+            self.page_kind = "off"
+        log.info("smb-server %d arena: %s", self.index,
+                 describe_pages(self.page_kind, self.page_size, self.pages()))
+
+    def pages(self):
+        """What backs the arena now, read back from the kernel: kernel page size, resident
+        bytes and bytes in huge pages (None before start or where smaps is unreadable)."""
+        if self.core.arena_size == 0:
+            return None
+        return arena_pages(self.core.arena_address)
 
     def _stop_at_exit(self):
         try:
@@ -447,6 +475,9 @@ def main(argv=None):
     parser.add_argument("--reduce-threads", default=None,
                         help="threads per large vector operation, the request thread included "
                              "(default SMB_REDUCE_THREADS; 0: auto, half the usable CPUs, at most 8)")
+    parser.add_argument("--hugepages", default=None, choices=HUGEPAGE_MODES,
+                        help="huge pages for the memory (default SMB_HUGEPAGES): hugetlb, "
+                             "transparent, auto (either, else normal pages) or off")
     parser.add_argument("--expect-token-file", default=None, help="token file (default: <run dir>/token)")
     parser.add_argument("--create-run-dir", action="store_true", help="create the run directory and token if absent")
     parser.add_argument("--log-level", default=None)
@@ -470,12 +501,14 @@ def main(argv=None):
     signal.signal(signal.SIGINT, on_signal)
     try:
         server = Server(run_dir, index=index, memory=args.memory, host=args.host, port=port,
-                        token=token, reduce_threads=args.reduce_threads).start()
+                        token=token, reduce_threads=args.reduce_threads,
+                        hugepages=args.hugepages).start()
     except EddisError as exc:
         print(f"smb-server: {exc}", file=sys.stderr)
         return 1
     print(f"smb-server {index} ready on {server.address} ({server.memory} bytes, "
-          f"{server.reduce_threads} reduction thread(s))", flush=True)
+          f"{server.reduce_threads} reduction thread(s), "
+          f"{describe_pages(server.page_kind, server.page_size, None)})", flush=True)
     try:
         while not stop:
             time.sleep(0.2)
