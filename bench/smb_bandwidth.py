@@ -68,13 +68,14 @@ def iterations(size, bytes_per_size, lo=8, hi=20000):
 # memcpy
 # ---------------------------------------------------------------------------
 
-def memcpy_gbs(size, bytes_per_size):
+def memcpy_gbs(size, bytes_per_size, repeat):
+    """The best of `repeat` timed loops, as many as SMB gets in a round."""
     src = np.ones(size, np.uint8)
     dst = np.zeros(size, np.uint8)
     n = iterations(size, bytes_per_size)
     ctypes.memmove(dst.ctypes.data, src.ctypes.data, size)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeat):
         t0 = time.perf_counter()
         for _ in range(n):
             ctypes.memmove(dst.ctypes.data, src.ctypes.data, size)
@@ -134,8 +135,9 @@ def run_perftest(test, size, iters, env_extra, extra_args=(), timeout=120):
             server.wait()
 
 
-def perftest_table(transport, sizes, bytes_per_size, extra_args=()):
-    """ucx_perftest figures per size, or None when ucx_perftest is not installed."""
+def perftest_table(transport, sizes, bytes_per_size, repeat, extra_args=()):
+    """ucx_perftest figures per size (the best of `repeat` runs, as for SMB, with every
+    run's figure under "<test> runs"), or None when ucx_perftest is not installed."""
     if shutil.which("ucx_perftest") is None:
         print("ucx_perftest not found (apt-get install ucx-utils / dnf install ucx): "
               "its columns are left out", file=sys.stderr)
@@ -144,8 +146,11 @@ def perftest_table(transport, sizes, bytes_per_size, extra_args=()):
     rows = {}
     for size in sizes:
         iters = iterations(size, bytes_per_size)
-        rows[size] = {test: run_perftest(test, size, iters, env, extra_args)[1]
-                      for test in PERFTEST_TESTS}
+        rows[size] = {}
+        for test in PERFTEST_TESTS:
+            runs = [run_perftest(test, size, iters, env, extra_args)[1] for _ in range(repeat)]
+            rows[size][test] = max(runs)
+            rows[size][test + " runs"] = runs
     small_ops = {
         # ucp_fadd streams fetch-adds (many in flight): time per operation, not a round trip
         "ucp_fadd_per_op_us": run_perftest("ucp_fadd", 8, 20000, env)[0],
@@ -193,11 +198,14 @@ def smb_child(transport, run_dir, servers, sizes, bytes_per_size, window, repeat
             out = np.empty(size, np.uint8)
             pool.write(src)
             pool.read(out)
-            put = min(timed_pipeline(lambda i: pool.write_nb(src), n, depth) for _ in range(repeat))
-            get = min(timed_pipeline(lambda i: pool.read_nb(out), n, depth) for _ in range(repeat))
+            puts = [size * n / timed_pipeline(lambda i: pool.write_nb(src), n, depth) / 1e9
+                    for _ in range(repeat)]
+            gets = [size * n / timed_pipeline(lambda i: pool.read_nb(out), n, depth) / 1e9
+                    for _ in range(repeat)]
             if not (out == 1).all():
                 raise SystemExit(f"{transport}: read back wrong data at size {size}")
-            results["sizes"][size] = {"put": size * n / put / 1e9, "get": size * n / get / 1e9}
+            results["sizes"][size] = {"put": max(puts), "get": max(gets),
+                                      "put runs": puts, "get runs": gets}
         pool.free()
         counter = client.counter("bench-fetch-add")
         for _ in range(200):
@@ -255,6 +263,30 @@ def describe(transport):
             "default (shared memory) transports")
 
 
+def merge_rounds(rounds, sizes):
+    """One (smb, perf, small_ops) from several rounds: every run's figure kept, the best
+    as the headline figure, latencies as the median of the rounds' figures."""
+    smb = {"sizes": {}}
+    for size in sizes:
+        merged = {}
+        for op in ("put", "get"):
+            runs = [x for s, _, _ in rounds for x in s["sizes"][size][op + " runs"]]
+            merged[op], merged[op + " runs"] = max(runs), runs
+        smb["sizes"][size] = merged
+    for key in ("fetch_add_median_us", "fetch_add_mean_us"):
+        smb[key] = statistics.median(s[key] for s, _, _ in rounds)
+    if rounds[0][1] is None:
+        return smb, None, None
+    perf = {}
+    for size in sizes:
+        perf[size] = {}
+        for test in PERFTEST_TESTS:
+            runs = [x for _, p, _ in rounds for x in p[size][test + " runs"]]
+            perf[size][test], perf[size][test + " runs"] = max(runs), runs
+    small_ops = {key: statistics.median(o[key] for _, _, o in rounds) for key in rounds[0][2]}
+    return smb, perf, small_ops
+
+
 def report(transport, smb, perf, small_ops, memcpy, sizes, markdown):
     cols = ["size", "SMB put", "ucp_put_bw", "put ratio", "SMB get", "ucp_get", "get ratio",
             "ucp_am_bw", "memcpy", "put/memcpy", "get/memcpy"]
@@ -299,6 +331,21 @@ def report(transport, smb, perf, small_ops, memcpy, sizes, markdown):
             get_m = min(smb["sizes"][s]["get"] / memcpy[s] for s in big)
             line += f"; worst SMB/memcpy put {put_m:.2f}, get {get_m:.2f} (target 0.8)"
         print(line)
+        spread = []
+        for label, runs in (("SMB put", lambda s: smb["sizes"][s]["put runs"]),
+                            ("ucp_put_bw", lambda s: perf[s].get("ucp_put_bw runs", [])),
+                            ("SMB get", lambda s: smb["sizes"][s]["get runs"]),
+                            ("ucp_get", lambda s: perf[s].get("ucp_get runs", []))):
+            figures = [x for s in big for x in runs(s)]
+            if figures:
+                spread.append(f"{label} {min(figures):.2f}-{max(figures):.2f}")
+        print(f"run-to-run spread, sizes >= 1 MiB, GB/s: {', '.join(spread)}")
+        if perf and all(perf[s].get("ucp_put_bw runs") for s in big):
+            med = statistics.median
+            typical = ", ".join(
+                f"{size_label(s)} put {med(smb['sizes'][s]['put runs']) / med(perf[s]['ucp_put_bw runs']):.2f} "
+                f"get {med(smb['sizes'][s]['get runs']) / med(perf[s]['ucp_get runs']):.2f}" for s in big)
+            print(f"median run against median run, SMB/ucx_perftest: {typical}")
     sys.stdout.flush()
 
 
@@ -313,7 +360,12 @@ def main():
     parser.add_argument("--servers", type=int, default=1,
                         help="smb-server processes the pool is spread over (1 compares with "
                              "one ucx_perftest pair; more shows pooled bandwidth)")
-    parser.add_argument("--repeat", type=int, default=2, help="SMB runs per figure (best kept)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per figure and round, for SMB and ucx_perftest alike")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds that alternate SMB and ucx_perftest; the best run of all "
+                             "rounds is the figure (loopback TCP puts swing 2-10x between runs "
+                             "on a small VM), the median run is printed beside it")
     parser.add_argument("--perftest-args", default="",
                         help="extra ucx_perftest client arguments for the bandwidth tests, "
                              "e.g. '-O 16' to cap its outstanding operations like --window")
@@ -335,11 +387,18 @@ def main():
           f"sizes {', '.join(size_label(s) for s in sizes)}, "
           f"{size_label(bytes_per_size)} per figure, window {args.window}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    memcpy = {size: memcpy_gbs(size, bytes_per_size) for size in sizes}
     for transport in transports:
-        smb = smb_table(transport, args.servers, sizes, bytes_per_size, args.window, args.repeat)
-        perf, small_ops = perftest_table(transport, sizes, bytes_per_size,
-                                         args.perftest_args.split())
+        # Rounds alternate SMB, ucx_perftest and memcpy, so a slow spell of the machine hits all.
+        rounds = []
+        memcpy = {size: 0.0 for size in sizes}
+        for _ in range(args.rounds):
+            for size in sizes:
+                memcpy[size] = max(memcpy[size], memcpy_gbs(size, bytes_per_size, args.repeat))
+            smb = smb_table(transport, args.servers, sizes, bytes_per_size, args.window, args.repeat)
+            perf, small_ops = perftest_table(transport, sizes, bytes_per_size, args.repeat,
+                                             args.perftest_args.split())
+            rounds.append((smb, perf, small_ops))
+        smb, perf, small_ops = merge_rounds(rounds, sizes)
         report(transport, smb, perf, small_ops, memcpy, sizes, args.markdown)
         print(f"load average after {transport}: {os.getloadavg()[0]:.1f}")
 
