@@ -78,13 +78,14 @@ cluster: system-packages
 cluster-down:
 	$(SUDO) env EDDIS_DEV_CLUSTER_DIR=$(EDDIS_DEV_CLUSTER_DIR) scripts/eddis-dev-cluster down
 
-# A few explicit huge pages (16 MiB), so the tests cover smb-server's hugetlb arena;
-# where the kernel refuses, those tests are skipped and say why.
+# A few explicit huge pages (32 MiB), so the tests cover smb-server's hugetlb arena
+# (UCX's own SysV segments take some too where they are free); where the kernel
+# refuses, those tests are skipped and say why.
 hugepages:
 	@[ -w /proc/sys/vm/nr_hugepages ] || [ -n "$(SUDO)" ] || exit 0; \
 	free=$$(awk '/^HugePages_Free/ {print $$2}' /proc/meminfo); total=$$(cat /proc/sys/vm/nr_hugepages 2>/dev/null || echo 0); \
-	if [ "$${free:-0}" -lt 8 ]; then \
-	  $(SUDO) sh -c "echo $$((total + 8 - $${free:-0})) > /proc/sys/vm/nr_hugepages" 2>/dev/null || true; \
+	if [ "$${free:-0}" -lt 16 ]; then \
+	  $(SUDO) sh -c "echo $$((total + 16 - $${free:-0})) > /proc/sys/vm/nr_hugepages" 2>/dev/null || true; \
 	  echo "hugetlb pages free for the tests: $$(awk '/^HugePages_Free/ {print $$2}' /proc/meminfo)"; \
 	fi
 

@@ -24,7 +24,7 @@ def test_doctor_json_reports_this_machine():
     assert rc == 0, proc.stdout + proc.stderr
     checks = report["checks"]
     assert report["ok"] is True
-    assert set(checks) == {"eddis", "ucx", "infiniband", "mpi", "slurm", "gpus", "frameworks"}
+    assert set(checks) == {"eddis", "ucx", "infiniband", "mpi", "slurm", "gpus", "frameworks", "hugepages"}
 
     ucx = checks["ucx"]["data"]
     assert re.match(r"\d+\.\d+", ucx["version"])
@@ -39,6 +39,13 @@ def test_doctor_json_reports_this_machine():
     mpi = checks["mpi"]["data"]
     assert "MPI" in mpi["library"] and "\0" not in mpi["library"]
     assert re.match(r"\d\.\d", mpi["standard"])
+
+    pages = checks["hugepages"]["data"]
+    meminfo = dict(re.findall(r"^(\w+):\s+(\d+)", open("/proc/meminfo").read(), re.M))
+    assert pages["hugetlb_page_size"] == int(meminfo.get("Hugepagesize", 0)) * 1024
+    assert pages["hugetlb_total"] == int(meminfo.get("HugePages_Total", 0))
+    assert pages["smb_hugepages"] == "off" and pages["smb_arena_pages"] == "off"
+    assert checks["hugepages"]["status"] == "ok"
 
     import torch
 
@@ -123,3 +130,13 @@ def test_doctor_inside_an_allocation(slurm_cluster):
     assert slurm["data"]["inside_allocation"] is True
     assert slurm["data"]["allocation"]["node"] == "n2"
     assert report["checks"]["gpus"]["data"]["cuda_visible_devices"] == "0"
+
+
+@pytest.mark.timeout(150)
+def test_doctor_warns_when_the_asked_huge_pages_are_missing():
+    # more hugetlb pages than any test machine holds: a warning naming the sysctl, not a failure
+    rc, report, proc = doctor_json(env=python_env({"SMB_HUGEPAGES": "hugetlb", "SMB_MEMORY": "64T"}))
+    assert rc == 0, proc.stdout + proc.stderr
+    pages = report["checks"]["hugepages"]
+    assert pages["status"] == "warn"
+    assert "vm.nr_hugepages=" in pages["fix"]

@@ -19,6 +19,9 @@ from eddis.smb import hugepages
 from eddis.smb.testing import LocalServers
 
 MiB = 1 << 20
+# UCX puts its own SysV shared-memory segments in hugetlb pages when it finds free ones;
+# kept out of them here so the pages the test counted stay free for the arena.
+NO_UCX_HUGETLB = {"UCX_SYSV_HUGETLB_MODE": "n"}
 
 
 # ---------------------------------------------------------------- the plan (pure)
@@ -128,7 +131,7 @@ def test_hugetlb_arena_is_backed_by_huge_pages(transport):
     if not hugetlb_room(4 * MiB):
         pytest.skip("no free hugetlb pages on this node (sysctl vm.nr_hugepages; .ci/run reserves some)")
     page = hugepages.hugetlb_facts()[0]
-    env = {"SMB_HUGEPAGES": "hugetlb"}
+    env = {"SMB_HUGEPAGES": "hugetlb", **NO_UCX_HUGETLB}
     hostnames, client_host = None, None
     if transport == "ucx-tcp":
         env.update({"UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"})
@@ -170,7 +173,7 @@ def test_transparent_mode_follows_the_kernel_policy():
 
 
 def test_auto_takes_what_the_node_offers():
-    env = {"SMB_HUGEPAGES": "auto"}
+    env = {"SMB_HUGEPAGES": "auto", **NO_UCX_HUGETLB}
     (kind, page), _ = hugepages.plan("auto", 3 * MiB)
     with LocalServers(1, memory="3M", env=env) as servers:
         published = servers.records[0]["pages"]
@@ -195,7 +198,7 @@ def test_client_unaffected_by_pages():
     """A pool spread over a hugetlb server and a normal one reads back what was written."""
     if not hugetlb_room(4 * MiB):
         pytest.skip("no free hugetlb pages on this node (sysctl vm.nr_hugepages; .ci/run reserves some)")
-    with LocalServers(1, memory="3M", env={"SMB_HUGEPAGES": "hugetlb"}) as huge:
+    with LocalServers(1, memory="3M", env={"SMB_HUGEPAGES": "hugetlb", **NO_UCX_HUGETLB}) as huge:
         with Client(huge.run_dir, expected_servers=1, timeout=20) as c:
             pool = c.pool("hp2", 1000, dtype="float64", slots=3)
             for slot in range(3):

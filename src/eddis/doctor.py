@@ -13,6 +13,8 @@ status (``ok``, ``warn`` for a finding that limits EDDIS but does not stop it,
 - ``slurm``: Slurm version, and the allocation when inside one
 - ``gpus``: GPUs as torch sees them (and the GPUs Slurm assigned)
 - ``frameworks``: torch and tensorflow versions (one of them is required)
+- ``hugepages``: free hugetlb pages and the shared-memory THP policy, against
+  what ``SMB_HUGEPAGES`` asks for an ``SMB_MEMORY`` arena
 
 ``run_checks()`` never raises: a check that crashes is reported as ``fail``
 with the error. ``main()`` prints a table or ``--json`` and exits 1 when any
@@ -294,7 +296,34 @@ def check_frameworks():
     return Check("frameworks", OK, summary, versions)
 
 
-CHECKS = [check_eddis, check_ucx, check_infiniband, check_mpi, check_slurm, check_gpus, check_frameworks]
+def check_hugepages():
+    from . import settings
+    from .errors import ConfigError
+    from .smb import hugepages
+
+    page, total, free, overcommit = hugepages.hugetlb_facts()
+    policy = hugepages.shmem_thp_policy()
+    mode, memory = settings.get("SMB_HUGEPAGES"), settings.get("SMB_MEMORY")
+    data = {"hugetlb_page_size": page, "hugetlb_total": total, "hugetlb_free": free,
+            "hugetlb_overcommit": overcommit, "shmem_thp_policy": policy, "smb_hugepages": mode,
+            "smb_memory": memory}
+    offered = (f"hugetlb: {free} of {total} pages" + (f" of {page >> 20} MiB" if page else "")
+               + f" free, shared-memory THP: {policy}")
+    try:
+        (kind, _), warning = hugepages.plan(mode, memory)
+    except ConfigError as exc:
+        return Check("hugepages", WARN, f"{offered}; SMB_HUGEPAGES={mode} cannot be met", data, fix=str(exc))
+    data["smb_arena_pages"] = kind
+    if warning:
+        return Check("hugepages", WARN, f"{offered}; SMB_HUGEPAGES={mode} gets normal pages", data,
+                     fix=warning)
+    got = {"off": "normal pages", "hugetlb": "hugetlb pages", "transparent": "transparent huge pages"}[kind]
+    return Check("hugepages", OK, f"{offered}; SMB_HUGEPAGES={mode}: {got} for a {memory >> 20} MiB arena",
+                 data)
+
+
+CHECKS = [check_eddis, check_ucx, check_infiniband, check_mpi, check_slurm, check_gpus, check_frameworks,
+          check_hugepages]
 
 
 def run_checks(checks=None):
