@@ -8,7 +8,23 @@ processes on a shared machine hits all contenders alike), and the best round
 counts. Contenders: EDDIS sync (none/fp16/bf16 on the wire), EDDIS allreduce
 (MPI), torch DDP over gloo (plain, fp16 and bf16 compression hooks), and
 Horovod when ``import horovod.torch`` works. A second, single-process run
-measures EDDIS's overhead over plain PyTorch on one rank.
+measures EDDIS's overhead over plain PyTorch on one rank: two plain models
+(A and B) and one wrapped in eddis.DistributedOptimizer, built once, take
+single steps in turn (the order rotates every round, --single-rounds rounds),
+so a slow spell of a shared machine hits all three alike. The overhead is the
+median of the per-round ratios EDDIS / A; B / A, the same measurement between
+two identical plain models, is printed beside it as the noise floor (where the
+model's memory happens to lie moves a 100 MB model's step by up to 15 %,
+depending on what the process allocated before). This runs in
+--single-launches fresh processes, each building the three models in another
+order, so no side always gets the same place in memory (and one model per
+process: the compute model's steps before the comm model's once made the comm
+model's EDDIS side 9-27 % slower, and a second plain copy up to 13 %), and twice per model:
+with ``zero_grad()`` as PyTorch defaults (set_to_none: every backward allocates
+the gradients anew, and whether glibc hands back warm heap memory or fresh
+pages that fault in differs from model to model: up to 2x on the backward of
+the 100 MB model) and with ``zero_grad(set_to_none=False)`` (no allocation in
+the step: what is left is EDDIS's own cost).
 
 Models: ``compute`` (a small CNN, 2.2 M parameters, 32 samples per rank:
 compute-bound) and ``comm`` (wide fully-connected layers, 25 M parameters =
@@ -134,6 +150,13 @@ def worker(args):
         available = [c for c in available if not c.startswith(("ddp", "horovod"))]
     comm_state = {"barrier": barrier,
                   "max": lambda t: float(allreduce_array(np.array([t]), op="max")[0])}
+    if size == 1:
+        rounds = {f"{m}|{label}": single_rank_rounds(m, args.single_rounds, args.build_shift, to_none)
+                  for m in args.models.split(",")
+                  for label, to_none in (("set_to_none", True), ("grads kept", False))}
+        print("ROUNDS " + json.dumps(rounds), flush=True)
+        eddis.shutdown()
+        return
     results = {}
     for round_ in range(args.rounds):
         for model_name in args.models.split(","):
@@ -153,6 +176,53 @@ def worker(args):
     if dist.is_initialized():
         dist.destroy_process_group()
     eddis.shutdown()
+
+
+def single_rank_rounds(model_name, rounds, build_shift=0, set_to_none=True):
+    """[(plain A, plain B, EDDIS) step seconds] per round; the three take one step each
+    in a rotating order, after one warm-up step each. They are built in the order
+    A, B, EDDIS rotated by build_shift."""
+    import torch
+    import torch.nn.functional as F
+    import eddis.torch as eddis
+
+    cfg = MODELS[model_name]
+    sides = [None] * 3
+    for side in [(i + build_shift) % 3 for i in range(3)]:
+        wrapped = side == 2
+        model, shape = build_model(model_name)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        if wrapped:
+            opt = eddis.DistributedOptimizer(opt, named_parameters=model.named_parameters(), mode="sync")
+        x, y = torch.randn(cfg["batch"], *shape), torch.randint(0, 10, (cfg["batch"],))
+        sides[side] = (model, opt, x, y)
+
+    def step(side):
+        model, opt, x, y = sides[side]
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=set_to_none)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        return time.perf_counter() - start
+
+    for side in range(3):
+        step(side)
+    orders = [(0, 1, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0), (1, 0, 2), (0, 2, 1)]
+    out = []
+    for i in range(rounds):
+        times = {side: step(side) for side in orders[i % len(orders)]}
+        out.append((times[0], times[1], times[2]))
+    sides[2][1].close()
+    return out
+
+
+def overhead_summary(rounds):
+    """(EDDIS / A - 1, B / A - 1) in %, medians of the per-round ratios; median step times."""
+    import statistics
+
+    med = statistics.median
+    return (100 * (med(c / a for a, _, c in rounds) - 1), 100 * (med(b / a for a, b, _ in rounds) - 1),
+            med(a for a, _, _ in rounds), med(c for _, _, c in rounds))
 
 
 def measure_plain(model_name, comm_state):
@@ -224,9 +294,14 @@ def _launch(ranks, args, env):
     cmd = ["mpirun", "--oversubscribe", "-n", str(ranks), sys.executable, __file__, "--worker",
            "--port", str(port), "--rounds", str(args.rounds), "--models", args.models,
            "--contenders", contenders]
+    if ranks == 1:
+        cmd += ["--single-rounds", str(args.single_rounds), "--build-shift", str(args.build_shift)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     results = {}
     for line in proc.stdout:
+        if line.startswith("ROUNDS "):
+            proc.wait()
+            return json.loads(line[7:])
         if line.startswith("RESULTS "):
             results = json.loads(line[8:])
         else:
@@ -261,6 +336,12 @@ def main():
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--skip-single", action="store_true", help="skip the single-rank overhead run")
+    p.add_argument("--single-rounds", type=int, default=60,
+                   help="rounds of one step each of plain A, plain B and EDDIS per launch "
+                        "in the single-rank overhead run")
+    p.add_argument("--build-shift", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--single-launches", type=int, default=3,
+                   help="fresh processes the single-rank overhead run is repeated in")
     p.add_argument("--server", choices=["external", "embedded"], default="external",
                    help="EDDIS sync through an smb-server process (as eddis-train/Slurm run it, "
                         "default) or through the server embedded in rank 0 (plain mpirun)")
@@ -269,17 +350,33 @@ def main():
     if args.worker:
         return worker(args)
     models = args.models.split(",")
-    print(f"== {args.ranks} ranks ==", flush=True)
-    best = launch(args.ranks, args)
-    print(table(best, models, args.ranks))
+    if args.ranks > 1:
+        print(f"== {args.ranks} ranks ==", flush=True)
+        best = launch(args.ranks, args)
+        print(table(best, models, args.ranks))
     if not args.skip_single:
-        print("\n== 1 rank: EDDIS overhead over plain PyTorch ==", flush=True)
-        single = launch(1, args)
-        print("\n| model | plain torch samples/s | EDDIS 1 rank samples/s | overhead |\n|---|---|---|---|")
+        print(f"\n== 1 rank: EDDIS overhead over plain PyTorch, {args.single_launches} launches of "
+              f"{args.single_rounds} rounds ==", flush=True)
+        # Each model in processes of its own: what one model's steps leave in the heap
+        # changes where the next one's gradients land (the set_to_none lottery above).
+        launches = [{} for _ in range(args.single_launches)]
+        all_models = args.models
         for m in models:
-            plain, ours = single.get(f"plain|{m}"), single.get(f"eddis-sync|{m}")
-            if plain and ours:
-                print(f"| {m} | {plain:.1f} | {ours:.1f} | {100 * (plain / ours - 1):+.1f}% |")
+            args.models = m
+            for i in range(args.single_launches):
+                args.build_shift = i % 3
+                launches[i].update(launch(1, args))
+        args.models = all_models
+        print("\n| model | plain step | EDDIS step | EDDIS / plain A - 1, per launch | median | "
+              "noise floor: plain B / plain A - 1, per launch |\n|---|---|---|---|---|---|")
+        import statistics
+        for m in [f"{m}|{label}" for m in models for label in ("set_to_none", "grads kept")]:
+            sums = [overhead_summary(rounds[m]) for rounds in launches]
+            over = [s[0] for s in sums]
+            print(f"| {m.replace('|', ', ')} | {1e3 * statistics.median(s[2] for s in sums):.1f} ms "
+                  f"| {1e3 * statistics.median(s[3] for s in sums):.1f} ms "
+                  f"| {', '.join(f'{o:+.1f} %' for o in over)} | {statistics.median(over):+.1f} % "
+                  f"| {', '.join(f'{s[1]:+.1f} %' for s in sums)} |")
 
 
 if __name__ == "__main__":
