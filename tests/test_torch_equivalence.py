@@ -26,7 +26,10 @@ CONFIGS = [  # (mode, compression, model, weighted shares)
     # mode sync summed by the server instead of the ranks (EDDIS_SYNC_REDUCE=server); plain
     # "sync" above runs the ranks' sum, since mpirun puts every rank on this one node
     ("sync:server", comp, "mlp", weighted) for comp in ("none", "bf16") for weighted in (False, True)
-    if not (weighted and comp != "none")]
+    if not (weighted and comp != "none")] + [
+    # zero_grad(set_to_none=False): backward accumulates straight into the gradient buffer,
+    # which in the ranks' sum is the rank's slot in the server memory
+    ("sync:keepgrads", "none", model, False) for model in ("mlp", "cnn")]
 
 
 def make_model(kind):
@@ -53,8 +56,9 @@ def train_config(mode, compression, kind, weighted):
     from eddis.core import batch_slice
 
     rank, size = eddis.rank(), eddis.size()
-    mode, _, reduce_by = mode.partition(":")
-    os.environ["EDDIS_SYNC_REDUCE"] = reduce_by or "auto"
+    mode, _, variant = mode.partition(":")
+    keep_grads = variant == "keepgrads"
+    os.environ["EDDIS_SYNC_REDUCE"] = "auto" if keep_grads or not variant else variant
     torch.manual_seed(0)
     model = make_model(kind)
     reference = copy.deepcopy(model) if rank == 0 else None
@@ -69,7 +73,7 @@ def train_config(mode, compression, kind, weighted):
     optimizer.set_sample_count(shard.stop - shard.start)
     for step in range(STEPS):
         x, y = batch(kind, step)
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=not keep_grads)
         F.cross_entropy(model(x[shard]), y[shard]).backward()
         optimizer.step()
         if reference is not None:
@@ -81,13 +85,20 @@ def train_config(mode, compression, kind, weighted):
     spread = eddis.allreduce((flat - rank0).abs().max().reshape(1), op=eddis.Max).item()
     buckets = len(optimizer.reducer.plan.buckets)
     by_ranks = getattr(optimizer.reducer, "_by_ranks", None) is not None
+    in_slot = bool(getattr(optimizer.reducer, "_in_slot", False))
+    grads = [p.grad.clone() for p in model.parameters()]
+    slot = (optimizer._eddis_flat.data_ptr(), optimizer._eddis_flat.data_ptr() + optimizer._eddis_flat.nbytes)
     optimizer.close()
+    # the gradients left the slot with their values before the client could unmap it
+    grads_follow = all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    grads_private = not in_slot or not any(slot[0] <= p.grad.data_ptr() < slot[1] for p in model.parameters())
     if reference is None:
         return None
     ref = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
-    return {"mode": mode + (f":{reduce_by}" if reduce_by else ""), "compression": compression, "model": kind,
+    return {"mode": mode + (f":{variant}" if variant else ""), "compression": compression, "model": kind,
             "weighted": weighted, "ranks": size, "rel_error": float((flat - ref).norm() / ref.norm()),
-            "rank_spread": spread, "buckets": buckets, "by_ranks": by_ranks}
+            "rank_spread": spread, "buckets": buckets, "by_ranks": by_ranks, "in_slot": in_slot,
+            "grads_follow": grads_follow and grads_private}
 
 
 def worker():
@@ -148,7 +159,10 @@ def test_matches_single_process_on_global_batch(run_mpi, ranks, config):
         assert r["buckets"] > 1, "the test model must span several buckets"
     if ranks > 1 and config[0].startswith("sync"):
         # on one node the ranks sum unless told to leave it to the server
-        assert r["by_ranks"] == (config[0] == "sync"), r
+        assert r["by_ranks"] == (config[0] != "sync:server"), r
+        # ...and stage the gradients in their slot when nothing is compressed
+        assert r["in_slot"] == (r["by_ranks"] and config[1] == "none"), r
+    assert r["grads_follow"], f"gradients changed or stayed in SMB memory at close: {r}"
 
 
 @pytest.mark.timeout(300)

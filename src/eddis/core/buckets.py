@@ -76,13 +76,24 @@ class BucketPlan:
             offset += slot.count
         self.total = offset
         self.buffer = np.zeros(self.total, dtype=np.float32)
+        # False once a framework placed the buffer (pinned host memory for CUDA
+        # staging); a reducer may move a movable one (into mapped SMB memory)
+        self.movable = True
+        self._watchers = []
 
-    def use_buffer(self, array):
-        """Make ``array`` (float32, ``total`` elements, e.g. pinned host memory) the buffer."""
+    def use_buffer(self, array, movable=False):
+        """Make ``array`` (float32, ``total`` elements, e.g. pinned host memory) the buffer;
+        whoever watches the buffer (``watch_buffer``) is told of the move."""
         if array.dtype != np.float32 or array.size != self.total or array.ndim != 1:
             raise ConfigError(f"the gradient buffer must be a 1-D float32 array of {self.total} "
                               f"elements, got {array.dtype} with shape {array.shape}")
-        self.buffer = array
+        old, self.buffer, self.movable = self.buffer, array, movable
+        for fn in list(self._watchers):
+            fn(old, array)
+
+    def watch_buffer(self, fn):
+        """Call ``fn(old, new)`` whenever the buffer moves (framework views into it must follow)."""
+        self._watchers.append(fn)
 
     def __len__(self):
         return len(self.buckets)

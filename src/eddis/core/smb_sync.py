@@ -23,7 +23,12 @@ atomic in the mapped memory), waits for all W, sums its 1/W share of the
 bucket's columns over the W slots into the result pool with the same kernels
 as the server (fp32 accumulation), counts itself done and, once all W are
 done, reads the whole bucket back. The additions are spread over all ranks
-instead of one server thread, and no request goes through the server.
+instead of one server thread, and no request goes through the server. When
+the rank's slot is one piece of mapped memory (one server) and nothing is
+compressed, the plan's buffer *is* that slot: the framework stages the
+gradients (and gets the result back) there, which saves writing a copy of
+every bucket into the slot. At close the buffer moves back to private memory
+with its contents, before the client unmaps the servers.
 """
 import logging
 import time
@@ -61,7 +66,19 @@ class SyncReducer(Reducer):
                 "fp16/bf16 to halve it.", exc.code) from exc
         self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
         self._by_ranks = self._rank_reduction()
+        self._in_slot = self._stage_in_slot()
         self._start_threads()
+
+    def _stage_in_slot(self):
+        """Make this rank's slot the plan's buffer, where that saves a copy per bucket."""
+        if self._by_ranks is None or not self.codec.is_identity or not self.plan.movable:
+            return False
+        views = self.slots_pool.mapped_views(self.rank, 0, self.plan.total)
+        if len(views) != 1:  # the slot is split over several servers' memory
+            return False
+        views[0][...] = self.plan.buffer
+        self.plan.use_buffer(views[0], movable=True)
+        return True
 
     # ------------------------------------------------------------ who sums
     def _rank_reduction(self):
@@ -127,7 +144,8 @@ class SyncReducer(Reducer):
         else:
             with timeline.span(timeline.COMPRESS, args={"step": self.step, "bucket": k, "bytes": view.nbytes}):
                 wire = self.codec.compress(view, out=self.plan.bucket_view(k, self._wire))
-        self.slots_pool.write(wire, slot=self.rank, start=bucket.start, timeout=self.timeout)
+        if not self._in_slot:  # else the bucket is staged in the slot already
+            self.slots_pool.write(wire, slot=self.rank, start=bucket.start, timeout=self.timeout)
         if self._by_ranks is not None:
             self._by_ranks[k]["arrived"].fetch_add(1)
             return self.step + 1  # this bucket's generation: how often every rank has counted in
@@ -181,6 +199,10 @@ class SyncReducer(Reducer):
                 self.codec.decompress(wire, view)
 
     def _release(self):
+        if self._in_slot:
+            # the framework's gradients may still point here; the client unmaps it at shutdown
+            self.plan.use_buffer(self.plan.buffer.copy(), movable=True)
+            self._in_slot = False
         # Free the pools once every rank is done with them (an SMB barrier, so a
         # missing rank costs a bounded wait and never poisons MPI).
         try:

@@ -67,7 +67,7 @@ class _DistributedOptimizer:
             self._eddis_flat = pinned
             self._eddis_stream = torch.cuda.Stream(device=next(p.device for p in params if p.is_cuda))
         else:
-            self._eddis_flat = torch.from_numpy(plan.buffer)
+            self._eddis_flat = None  # after the reducer, which may place the buffer
             self._eddis_stream = None
         layout = plan.signature() + "\n" + f"bpps:{backward_passes_per_step} op:{op.name}"
         collectives.check_same(
@@ -77,7 +77,6 @@ class _DistributedOptimizer:
             "backward_passes_per_step alike everywhere.")
         self._eddis_params = params
         self._eddis_plan = plan
-        self._eddis_views = [self._eddis_flat[s.start:s.start + s.count].view(s.shape) for s in plan.slots]
         self._eddis_bpps = int(backward_passes_per_step)
         self._eddis_counts = [0] * len(params)
         self._eddis_left = [len(b.params) for b in plan.buckets]
@@ -87,11 +86,28 @@ class _DistributedOptimizer:
         self._eddis_skip_sync = False
         self.reducer = make_reducer(mode, plan, compression=codec_of(compression), op=op.name,
                                     name=f"torch.{_next_instance_id()}")
+        if self._eddis_flat is None:
+            self._eddis_flat = torch.from_numpy(plan.buffer)
+        self._eddis_views = [self._eddis_flat[s.start:s.start + s.count].view(s.shape) for s in plan.slots]
+        plan.watch_buffer(self._eddis_follow_buffer)
         # Nothing leaves the process (one rank, or easgd's local steps): the gradients
         # can stay where autograd put them, with no copy into the flat buffer.
         self._eddis_passthrough = isinstance(self.reducer, LocalReducer)
         self._eddis_hooks = [p.register_post_accumulate_grad_hook(self._eddis_make_hook(i))
                              for i, p in enumerate(params)]
+
+    def _eddis_follow_buffer(self, old, new):
+        """The reducer moved the flat buffer (back to private memory at close): gradients
+        that are views of the old one become the same views of the new one."""
+        if self._eddis_stream is not None:
+            return  # the pinned buffer stays where the optimizer put it
+        old_views = self._eddis_views
+        self._eddis_flat = torch.from_numpy(new)
+        self._eddis_views = [self._eddis_flat[s.start:s.start + s.count].view(s.shape)
+                             for s in self._eddis_plan.slots]
+        for p, was, now in zip(self._eddis_params, old_views, self._eddis_views):
+            if p.grad is not None and p.grad.data_ptr() == was.data_ptr():
+                p.grad = now
 
     # ------------------------------------------------------------ hooks
     def _eddis_make_hook(self, index):
