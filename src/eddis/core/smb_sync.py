@@ -26,9 +26,12 @@ done, reads the whole bucket back. The additions are spread over all ranks
 instead of one server thread, and no request goes through the server. When
 the rank's slot is one piece of mapped memory (one server) and nothing is
 compressed, the plan's buffer *is* that slot: the framework stages the
-gradients (and gets the result back) there, which saves writing a copy of
-every bucket into the slot. At close the buffer moves back to private memory
-with its contents, before the client unmaps the servers.
+gradients there, which saves writing a copy of every bucket into the slot, and
+each rank writes the sum of its share into that share of *every* slot (its
+columns are read by nobody else), so the whole result lands in every rank's
+own buffer without the result pool and the read back. At close the buffer
+moves back to private memory with its contents, before the client unmaps the
+servers.
 """
 import logging
 import time
@@ -38,7 +41,7 @@ import numpy as np
 from .. import settings, timeline
 from ..timeline.events import CAT_COMM
 from ..errors import ConfigError, SMBMemoryError, SMBTimeoutError
-from ..smb import _core  # noqa: F401  (without the built SMB extension there is no mode sync)
+from ..smb import _core  # without the built SMB extension there is no mode sync
 from ..smb import _vecops
 from . import collectives, runtime
 from .reducer import Reducer, register_mode
@@ -168,15 +171,23 @@ class SyncReducer(Reducer):
         with timeline.span(timeline.REDUCE, cat=CAT_COMM, args={"step": self.step, "bucket": k,
                                                                 "count": state["count"], "by": "ranks"}):
             for dst, sources in state["pieces"]:
+                if self._in_slot:
+                    # in place in this rank's slot, then into the same columns of the others
+                    dst = sources[self.rank]
                 _vecops.weighted_sum(dst, sources, weights, dtype=self.codec.smb_dtype,
                                      src_dtypes=[self.codec.smb_dtype] * self.size)
+                if self._in_slot:
+                    for r, other in enumerate(sources):
+                        if r != self.rank:  # GIL released: the other threads go on meanwhile
+                            _core.memcpy_nogil(other.ctypes.data, dst.ctypes.data, dst.nbytes)
         state["done"].fetch_add(1)
         self._wait_count(state["done"], done_base + generation * self.size, f"bucket {k} (the others' shares)")
 
     def _finish(self, k, request):
         if self._by_ranks is not None:
             self._sum_share(k, request)
-            self._read_result(k)
+            if not self._in_slot:  # else every slot holds the whole result already
+                self._read_result(k)
             return
         try:
             request.wait(self.timeout)
