@@ -132,6 +132,13 @@ def worker(args):
     torch.set_num_threads(1)
     eddis.init()
     rank, size = eddis.rank(), eddis.size()
+    if size == 1:
+        rounds = {f"{m}|{label}": single_rank_rounds(m, args.single_rounds, args.build_shift, to_none)
+                  for m in args.models.split(",")
+                  for label, to_none in (("set_to_none", True), ("grads kept", False))}
+        print("ROUNDS " + json.dumps(rounds), flush=True)
+        eddis.shutdown()
+        return
     contenders = args.contenders.split(",")
     available = []
     for c in contenders:
@@ -144,26 +151,16 @@ def worker(args):
                     print(f"SKIP {c}: horovod not available ({type(exc).__name__}: {exc})", flush=True)
                 continue
         available.append(c)
-    if any(c.startswith("ddp") for c in available) and size > 1:
+    if any(c.startswith("ddp") for c in available):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=size)
-    elif size == 1:
-        available = [c for c in available if not c.startswith(("ddp", "horovod"))]
     comm_state = {"barrier": barrier,
                   "max": lambda t: float(allreduce_array(np.array([t]), op="max")[0])}
-    if size == 1:
-        rounds = {f"{m}|{label}": single_rank_rounds(m, args.single_rounds, args.build_shift, to_none)
-                  for m in args.models.split(",")
-                  for label, to_none in (("set_to_none", True), ("grads kept", False))}
-        print("ROUNDS " + json.dumps(rounds), flush=True)
-        eddis.shutdown()
-        return
     results = {}
     for round_ in range(args.rounds):
         for model_name in args.models.split(","):
-            for c in available + (["plain"] if size == 1 else []):
+            for c in available:
                 try:
-                    sps = measure(c, model_name, rank, size, comm_state) if c != "plain" else \
-                        measure_plain(model_name, comm_state)
+                    sps = measure(c, model_name, rank, size, comm_state)
                 except Exception as exc:
                     if rank == 0:
                         print(f"FAIL {c} {model_name}: {type(exc).__name__}: {exc}", flush=True)
@@ -218,28 +215,9 @@ def single_rank_rounds(model_name, rounds, build_shift=0, set_to_none=True):
 
 def overhead_summary(rounds):
     """(EDDIS / A - 1, B / A - 1) in %, medians of the per-round ratios; median step times."""
-    import statistics
-
     med = statistics.median
     return (100 * (med(c / a for a, _, c in rounds) - 1), 100 * (med(b / a for a, b, _ in rounds) - 1),
             med(a for a, _, _ in rounds), med(c for _, _, c in rounds))
-
-
-def measure_plain(model_name, comm_state):
-    import torch
-    import torch.nn.functional as F
-
-    cfg = MODELS[model_name]
-    model, shape = build_model(model_name)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(cfg["batch"], *shape), torch.randint(0, 10, (cfg["batch"],))
-    for i in range(cfg["warmup"] + cfg["steps"]):
-        if i == cfg["warmup"]:
-            start = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    return cfg["steps"] * cfg["batch"] / (time.perf_counter() - start)
 
 
 class SmbServer:
@@ -276,7 +254,7 @@ def launch(ranks, args):
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
     server = None
-    if args.server == "external":
+    if args.server == "external" and ranks > 1:  # one rank communicates nothing
         server = SmbServer(env, args.memory)
         env["EDDIS_RUN_DIR"] = str(server.run_dir)
     try:
@@ -290,10 +268,9 @@ def _launch(ranks, args, env):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    contenders = args.contenders if ranks > 1 else "eddis-sync"
     cmd = ["mpirun", "--oversubscribe", "-n", str(ranks), sys.executable, __file__, "--worker",
            "--port", str(port), "--rounds", str(args.rounds), "--models", args.models,
-           "--contenders", contenders]
+           "--contenders", args.contenders]
     if ranks == 1:
         cmd += ["--single-rounds", str(args.single_rounds), "--build-shift", str(args.build_shift)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
@@ -369,7 +346,6 @@ def main():
         args.models = all_models
         print("\n| model | plain step | EDDIS step | EDDIS / plain A - 1, per launch | median | "
               "noise floor: plain B / plain A - 1, per launch |\n|---|---|---|---|---|---|")
-        import statistics
         for m in [f"{m}|{label}" for m in models for label in ("set_to_none", "grads kept")]:
             sums = [overhead_summary(rounds[m]) for rounds in launches]
             over = [s[0] for s in sums]
