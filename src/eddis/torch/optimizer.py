@@ -64,10 +64,9 @@ class _DistributedOptimizer:
         if "cuda" in devices:
             pinned = torch.zeros(plan.total, dtype=torch.float32, pin_memory=True)
             plan.use_buffer(pinned.numpy())
-            self._eddis_flat = pinned
             self._eddis_stream = torch.cuda.Stream(device=next(p.device for p in params if p.is_cuda))
         else:
-            self._eddis_flat = None  # after the reducer, which may place the buffer
+            pinned = None
             self._eddis_stream = None
         layout = plan.signature() + "\n" + f"bpps:{backward_passes_per_step} op:{op.name}"
         collectives.check_same(
@@ -86,9 +85,8 @@ class _DistributedOptimizer:
         self._eddis_skip_sync = False
         self.reducer = make_reducer(mode, plan, compression=codec_of(compression), op=op.name,
                                     name=f"torch.{_next_instance_id()}")
-        if self._eddis_flat is None:
-            self._eddis_flat = torch.from_numpy(plan.buffer)
-        self._eddis_views = [self._eddis_flat[s.start:s.start + s.count].view(s.shape) for s in plan.slots]
+        # after the reducer, which may place a CPU buffer (in mapped SMB memory)
+        self._eddis_bind(pinned if pinned is not None else torch.from_numpy(plan.buffer))
         plan.watch_buffer(self._eddis_follow_buffer)
         # Nothing leaves the process (one rank, or easgd's local steps): the gradients
         # can stay where autograd put them, with no copy into the flat buffer.
@@ -96,15 +94,17 @@ class _DistributedOptimizer:
         self._eddis_hooks = [p.register_post_accumulate_grad_hook(self._eddis_make_hook(i))
                              for i, p in enumerate(params)]
 
+    def _eddis_bind(self, flat):
+        """Use ``flat`` (a tensor over the plan's buffer) and one view of it per parameter."""
+        self._eddis_flat = flat
+        self._eddis_views = [flat[s.start:s.start + s.count].view(s.shape) for s in self._eddis_plan.slots]
+
     def _eddis_follow_buffer(self, old, new):
-        """The reducer moved the flat buffer (back to private memory at close): gradients
-        that are views of the old one become the same views of the new one."""
-        if self._eddis_stream is not None:
-            return  # the pinned buffer stays where the optimizer put it
+        """The reducer moved the flat buffer (back to private memory at close; a pinned one
+        is never moved): gradients that are views of the old one become the same views
+        of the new one."""
         old_views = self._eddis_views
-        self._eddis_flat = torch.from_numpy(new)
-        self._eddis_views = [self._eddis_flat[s.start:s.start + s.count].view(s.shape)
-                             for s in self._eddis_plan.slots]
+        self._eddis_bind(torch.from_numpy(new))
         for p, was, now in zip(self._eddis_params, old_views, self._eddis_views):
             if p.grad is not None and p.grad.data_ptr() == was.data_ptr():
                 p.grad = now
