@@ -301,7 +301,7 @@ def check_hugepages():
     from .errors import ConfigError
     from .smb import hugepages
 
-    page, total, free, overcommit = hugepages.hugetlb_facts()
+    facts = page, total, free, overcommit = hugepages.hugetlb_facts()
     policy = hugepages.shmem_thp_policy()
     mode, memory = settings.get("SMB_HUGEPAGES"), settings.get("SMB_MEMORY")
     data = {"hugetlb_page_size": page, "hugetlb_total": total, "hugetlb_free": free,
@@ -310,7 +310,7 @@ def check_hugepages():
     offered = (f"hugetlb: {free} of {total} pages" + (f" of {page >> 20} MiB" if page else "")
                + f" free, shared-memory THP: {policy}")
     try:
-        (kind, _), warning = hugepages.plan(mode, memory)
+        (kind, _), warning = hugepages.plan(mode, memory, facts=facts, policy=policy)
     except ConfigError as exc:
         return Check("hugepages", WARN, f"{offered}; SMB_HUGEPAGES={mode} cannot be met", data, fix=str(exc))
     data["smb_arena_pages"] = kind
