@@ -101,8 +101,11 @@ def read_servers(path):
     return sorted(records, key=lambda r: r["index"])
 
 
-def wait_for_servers(path, count, timeout=None):
-    """Wait until servers 0..count-1 have published; returns their records by index."""
+def wait_for_servers(path, count, timeout=None, check=None):
+    """Wait until servers 0..count-1 have published; returns their records by index.
+
+    ``check()``, when given, runs between polls and raises to stop waiting early (a
+    server process that already exited will never publish)."""
     if timeout is None:
         timeout = settings.get("SMB_CONNECT_TIMEOUT")
     deadline = time.monotonic() + timeout
@@ -112,6 +115,8 @@ def wait_for_servers(path, count, timeout=None):
         missing = [i for i in range(count) if i not in records]
         if not missing:
             return [records[i] for i in range(count)]
+        if check is not None:
+            check()
         if time.monotonic() >= deadline:
             raise SMBTimeoutError(
                 f"SMB servers {missing} did not publish in {path}/{SERVERS_DIR} within {timeout:g} s; "

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from . import rundir
@@ -65,28 +64,19 @@ class LocalServers:
                 self.procs.append(subprocess.Popen(argv, env=_env(extra), stdout=subprocess.DEVNULL,
                                                    stderr=subprocess.PIPE, text=True,
                                                    preexec_fn=_die_with_parent))
-            self.records = self._wait_published()
+            self.records = rundir.wait_for_servers(self.run_dir, self.count, self.timeout,
+                                                   check=self._none_exited)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_published(self):
-        """The servers' records once all have published; a server that exits first is
-        reported at once with its stderr instead of waiting out the timeout."""
-        from ..errors import SMBTimeoutError
-
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                return rundir.wait_for_servers(self.run_dir, self.count, timeout=0.2)
-            except SMBTimeoutError:
-                for index, proc in enumerate(self.procs):
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"smb-server {index} exited with {proc.returncode} before "
-                                           f"publishing:\n{proc.stderr.read()[-3000:]}") from None
-                if time.monotonic() >= deadline:
-                    raise
+    def _none_exited(self):
+        """Raise, with its stderr, for a server that exited before publishing."""
+        for index, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                raise RuntimeError(f"smb-server {index} exited with {proc.returncode} before "
+                                   f"publishing:\n{proc.stderr.read()[-3000:]}")
 
     def kill(self, index, sig=signal.SIGKILL):
         self.killed.append(index)
