@@ -136,8 +136,8 @@ def run_perftest(test, size, iters, env_extra, extra_args=(), timeout=120):
 
 
 def perftest_table(transport, sizes, bytes_per_size, repeat, extra_args=()):
-    """ucx_perftest figures per size (the best of `repeat` runs, as for SMB, with every
-    run's figure under "<test> runs"), or None when ucx_perftest is not installed."""
+    """ucx_perftest figures per size, every run's under "<test> runs" (merge_rounds
+    picks the best), or None when ucx_perftest is not installed."""
     if shutil.which("ucx_perftest") is None:
         print("ucx_perftest not found (apt-get install ucx-utils / dnf install ucx): "
               "its columns are left out", file=sys.stderr)
@@ -148,9 +148,8 @@ def perftest_table(transport, sizes, bytes_per_size, repeat, extra_args=()):
         iters = iterations(size, bytes_per_size)
         rows[size] = {}
         for test in PERFTEST_TESTS:
-            runs = [run_perftest(test, size, iters, env, extra_args)[1] for _ in range(repeat)]
-            rows[size][test] = max(runs)
-            rows[size][test + " runs"] = runs
+            rows[size][test + " runs"] = [run_perftest(test, size, iters, env, extra_args)[1]
+                                          for _ in range(repeat)]
     small_ops = {
         # ucp_fadd streams fetch-adds (many in flight): time per operation, not a round trip
         "ucp_fadd_per_op_us": run_perftest("ucp_fadd", 8, 20000, env)[0],
@@ -204,8 +203,7 @@ def smb_child(transport, run_dir, servers, sizes, bytes_per_size, window, repeat
                     for _ in range(repeat)]
             if not (out == 1).all():
                 raise SystemExit(f"{transport}: read back wrong data at size {size}")
-            results["sizes"][size] = {"put": max(puts), "get": max(gets),
-                                      "put runs": puts, "get runs": gets}
+            results["sizes"][size] = {"put runs": puts, "get runs": gets}
         pool.free()
         counter = client.counter("bench-fetch-add")
         for _ in range(200):
