@@ -159,6 +159,29 @@ def test_counter_hands_out_exactly_the_total(smb_run_dir, chunk):
 
 
 @pytest.mark.timeout(60)
+def test_unit_of_all_ranks_claims_without_messages_and_checks_the_counter(smb_run_dir):
+    """A unit of all ranks (sync) predicts its claims after the first; the leader still
+    claims for real, so the counter ends at the total, and it notices a foreign claim."""
+    from mpi4py import MPI
+
+    with smb.Client(run_dir=smb_run_dir) as client:
+        ctl = progress.ProgressController(client, 10, 0, 1, chunk=3, staleness=-1,
+                                          lockstep_comm=MPI.COMM_SELF, name="units.exclusive")
+        positions = []
+        while not ctl.should_stop():
+            positions.append(ctl.global_step())
+        assert positions == list(range(10)) and ctl.claims == 5   # 3+3+3+1, then the empty claim
+        assert client.counter("units.exclusive.counter").read() == 10
+
+        ctl = progress.ProgressController(client, 10, 0, 1, chunk=2, staleness=-1,
+                                          lockstep_comm=MPI.COMM_SELF, name="units.tampered")
+        assert not ctl.should_stop() and not ctl.should_stop()
+        client.counter("units.tampered.counter").fetch_add(1)   # another user of the counter
+        with pytest.raises(progress.ProgressError, match="read 3 where .* left it at 2"):
+            ctl.should_stop()
+
+
+@pytest.mark.timeout(60)
 def test_staleness_bound_holds(smb_run_dir):
     total, n, bound = 120, 3, 2
     logs = [None] * n

@@ -15,9 +15,11 @@ Lockstep units. Ranks that step together must stop together: in ``sync`` (and
 ``allreduce``) all ranks form one unit, in ``hybrid`` the ranks of one group
 (EDDIS_GROUP) do, in ``easgd`` each rank is its own unit. A unit's leader
 claims ``chunk`` unit steps (``chunk x unit size`` iterations) and tells the
-other members over MPI; a unit step uses ``unit size`` iterations. With a total
-that is not a multiple of a unit's size, that unit leaves the remainder to
-smaller units (it warns at start).
+other members over MPI (a unit of all ranks, the only user of its counter, does
+so only once: from then on every member knows what the leader's next claim
+finds, and the leader checks that it does); a unit step uses ``unit size``
+iterations. With a total that is not a multiple of a unit's size, that unit
+leaves the remainder to smaller units (it warns at start).
 
 Exactness. A claim ``fetch_add(n)`` that crosses the total keeps only the
 iterations below it and gives the surplus back (``fetch_add(-surplus)``); a
@@ -68,6 +70,10 @@ class ProgressTimeoutError(EddisError, TimeoutError):
     """The staleness bound kept a rank waiting longer than EDDIS_COMM_TIMEOUT."""
 
 
+class ProgressError(EddisError, RuntimeError):
+    """The global learning counter does not hold what this job's claims left in it."""
+
+
 def usable_iterations(old, requested, total, unit=1):
     """How many of ``requested`` iterations claimed at counter value ``old`` lie
     below ``total``, in whole units of ``unit`` iterations."""
@@ -101,6 +107,11 @@ class ProgressController:
         self.comm = lockstep_comm
         self.unit = 1 if lockstep_comm is None else lockstep_comm.Get_size()
         self.leader = lockstep_comm is None or lockstep_comm.Get_rank() == 0
+        # One unit of all ranks (sync, allreduce) has the counter to itself: after the first
+        # claim every member can tell what the leader's next fetch_add returns, so claims
+        # need no message (a broadcast per step cost the members up to several ms).
+        self._exclusive = lockstep_comm is not None and self.unit == self.size
+        self._predicted = None        # the counter value the next claim finds (exclusive unit)
         self.counter = client.counter(f"{name}.counter", initial=0)
         self._mine = None
         self._others = []
@@ -177,17 +188,27 @@ class ProgressController:
     def _claim(self):
         with timeline.span(timeline.COUNTER_CLAIM, args={"step": self.steps_done}):
             result = None
+            requested = self.chunk * self.unit
             if self.leader:
-                requested = self.chunk * self.unit
                 old = self.counter.fetch_add(requested)
                 usable = usable_iterations(old, requested, self.total, self.unit)
                 if usable < requested:
                     self.counter.fetch_add(usable - requested)
                 result = (old, usable)
-            if self.comm is not None:
+                if self._predicted is not None and old != self._predicted:
+                    raise ProgressError(
+                        f"the global learning counter {self.counter.name!r} read {old} where this job's "
+                        f"ranks, which step together and are its only users, left it at "
+                        f"{self._predicted}: something else changed it. Give each training run its own "
+                        "eddis.configure_progress() and do not write its counter.")
+            if self._predicted is not None:
+                result = (self._predicted, usable_iterations(self._predicted, requested, self.total, self.unit))
+            elif self.comm is not None:
                 result = collectives.broadcast_object(result, root=0, comm=self.comm, timeout=self.timeout,
                                                       what="global learning counter (claim)")
         old, usable = result
+        if self._exclusive:
+            self._predicted = old + usable
         self.claims += 1
         self.reserved = usable // self.unit
         self._next_position = old
