@@ -69,16 +69,36 @@ def test_balanced_sizes():
     assert sum(balance.balanced_sizes(100, [0.4, 0.4, 0.2])) == 100
     assert balance.balanced_sizes(100, [0.4, 0.4, 0.2]) == [40, 40, 20]
     assert balance.balanced_sizes(4, [1.0, 0.0, 0.0, 0.0]) == [1, 1, 1, 1]   # one each at least
+    assert balance.balanced_sizes(8, [0.97, 0.01, 0.01, 0.01]) == [5, 1, 1, 1]
+    # the smallest share is rounded like the others, not given a sample first and then its part
+    assert balance.balanced_sizes(256, [0.35, 0.35, 0.179, 0.121]) == [90, 89, 46, 31]
     with pytest.raises(ConfigError, match="at least one sample per rank"):
         balance.balanced_sizes(3, [0.25] * 4)
 
 
-def test_throughput_shares():
-    shares = balance.throughput_shares([10, 10, 10, 5], [1.0, 1.0, 1.0, 1.0])
+def test_arrival_shares_without_fixed_costs_follow_throughput():
+    shares = balance.arrival_shares([10, 10, 10, 5], [1.0, 1.0, 1.0, 1.0], [0.0] * 4, 256)
     assert shares == pytest.approx([2 / 7, 2 / 7, 2 / 7, 1 / 7])
-    # a rank without a measurement gets the mean rate of the others
-    assert balance.throughput_shares([10, 0], [1.0, 0.0]) == pytest.approx([0.5, 0.5])
-    assert balance.throughput_shares([0, 0], [0.0, 0.0]) == pytest.approx([0.5, 0.5])
+    # a rank without a measurement counts with the others' mean per-sample time
+    assert balance.arrival_shares([10, 0], [1.0, 0.0], [0.0, 0.0], 64) == pytest.approx([0.5, 0.5])
+    assert balance.arrival_shares([0, 0], [0.0, 0.0], [0.0, 0.0], 64) == pytest.approx([0.5, 0.5])
+
+
+def test_arrival_shares_level_the_arrival_times():
+    per_sample = np.array([0.002, 0.002, 0.004, 0.006])   # {1,1,2,3}
+    fixed = np.array([0.002, 0.002, 0.003, 0.008])        # the slow rank's update is slow too
+    shares = balance.arrival_shares([100] * 4, per_sample * 100, fixed, 256)
+    counts = shares * 256
+    arrival = fixed + counts * per_sample
+    assert arrival == pytest.approx(np.full(4, arrival[0]))
+    assert shares.sum() == pytest.approx(1.0)
+    # fewer samples for the slow rank than throughput alone would give it (1/3 of a fast one)
+    assert counts[3] < counts[0] / 3
+
+
+def test_arrival_shares_keep_one_sample_for_a_rank_whose_fixed_cost_outlasts_the_step():
+    shares = balance.arrival_shares([100, 100, 100], [0.1, 0.1, 0.1], [0.0, 0.0, 1.0], 64)
+    assert shares * 64 == pytest.approx([31.5, 31.5, 1.0])
 
 
 def test_smooth_shares_moves_gradually_and_ignores_noise():

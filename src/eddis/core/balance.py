@@ -19,9 +19,15 @@ Schedule (all ranks decide together, over MPI, so they always agree):
   smoothing measured``), so one noisy window cannot swing the split; changes
   below 1% of a share are ignored.
 
-The fixed point is the split where every rank needs the same compute time per
-step. A rank whose fixed per-step cost alone (slowed down) exceeds the others'
-whole step keeps sliding to the minimum of one sample per global batch.
+What is balanced is the moment each rank arrives at the reduction. A rank's step
+is its *fixed cost* (from the end of the last reduction to the start of its
+compute: waking up, the optimizer's update, the claim on the learning counter,
+loading the batch) plus its samples' compute, and slower hardware is slower at
+both. So the measured split gives rank r ``n_r = (T - fixed_r) / per_sample_r``
+samples, with T chosen so that they sum to the global batch: every rank is
+predicted to arrive at the same time. With no fixed cost this is the split
+proportional to throughput. A rank whose fixed cost alone exceeds the others'
+whole step keeps the minimum of one sample per global batch.
 
 A decision taken at the end of step k applies from step ``k + 1``, or later when
 a data loader has already handed out batches beyond it (``note_served``), so
@@ -31,7 +37,7 @@ every global batch is split with the same shares on every rank.
     balancer.global_batch = 256
     sizes = balancer.sizes_for(step)        # per-rank sample counts, sum 256
     part = balancer.slice_for(step)         # this rank's slice of the global batch
-    balancer.record(samples, seconds)       # this rank's compute of the step
+    balancer.record(samples, seconds, fixed)   # this rank's compute (and fixed cost) of the step
     balancer.end_step(step)                 # collective at decision steps
 
 Settings: EDDIS_BALANCE, EDDIS_BALANCE_WARMUP, EDDIS_BALANCE_INTERVAL,
@@ -52,30 +58,53 @@ MIN_CHANGE = 0.01
 
 
 def balanced_sizes(global_batch, shares):
-    """Per-rank sample counts proportional to ``shares``, summing to ``global_batch``,
-    with at least one sample per rank (a rank with no samples has no mean loss)."""
+    """Per-rank sample counts proportional to ``shares``, summing to ``global_batch``
+    (largest remainders), with at least one sample per rank (a rank with no samples
+    has no mean loss), taken from the largest counts."""
     size = len(shares)
     if global_batch < size:
         raise ConfigError(f"the global batch ({global_batch}) must hold at least one sample per "
                           f"rank ({size}); raise the global batch size")
-    shares = np.asarray(shares, dtype=np.float64)
-    # give every rank its one sample first, split the rest by share
-    rest = split_sizes(global_batch - size, shares) if global_batch > size else [0] * size
-    return [1 + r for r in rest]
+    # Rounding the whole batch, not one sample each plus the rest: a small share of
+    # the rest rounds up by up to a sample, which is the step time of the slowest rank.
+    sizes = split_sizes(global_batch, np.asarray(shares, dtype=np.float64))
+    for r in range(size):
+        if sizes[r] == 0:
+            sizes[int(np.argmax(sizes))] -= 1
+            sizes[r] = 1
+    return sizes
 
 
-def throughput_shares(samples, seconds):
-    """Shares (sum 1) proportional to samples/second; ranks without a measurement
-    (no time recorded) get the mean throughput of the others."""
+def arrival_shares(samples, seconds, fixed, global_batch):
+    """Shares (sum 1) under which every rank is predicted to reach the reduction at
+    once: rank r needs ``fixed[r] + n_r * seconds[r] / samples[r]`` for n_r samples
+    (``fixed``: its mean per-step cost outside compute). At least one sample per
+    rank; ranks without a measurement count with the others' mean per-sample time."""
     samples = np.asarray(samples, dtype=np.float64)
     seconds = np.asarray(seconds, dtype=np.float64)
-    rates = np.full(len(samples), np.nan)
+    fixed = np.maximum(np.asarray(fixed, dtype=np.float64), 0.0)
+    size = len(samples)
     ok = (seconds > 0) & (samples > 0)
-    rates[ok] = samples[ok] / seconds[ok]
     if not ok.any():
-        return np.full(len(samples), 1.0 / len(samples))
-    rates[~ok] = np.nanmean(rates[ok])
-    return rates / rates.sum()
+        return np.full(size, 1.0 / size)
+    per_sample = np.full(size, np.nan)
+    per_sample[ok] = seconds[ok] / samples[ok]
+    per_sample[~ok] = np.nanmean(per_sample[ok])
+    fixed[~ok] = 0.0
+    batch = float(global_batch)
+    counts = np.ones(size)
+    free = np.ones(size, dtype=bool)   # ranks above the one-sample minimum
+    while free.any():
+        # T such that the free ranks' (T - fixed) / per_sample fill what the others left
+        arrival = ((batch - counts[~free].sum()) + (fixed[free] / per_sample[free]).sum()) \
+            / (1.0 / per_sample[free]).sum()
+        want = (arrival - fixed) / per_sample
+        short = free & (want < 1.0)
+        if not short.any():
+            counts[free] = want[free]
+            break
+        free &= ~short   # a rank whose fixed cost alone outlasts the step keeps one sample
+    return counts / counts.sum()
 
 
 def smooth_shares(old, measured, smoothing):
@@ -117,6 +146,8 @@ class Balancer:
         self.served = -1                            # highest step a loader handed out here
         self._samples = 0.0
         self._seconds = 0.0
+        self._fixed = 0.0
+        self._fixed_steps = 0
 
     # ------------------------------------------------------------ schedule
     def shares_for(self, step):
@@ -158,10 +189,18 @@ class Balancer:
         return self.global_batch
 
     # ------------------------------------------------------------ measurement
-    def record(self, samples, seconds):
-        """This rank computed ``samples`` samples in ``seconds`` in the current step."""
+    def record(self, samples, seconds, fixed=None):
+        """This rank computed ``samples`` samples in ``seconds`` in the current step,
+        after ``fixed`` seconds since the last reduction ended (None: not known)."""
         self._samples += float(samples)
         self._seconds += float(seconds)
+        if fixed is not None:
+            self._fixed += max(0.0, float(fixed))
+            self._fixed_steps += 1
+
+    def _reset_measurement(self):
+        self._samples = self._seconds = self._fixed = 0.0
+        self._fixed_steps = 0
 
     def is_decision_step(self, step):
         return step >= self.warmup and (step - self.warmup) % self.interval == 0
@@ -170,15 +209,17 @@ class Balancer:
         """Called by every rank after step ``step``; collective at decision steps.
         Returns True when the shares changed."""
         if step == 0:
-            self._samples = self._seconds = 0.0  # warm-up step: not representative
+            self._reset_measurement()  # warm-up step: not representative
             return False
         if not self.is_decision_step(step):
             return False
-        mine = (self._samples, self._seconds, self.served)
-        self._samples = self._seconds = 0.0
+        fixed = self._fixed / self._fixed_steps if self._fixed_steps else 0.0
+        mine = (self._samples, self._seconds, self.served, fixed)
+        self._reset_measurement()
         everyone = collectives.allgather_object(mine, comm=self.comm, timeout=self.timeout,
                                                 what="balanced sync (throughput exchange)")
-        measured = throughput_shares([e[0] for e in everyone], [e[1] for e in everyone])
+        measured = arrival_shares([e[0] for e in everyone], [e[1] for e in everyone],
+                                  [e[3] for e in everyone], self._global_batch(None))
         smoothing = 1.0 if step == self.warmup else self.smoothing
         new = smooth_shares(self.shares, measured, smoothing)
         self.history.append((step, measured.tolist(), new.tolist()))

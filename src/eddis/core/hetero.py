@@ -182,9 +182,18 @@ class HeteroStep:
             self._compute_estimate = max(0.0, elapsed - self._slept_this_step)
             self._slept_this_step = 0.0
         if self.balancer is not None and self.global_batch is not None:
-            self.balancer.record(self.balancer.samples_for(self.step), elapsed)
+            self.balancer.record(self.balancer.samples_for(self.step), elapsed, self._fixed_cost())
         if self.averager is not None and not self._centre_ready:
             self.init_centre(flat)
+
+    def _fixed_cost(self):
+        """Seconds from the end of the last step's reduction to this step's compute start
+        (waking up, the optimizer's update, the counter claim), or None before a reduction."""
+        completed = None if self.reducer is None else self.reducer.completed_at
+        start = self._compute_start()
+        if completed is None or completed > start:
+            return None
+        return start - completed
 
     def init_centre(self, flat=None):
         """Collective: rank 0's parameters become the centre variable."""

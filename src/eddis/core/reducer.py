@@ -91,6 +91,7 @@ class Reducer:
         self._weight = 1.0
         self._step_weight = 1.0
         self.step = 0
+        self.completed_at = None   # perf_counter() when the last step's reduction completed here
         self._error = None
         self._closed = False
         self._threads = []
@@ -276,6 +277,9 @@ class Reducer:
                 self._emit("done", k)
                 with self._cond:
                     self._done[k] = True
+                    if all(self._done):
+                        # the reduction needs every rank: about when the step ended for all
+                        self.completed_at = time.perf_counter()
                     self._cond.notify_all()
         except BaseException as exc:
             self._fail(exc)
