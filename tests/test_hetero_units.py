@@ -269,3 +269,37 @@ def test_easgd_exchange_arithmetic(smb_run_dir):
         assert ElasticAverager(client, n, 0, 4, name="units.easgd4").alpha == pytest.approx(0.225)
         with pytest.raises(ConfigError, match="EDDIS_EASGD_ALPHA"):
             ElasticAverager(client, n, 0, 2, alpha=1.5, name="units.bad")
+
+
+
+@pytest.mark.timeout(60)
+def test_easgd_throughput_weighting_splits_the_move_by_mass(smb_run_dir):
+    n = 4
+    with smb.Client(run_dir=smb_run_dir) as client:
+        fast, slow = [ElasticAverager(client, n, w, 2, tau=2, alpha=0.25, name="units.mass",
+                                      iterations_per_step=2 if w == 0 else 1) for w in range(2)]
+        fast.initialize(np.zeros(n, np.float32))
+        # two exchanges each, timed by hand: the fast worker does 2 steps x 2 iterations in
+        # 0.1 s (40/s), the slow one 2 x 1 in 0.2 s (10/s); the mean is 25/s
+        for worker, seconds in ((fast, 0.1), (slow, 0.2)):
+            worker._weigh(100.0)
+            worker._weigh(100.0 + seconds)
+        fast._weigh(100.2)   # sees the slow worker's rate now; its own interval 0.1 s again
+        assert fast.mass == pytest.approx(40 / 25) and slow.mass == pytest.approx(10 / 25)
+        for worker in (fast, slow):
+            assert worker.pull + worker.push == pytest.approx(2 * 0.25)
+            assert worker.mass * worker.pull == pytest.approx(worker.push)   # momentum kept
+        assert fast.pull < 0.25 < slow.pull
+
+        x = np.full(n, 2.0, np.float32)
+        fast._last_exchange = None   # exchange() measures again: keep the masses above
+        pull, push = fast.pull, fast.push
+        fast.exchange(x)
+        fast.finish()
+        np.testing.assert_allclose(x, 2.0 - 2.0 * pull, rtol=1e-6)
+        np.testing.assert_allclose(fast.read_center(), 2.0 * push, rtol=1e-6)
+
+        plain = ElasticAverager(client, n, 0, 2, alpha=0.25, name="units.plain", weighting="equal")
+        assert plain.rates is None and plain.pull == plain.push == 0.25
+        with pytest.raises(ConfigError, match="EDDIS_EASGD_WEIGHTING"):
+            ElasticAverager(client, n, 0, 2, name="units.badweight", weighting="fastest")

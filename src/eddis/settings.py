@@ -178,6 +178,11 @@ register("EDDIS_EASGD_TAU", "int", 4,
 register("EDDIS_EASGD_ALPHA", "float", None,
          "easgd/hybrid: moving rate alpha of an exchange (d = alpha (x - centre)); unset: "
          "0.9 / (number of exchanging workers or groups), the EASGD paper's beta = 0.9.")
+register("EDDIS_EASGD_WEIGHTING", "str", "throughput",
+         "easgd/hybrid: 'throughput' splits each exchange's move between worker and centre by the "
+         "worker's measured throughput over the mean (fast workers move the centre more and are "
+         "pulled back less); 'equal': plain EASGD, the same move for both.",
+         choices=["throughput", "equal"])
 register("EDDIS_TOTAL_ITERATIONS", "int", None,
          "Total training iterations (one local mini-batch of one rank each) for the global "
          "learning counter; eddis.should_stop() ends training when they are used up.")

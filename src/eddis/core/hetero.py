@@ -129,13 +129,16 @@ class HeteroStep:
                 # this group moves would merely damp its progress
                 self.group_comm = None
                 return
+            iterations_per_step = len(members[self.group])
         else:
             worker, workers = self.rank, self.size
+            iterations_per_step = 1
         _names[0] += 1
         name = collectives.broadcast_object(f"eddis.{self.mode}.centre.h{_names[0]}", root=0,
                                             what=f"{self.mode} set-up")
         self.averager = easgd.ElasticAverager(runtime.smb_client(), self.plan.total, worker, workers,
-                                              alpha=hybrid.default_alpha(workers), name=name)
+                                              alpha=hybrid.default_alpha(workers), name=name,
+                                              iterations_per_step=iterations_per_step)
         self.exchanging = self.group_comm is None or self.group_comm.Get_rank() == 0
 
     # ------------------------------------------------------------ parameters <-> flat
