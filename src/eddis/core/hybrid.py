@@ -11,8 +11,9 @@ nothing; between groups they are not, so the groups never wait for each other:
   their optimizers alike, so a group's ranks hold the same parameters;
 - every ``tau`` steps the group's *leader* (its lowest rank) does one EASGD
   exchange with the centre variable (``eddis.core.easgd``) for the whole group,
-  and broadcasts the move ``d = alpha (x - centre)`` to the group over MPI, so
-  every member applies the same ``x -= d`` and the group stays identical.
+  and broadcasts the move ``d = pull (x - centre)`` to the group over MPI, so
+  every member applies the same ``x -= d`` and the group stays identical (the
+  group's mass in the throughput weighting counts all its ranks' iterations).
 
 Why one leader instead of every member exchanging with alpha / group size: the
 members would read the centre at different moments (other groups move it in
