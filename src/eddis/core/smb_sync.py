@@ -24,12 +24,14 @@ bucket's columns over the W slots into the result pool with the same kernels
 as the server (fp32 accumulation), counts itself done and, once all W are
 done, reads the whole bucket back. The additions are spread over all ranks
 instead of one server thread, and no request goes through the server. When
-the rank's slot is one piece of mapped memory (one server) and nothing is
-compressed, the plan's buffer *is* that slot: the framework stages the
-gradients there, which saves writing a copy of every bucket into the slot, and
-each rank writes the sum of its share into that share of *every* slot (its
-columns are read by nobody else), so the whole result lands in every rank's
-own buffer without the result pool and the read back. At close the buffer
+on every rank the slot is one piece of mapped memory (one server), nothing is
+compressed and the buffer may move (not pinned for CUDA), the plan's buffer
+*is* that slot: the framework stages the gradients there, which saves writing
+a copy of every bucket into the slot, and each rank writes the sum of its
+share into that share of *every* slot (its columns are read by nobody else),
+so the whole result lands in every rank's own buffer without a result pool
+(none is allocated) and the read back. All ranks or none do so, as they must:
+an in-slot rank leaves its share's sum in the slots only. At close the buffer
 moves back to private memory with its contents, before the client unmaps the
 servers.
 """
@@ -55,49 +57,65 @@ class SyncReducer(Reducer):
     def __init__(self, plan, compression="none", op="average", timeout=None, name="grads"):
         super().__init__(plan, compression, op, timeout, name)
         self.client = runtime.smb_client()
-        dtype = self.codec.smb_dtype
         self.pool_name = f"eddis.{name}"
-        try:
-            self.slots_pool = self.client.pool(self.pool_name + ".slots", plan.total, dtype=dtype, slots=self.size)
-            self.result_pool = self.client.pool(self.pool_name + ".result", plan.total, dtype=dtype, slots=1)
-        except SMBMemoryError as exc:
-            need = (self.size + 1) * plan.total * self.codec.itemsize
-            raise SMBMemoryError(
-                f"{exc.message}. Mode sync needs {need / 2**20:.0f} MiB of SMB memory for this model "
-                f"({self.size} gradient slots + 1 result, {self.codec.name} on the wire) spread over "
-                f"{self.client.num_servers} server(s): raise SMB_MEMORY / --memory, or use compression "
-                "fp16/bf16 to halve it.", exc.code) from exc
+        self.slots_pool = self._pool(".slots", self.size)
+        by_ranks, self._in_slot = self._choose_path()
+        # the result pool is where the servers (or the ranks, with private buffers) put the
+        # sums; ranks that sum in their slots put them straight into every slot
+        self.result_pool = None if self._in_slot else self._pool(".result", 1)
         self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
-        self._by_ranks = self._rank_reduction()
-        self._in_slot = self._stage_in_slot()
+        self._by_ranks = self._rank_reduction() if by_ranks else None
+        if self._in_slot:
+            self._stage_in_slot()
         self._start_threads()
 
-    def _stage_in_slot(self):
-        """Make this rank's slot the plan's buffer, where that saves a copy per bucket."""
-        if self._by_ranks is None or not self.codec.is_identity or not self.plan.movable:
-            return False
-        views = self.slots_pool.mapped_views(self.rank, 0, self.plan.total)
-        if len(views) != 1:  # the slot is split over several servers' memory
-            return False
-        views[0][...] = self.plan.buffer
-        self.plan.use_buffer(views[0], movable=True)
-        return True
+    def _pool(self, suffix, slots):
+        try:
+            return self.client.pool(self.pool_name + suffix, self.plan.total, dtype=self.codec.smb_dtype,
+                                    slots=slots)
+        except SMBMemoryError as exc:
+            need = (self.size + 1) * self.plan.total * self.codec.itemsize
+            raise SMBMemoryError(
+                f"{exc.message}. Mode sync needs up to {need / 2**20:.0f} MiB of SMB memory for this "
+                f"model ({self.size} gradient slots + 1 result, {self.codec.name} on the wire) spread "
+                f"over {self.client.num_servers} server(s): raise SMB_MEMORY / --memory, or use "
+                "compression fp16/bf16 to halve it.", exc.code) from exc
 
-    # ------------------------------------------------------------ who sums
-    def _rank_reduction(self):
-        """Per-bucket state of the rank-side sum, or None when the servers sum (collective)."""
+    # ------------------------------------------------------------ who sums, where
+    def _choose_path(self):
+        """(ranks sum, in their slots) as all ranks agree (collective).
+
+        The ranks sum when every rank maps every server (EDDIS_SYNC_REDUCE=auto) or
+        when asked to (ranks). They sum in their slots, which become the plan's
+        buffers, when moreover nothing is compressed and every rank's buffer may
+        move and its slot is one piece of mapped memory (one server); all or none,
+        since an in-slot rank leaves its share's sum in the slots only."""
         choice = settings.get("EDDIS_SYNC_REDUCE")
         client = self.client
         mapped = all(client.is_local(s) for s in range(client.num_servers))
-        everyone = collectives.allgather_object(mapped, timeout=self.timeout,
+        in_slot = (mapped and self.codec.is_identity and self.plan.movable
+                   and len(self.slots_pool.mapped_views(self.rank, 0, self.plan.total)) == 1)
+        everyone = collectives.allgather_object((mapped, in_slot), timeout=self.timeout,
                                                 what="mode sync: do all ranks map every SMB server?")
-        if choice == "server" or (choice == "auto" and not all(everyone)):
-            return None
-        if not all(everyone):
-            far = [r for r, ok in enumerate(everyone) if not ok]
+        all_mapped = all(m for m, _ in everyone)
+        if choice == "server" or (choice == "auto" and not all_mapped):
+            return False, False
+        if not all_mapped:
+            far = [r for r, (m, _) in enumerate(everyone) if not m]
             raise ConfigError(
                 f"EDDIS_SYNC_REDUCE=ranks needs every rank on the node of every SMB server, but "
                 f"rank(s) {far} are not; use EDDIS_SYNC_REDUCE=auto (or server) for multi-node jobs")
+        return True, all(i for _, i in everyone)
+
+    def _stage_in_slot(self):
+        """Make this rank's slot the plan's buffer: saves a copy of every bucket into it."""
+        views = self.slots_pool.mapped_views(self.rank, 0, self.plan.total)
+        views[0][...] = self.plan.buffer
+        self.plan.use_buffer(views[0], movable=True)
+
+    def _rank_reduction(self):
+        """Per-bucket state of the rank-side sum (collective)."""
+        client = self.client
         # one column per server (a pool spreads its columns over all of them); column 0 is used
         self._weights_pool = client.pool(self.pool_name + ".weights", client.num_servers, dtype="float64",
                                          slots=self.size)
@@ -107,19 +125,20 @@ class SyncReducer(Reducer):
             arrived = client.counter(f"{self.pool_name}.arrived.{k}")
             done = client.counter(f"{self.pool_name}.done.{k}")
             lo, hi = _share(bucket.start, bucket.count, self.rank, self.size)
-            # per server piece of this rank's share: (result, [slot 0, ..., slot W-1])
-            pieces = list(zip(self.result_pool.mapped_views(0, lo, hi - lo),
-                              zip(*(self.slots_pool.mapped_views(r, lo, hi - lo) for r in range(self.size)))))
+            slots = list(zip(*(self.slots_pool.mapped_views(r, lo, hi - lo) for r in range(self.size))))
+            # per server piece of this rank's share: (result or None, [slot 0, ..., slot W-1])
+            results = [None] * len(slots) if self._in_slot else self.result_pool.mapped_views(0, lo, hi - lo)
             # An earlier reducer of the same name may have left counts behind: start from them.
-            state.append({"arrived": arrived, "done": done, "pieces": pieces, "count": hi - lo,
-                          "base": (arrived.read(), done.read())})
+            state.append({"arrived": arrived, "done": done, "pieces": list(zip(results, slots)),
+                          "count": hi - lo, "base": (arrived.read(), done.read())})
         # Read before anyone counts again: nobody leaves this collective before all have read.
         bases = collectives.allgather_object([st["base"] for st in state], timeout=self.timeout,
                                              what="mode sync: counter bases")
         if any(b != bases[0] for b in bases):
             raise ConfigError("mode sync: the ranks found different reduction counters; two "
                               f"optimizers share the name {self.pool_name!r} at once? Give each its own.")
-        log.info("mode sync: the %d ranks sum the buckets in the servers' mapped memory", self.size)
+        log.info("mode sync: the %d ranks sum the buckets in the servers' mapped memory%s", self.size,
+                 " (in their slots)" if self._in_slot else "")
         return state
 
     def _wait_count(self, counter, target, what):
@@ -220,7 +239,8 @@ class SyncReducer(Reducer):
             self.client.barrier(self.pool_name + ".close", self.size).wait(timeout=min(self.timeout, 60.0))
             if self.rank == 0:
                 self.slots_pool.free()
-                self.result_pool.free()
+                if self.result_pool is not None:
+                    self.result_pool.free()
                 if self._by_ranks is not None:
                     self._weights_pool.free()
         except Exception as exc:  # the server frees everything when it stops anyway
