@@ -119,6 +119,27 @@ def case_global_batch_too_small():
         opt.close()
 
 
+def case_unit_leader_stalls():
+    """Rank 0 waits for its unit's leader (rank 1 here), which never claims: a timeout
+    that names the leader, not a hang."""
+    from eddis.core import collectives, progress, runtime
+
+    rank = runtime.rank()
+    unit = runtime.comm().Split(0, runtime.size() - 1 - rank)   # world rank 1 leads
+    try:
+        ctl = progress.ProgressController(runtime.smb_client(), 10, rank, runtime.size(),
+                                          lockstep_comm=unit, name="misuse.stalled", timeout=1.0)
+        if rank == 0:
+            ctl.should_stop()
+        else:
+            collectives.barrier(what="the leader stalls until the member gave up")
+            raise progress.ProgressTimeoutError("the leader stalled on purpose")
+    finally:
+        if rank == 0:
+            collectives.barrier(what="the leader stalls until the member gave up")
+        unit.Free()
+
+
 CASES = [name[5:] for name in list(globals()) if name.startswith("case_")]
 
 
@@ -157,6 +178,8 @@ if __name__ != "__main__":
         "checkpoint_plain_optimizer": ("ConfigError", ["eddis.DistributedOptimizer(...)"]),
         "checkpoint_unwritable": ("OSError", ["failed on rank 0", "/nonexistent-dir/model.pt"]),
         "global_batch_too_small": ("ConfigError", ["at least one sample per rank (2)"]),
+        "unit_leader_stalls": ("ProgressTimeoutError", ["rank 0 waited 1 s for rank 1", "leader",
+                                                         "EDDIS_COMM_TIMEOUT"]),
     }
 
     @pytest.fixture(scope="module")

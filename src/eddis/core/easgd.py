@@ -139,13 +139,16 @@ class ElasticAverager:
         known = self._rates[self._rates > 0]
         self.mass = self.rate / known.mean() if known.size else 1.0
 
-    def exchange(self, x):
+    def exchange(self, x, measure=True):
         """One elastic exchange; moves ``x`` (flat float32, in place) and the centre.
-        Returns the worker's move ``d`` (valid until the next exchange)."""
+        Returns the worker's move ``d`` (valid until the next exchange).
+        ``measure=False``: not ``tau`` steps since the last exchange (the final one),
+        so the time since then is no measure of this worker's throughput."""
         start = time.perf_counter()
         with timeline.span(timeline.EASGD_EXCHANGE,
                            args={"bytes": 3 * self.length * 4, "worker": self.worker}):
-            self._weigh(start)
+            if measure:
+                self._weigh(start)
             self.finish()
             self.pool.read(out=self.center, slot=0, timeout=self.timeout)
             d = self.scratch

@@ -270,7 +270,7 @@ class HeteroStep:
             raise UsageError(f"mode {self.mode}: no training step was taken, so there is no centre "
                              "variable yet; ask for the final model after training")
         if self.exchanging:
-            self.averager.exchange(self.gather())   # the last local steps count too
+            self.averager.exchange(self.gather(), measure=False)   # the last local steps count too
         self.averager.finish()
         collectives.barrier(what=f"{self.mode}: final model (every worker's last exchange)")
         self.scatter(self.averager.read_center(out=self.flat))

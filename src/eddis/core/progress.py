@@ -15,10 +15,12 @@ Lockstep units. Ranks that step together must stop together: in ``sync`` (and
 ``allreduce``) all ranks form one unit, in ``hybrid`` the ranks of one group
 (EDDIS_GROUP) do, in ``easgd`` each rank is its own unit. A unit's leader
 claims ``chunk`` unit steps (``chunk x unit size`` iterations) and tells the
-other members over MPI (a unit of all ranks, the only user of its counter, does
-so only once: from then on every member knows what the leader's next claim
-finds, and the leader checks that it does); a unit step uses ``unit size``
-iterations. With a total that is not a multiple of a unit's size, that unit
+other members through two SMB counters of the unit that they poll (the claim's
+counter value and how many claims were posted; an MPI broadcast per step cost
+the members 1.5-3 ms). A unit of all ranks, the only user of its counter,
+posts only its first claim: from then on every member knows what the leader's
+next claim finds, and the leader checks that it does. A unit step uses ``unit
+size`` iterations. With a total that is not a multiple of a unit's size, that unit
 leaves the remainder to smaller units (it warns at start).
 
 Exactness. A claim ``fetch_add(n)`` that crosses the total keeps only the
@@ -113,6 +115,19 @@ class ProgressController:
         self._exclusive = lockstep_comm is not None and self.unit == self.size
         self._predicted = None        # the counter value the next claim finds (exclusive unit)
         self.counter = client.counter(f"{name}.counter", initial=0)
+        # where a unit's leader posts its claims for the members: (claims posted, newest's value)
+        self._posted = self._posted_value = None
+        self._last_posted_value = 0
+        self._claims_seen = 0
+        if self.unit > 1:
+            self.unit_leader = collectives.broadcast_object(
+                self.rank, root=0, comm=lockstep_comm, timeout=self.timeout,
+                what="progress control set-up (the unit's leader)")
+            unit_name = f"{name}.unit{self.unit_leader}"
+            self._posted = client.counter(f"{unit_name}.claims", initial=0)
+            self._posted_value = client.counter(f"{unit_name}.value", initial=0)
+        else:
+            self.unit_leader = self.rank
         self._mine = None
         self._others = []
         if self.staleness >= 0:
@@ -201,17 +216,40 @@ class ProgressController:
                         f"ranks, which step together and are its only users, left it at "
                         f"{self._predicted}: something else changed it. Give each training run its own "
                         "eddis.configure_progress() and do not write its counter.")
+                if self._posted is not None and self._predicted is None:
+                    # the value first: a member that sees the new count reads it after
+                    self._posted_value.fetch_add(old - self._last_posted_value)
+                    self._last_posted_value = old
+                    self._posted.fetch_add(1)
             if self._predicted is not None:
                 result = (self._predicted, usable_iterations(self._predicted, requested, self.total, self.unit))
-            elif self.comm is not None:
-                result = collectives.broadcast_object(result, root=0, comm=self.comm, timeout=self.timeout,
-                                                      what="global learning counter (claim)")
+            elif not self.leader:
+                old = self._await_posted_claim()
+                result = (old, usable_iterations(old, requested, self.total, self.unit))
         old, usable = result
         if self._exclusive:
             self._predicted = old + usable
         self.claims += 1
         self.reserved = usable // self.unit
         self._next_position = old
+
+    def _await_posted_claim(self):
+        """The counter value of the unit leader's next claim, once it is posted.
+        The leader cannot post the claim after it before this member has taken its
+        part in the steps of this one, so the value read belongs to this claim."""
+        self._claims_seen += 1
+        deadline = time.monotonic() + self.timeout
+        polls = 0
+        while self._posted.read() < self._claims_seen:
+            if time.monotonic() > deadline:
+                raise ProgressTimeoutError(
+                    f"rank {self.rank} waited {self.timeout:g} s for rank {self.unit_leader}, the leader "
+                    "of the ranks that step with it, to claim iterations from the global learning "
+                    "counter: that rank died or stalls; raise EDDIS_COMM_TIMEOUT if it is only slow.")
+            polls += 1
+            # the leader is moments away in a lockstep unit: yield first, then back off
+            time.sleep(0 if polls < 64 else min(5e-4, 2e-5 * (polls - 63)))
+        return self._posted_value.read()
 
     def _wait_for_bound(self, step):
         need = step - self.staleness

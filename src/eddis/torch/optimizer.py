@@ -27,7 +27,7 @@ from ..errors import ConfigError, UsageError
 from . import hetero
 from .compression import codec_of
 from ..core.ops import reject_unsupported_horovod_options
-from .ops import Average, ReduceOp, resolve_op
+from .ops import Average, resolve_op
 
 
 class _CudaFence:
