@@ -138,10 +138,12 @@ def train(mode, balance=False, total=TOTAL, staleness=None, record=False, lr=Non
     spread = eddis.allreduce((params - reference).abs().max().reshape(1), op=eddis.Max).item()
     state = optimizer._eddis_hetero
     shares = state.balancer.shares.tolist() if state.balancer is not None else None
+    # each exchanging worker's throughput over the mean of all (easgd: every rank; hybrid: leaders)
+    masses = eddis.allgather_object(state.averager.mass if state.averager is not None else None)
     history = eddis.allgather_object(ctl.history) if record else None
     result = {"mode": mode, "balance": balance, "accuracy": accuracy(model, xte, yte), "counts": counts,
               "counter": counter, "total": total, "wall": wall, "spread": spread, "shares": shares,
-              "params": params, "history": history, "checkpoint": checkpoint}
+              "params": params, "history": history, "checkpoint": checkpoint, "masses": masses}
     optimizer.close()
     if launch_slowdown is None:
         os.environ.pop("EDDIS_SIMULATE_SLOWDOWN", None)
@@ -249,6 +251,13 @@ if __name__ != "__main__":
         hybrid = modes[RUNS["hybrid"]]["counts"]   # group 0 holds the slowed rank
         assert hybrid[0] == hybrid[1] and hybrid[2] == hybrid[3], hybrid
         assert hybrid[2] > hybrid[SLOWED], hybrid
+
+    @pytest.mark.timeout(450)
+    def test_fast_workers_weigh_more_in_the_elastic_exchange(modes):
+        easgd = modes[RUNS["easgd"]]["masses"]
+        assert easgd[SLOWED] < 1.0 < min(m for r, m in enumerate(easgd) if r != SLOWED), easgd
+        hybrid = modes[RUNS["hybrid"]]["masses"]   # leaders: rank 0 (with the slowed rank), rank 2
+        assert hybrid[0] < 1.0 < hybrid[2], hybrid
 
     @pytest.mark.timeout(450)
     def test_balanced_sync_rebalanced(modes):
