@@ -13,7 +13,12 @@ Schedule (all ranks decide together, over MPI, so they always agree):
 - the shares start equal, or from given ``initial`` weights (e.g. the GPUs'
   known relative speeds);
 - step 0 is not measured (allocation and warm-up dominate it);
-- after ``warmup`` measured steps the shares jump to the measured throughputs;
+- after ``PROVISIONAL`` (2) measured steps the shares jump to a provisional split
+  when ``warmup`` is longer: until the first full decision, every step runs at
+  the pace of the slowest rank on its equal share (at {1,1,2,3}, about twice
+  the balanced step), and two steps already tell which ranks are slow;
+- after ``warmup`` measured steps the shares jump to the split measured over
+  the steps since (the provisional one is not smoothed into it);
 - every ``interval`` steps after that the throughputs are measured again and
   the shares move towards them by ``smoothing`` (``new = (1 - smoothing) old +
   smoothing measured``), so one noisy window cannot swing the split; changes
@@ -55,6 +60,7 @@ from .sampler import split_sizes
 log = logging.getLogger("eddis.core.balance")
 
 MIN_CHANGE = 0.01
+PROVISIONAL = 2   # measured steps before a provisional split, when the warm-up is longer
 
 
 def balanced_sizes(global_batch, shares):
@@ -203,6 +209,8 @@ class Balancer:
         self._fixed_steps = 0
 
     def is_decision_step(self, step):
+        if step == PROVISIONAL < self.warmup:
+            return True
         return step >= self.warmup and (step - self.warmup) % self.interval == 0
 
     def end_step(self, step):
@@ -220,7 +228,7 @@ class Balancer:
                                                 what="balanced sync (throughput exchange)")
         measured = arrival_shares([e[0] for e in everyone], [e[1] for e in everyone],
                                   [e[3] for e in everyone], self._global_batch(None))
-        smoothing = 1.0 if step == self.warmup else self.smoothing
+        smoothing = 1.0 if step <= self.warmup else self.smoothing
         new = smooth_shares(self.shares, measured, smoothing)
         self.history.append((step, measured.tolist(), new.tolist()))
         if new is self.shares or np.array_equal(new, self.shares):
