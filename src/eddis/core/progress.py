@@ -59,7 +59,7 @@ import time
 import warnings
 
 from .. import settings, timeline
-from ..errors import ConfigError, EddisError, UsageError
+from ..errors import ConfigError, EddisError, SMBTimeoutError, UsageError
 from . import collectives, runtime
 
 log = logging.getLogger("eddis.core.progress")
@@ -238,17 +238,13 @@ class ProgressController:
         The leader cannot post the claim after it before this member has taken its
         part in the steps of this one, so the value read belongs to this claim."""
         self._claims_seen += 1
-        deadline = time.monotonic() + self.timeout
-        polls = 0
-        while self._posted.read() < self._claims_seen:
-            if time.monotonic() > deadline:
-                raise ProgressTimeoutError(
-                    f"rank {self.rank} waited {self.timeout:g} s for rank {self.unit_leader}, the leader "
-                    "of the ranks that step with it, to claim iterations from the global learning "
-                    "counter: that rank died or stalls; raise EDDIS_COMM_TIMEOUT if it is only slow.")
-            polls += 1
-            # the leader is moments away in a lockstep unit: yield first, then back off
-            time.sleep(0 if polls < 64 else min(5e-4, 2e-5 * (polls - 63)))
+        try:
+            self._posted.wait_for(self._claims_seen, self.timeout)
+        except SMBTimeoutError as exc:
+            raise ProgressTimeoutError(
+                f"rank {self.rank} waited {self.timeout:g} s for rank {self.unit_leader}, the leader "
+                "of the ranks that step with it, to claim iterations from the global learning "
+                "counter: that rank died or stalls; raise EDDIS_COMM_TIMEOUT if it is only slow.") from exc
         return self._posted_value.read()
 
     def _wait_for_bound(self, step):

@@ -36,7 +36,6 @@ moves back to private memory with its contents, before the client unmaps the
 servers.
 """
 import logging
-import time
 
 import numpy as np
 
@@ -142,16 +141,13 @@ class SyncReducer(Reducer):
         return state
 
     def _wait_count(self, counter, target, what):
-        deadline = time.monotonic() + self.timeout
-        polls = 0
-        while counter.read() < target:
-            if time.monotonic() > deadline:
-                raise SMBTimeoutError(
-                    f"step {self.step}: {what}: not every rank arrived within {self.timeout:g} s "
-                    "(another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is slow)")
-            polls += 1
-            # yield first (the others are moments away in a balanced step), then back off
-            time.sleep(0 if polls < 64 else min(5e-4, 2e-5 * (polls - 63)))
+        try:
+            counter.wait_for(target, self.timeout)
+        except SMBTimeoutError as exc:
+            raise SMBTimeoutError(
+                f"step {self.step}: {what}: not every rank arrived within {self.timeout:g} s "
+                "(another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is slow)",
+                exc.code) from exc
 
     def _prepare_step(self):
         if self._by_ranks is not None:

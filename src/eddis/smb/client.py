@@ -312,6 +312,22 @@ class Counter:
             return self._core.local_load(self._local)
         return self._remote(self._core.COUNTER_READ)
 
+    def wait_for(self, target, timeout):
+        """Poll until the counter reaches ``target``; returns the value read. Meant for
+        parties moments away (ranks that step together): it yields the CPU first and
+        then backs off to 0.5 ms between reads. SMBTimeoutError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        polls = 0
+        while True:
+            value = self.read()
+            if value >= target:
+                return value
+            if time.monotonic() > deadline:
+                raise SMBTimeoutError(f"counter {self.name!r} stayed at {value}, below {target}, "
+                                      f"for {timeout:g} s")
+            polls += 1
+            time.sleep(0 if polls < 64 else min(5e-4, 2e-5 * (polls - 63)))
+
 
 class Barrier:
     """A reusable barrier for `parties` participants."""
