@@ -337,13 +337,10 @@ def main():
         # Each model in processes of its own: what one model's steps leave in the heap
         # changes where the next one's gradients land (the set_to_none lottery above).
         launches = [{} for _ in range(args.single_launches)]
-        all_models = args.models
         for m in models:
-            args.models = m
             for i in range(args.single_launches):
-                args.build_shift = i % 3
-                launches[i].update(launch(1, args))
-        args.models = all_models
+                launches[i].update(launch(1, argparse.Namespace(**{**vars(args), "models": m,
+                                                                    "build_shift": i % 3})))
         print("\n| model | plain step | EDDIS step | EDDIS / plain A - 1, per launch | median | "
               "noise floor: plain B / plain A - 1, per launch |\n|---|---|---|---|---|---|")
         for m in [f"{m}|{label}" for m in models for label in ("set_to_none", "grads kept")]:
