@@ -175,8 +175,8 @@ class HeteroStep:
         """The step's gradients are final. ``flat``: the parameters in plan layout, when
         the adapter has them at hand (else ``gather`` is used the first time, to
         initialize the centre variable)."""
-        now = time.perf_counter()
-        elapsed = now - self._compute_start()
+        start = self._compute_start()
+        elapsed = time.perf_counter() - start
         if self.slowdown.active and (self.step > 0 or self._measure_first):
             if self._pushed_step != self.step:  # no bucket was pushed (no gradients): sleep now
                 self._pushed_step = self.step
@@ -185,15 +185,15 @@ class HeteroStep:
             self._compute_estimate = max(0.0, elapsed - self._slept_this_step)
             self._slept_this_step = 0.0
         if self.balancer is not None and self.global_batch is not None:
-            self.balancer.record(self.balancer.samples_for(self.step), elapsed, self._fixed_cost())
+            self.balancer.record(self.balancer.samples_for(self.step), elapsed, self._fixed_cost(start))
         if self.averager is not None and not self._centre_ready:
             self.init_centre(flat)
 
-    def _fixed_cost(self):
-        """Seconds from the end of the last step's reduction to this step's compute start
-        (waking up, the optimizer's update, the counter claim), or None before a reduction."""
+    def _fixed_cost(self, start):
+        """Seconds from the end of the last step's reduction to this step's compute
+        ``start`` (waking up, the optimizer's update, the counter claim), or None before
+        a reduction."""
         completed = None if self.reducer is None else self.reducer.completed_at
-        start = self._compute_start()
         if completed is None or completed > start:
             return None
         return start - completed
