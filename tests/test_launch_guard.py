@@ -74,3 +74,51 @@ def test_ranks_still_running_keep_srun_alive(tmp_path):
         srun.kill()
     assert guard.wait(timeout=10) == 0
     assert not (tmp_path / "launch" / "trainers.status").exists()
+
+
+def _squeue_stub(directory, listing):
+    """An squeue on PATH that prints ``listing`` (the job's steps as '%i %j') and logs its arguments."""
+    directory.mkdir()
+    stub = directory / "squeue"
+    stub.write_text(f"#!/bin/sh\necho \"$@\" >> {directory}/calls\nprintf '{listing}'\n")
+    stub.chmod(0o755)
+    return {"PATH": f"{directory}:/usr/bin:/bin", "SLURM_HET_SIZE": "2", "SLURM_JOB_ID": "41",
+            "SLURM_JOB_ID_HET_GROUP_0": "41", "SLURM_JOB_ID_HET_GROUP_1": "42"}
+
+
+@pytest.mark.timeout(60)
+def test_srun_is_ended_soon_once_slurm_lists_the_step_no_more(tmp_path, capsys):
+    env = _squeue_stub(tmp_path / "bin", "41.0 smb-server\\n42.0 smb-server\\n")
+    _launch(tmp_path, [(0, None), (None, 9)])
+    srun = _stuck_srun()
+    try:
+        started = time.monotonic()
+        assert jobsteps.guard_trainer_step(tmp_path, srun.pid, grace=50.0, poll=0.05, env=env) == 0
+        took = time.monotonic() - started
+        assert srun.wait(timeout=10) == -9
+    finally:
+        srun.kill()
+    assert jobsteps.STEP_GONE_GRACE <= took < 50.0
+    assert (tmp_path / "launch" / "trainers.status").read_text().strip() == "137"
+    assert "Slurm had ended the step" in capsys.readouterr().err
+    assert "-s -j 41,42 -o %i %j" in (tmp_path / "bin" / "calls").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_step_slurm_still_lists_gets_the_full_grace(tmp_path, capsys):
+    env = _squeue_stub(tmp_path / "bin", "41.0 smb-server\\n41.2 eddis-train\\n42.2 eddis-train\\n")
+    _launch(tmp_path, [(0, None), (0, None)])
+    srun = _stuck_srun()
+    try:
+        started = time.monotonic()
+        grace = jobsteps.STEP_GONE_GRACE + 2.0
+        assert jobsteps.guard_trainer_step(tmp_path, srun.pid, grace=grace, poll=0.05, env=env) == 0
+        assert time.monotonic() - started >= grace
+    finally:
+        srun.kill()
+    assert "EDDIS_STEP_END_GRACE" in capsys.readouterr().err
+
+
+def test_slurm_lists_step_cannot_ask_without_a_job_or_squeue(tmp_path):
+    assert jobsteps.slurm_lists_step("eddis-train", env={"PATH": "/usr/bin:/bin"}) is None
+    assert jobsteps.slurm_lists_step("eddis-train", env={"PATH": str(tmp_path), "SLURM_JOB_ID": "41"}) is None

@@ -255,9 +255,10 @@ register("EDDIS_PROGRESS_INTERVAL", "float", 30.0,
 register("EDDIS_STOP_GRACE", "float", 5.0,
          "Seconds a trainer gets after SIGTERM (a peer failed, or the job was cancelled) "
          "before eddis-train kills it with SIGKILL.")
-register("EDDIS_STEP_END_GRACE", "float", 60.0,
+register("EDDIS_STEP_END_GRACE", "float", 30.0,
          "Seconds the job script waits for the trainers' srun to return after every rank recorded "
-         "its exit; then it ends srun and takes the job status from the ranks' exit records.")
+         "its exit (3 s once Slurm lists the step no more); then it ends srun and takes the job status "
+         "from the ranks' exit records.")
 register("EDDIS_GPU_TYPE", "str", None,
          "GPU generation of the ranks (e.g. a100); eddis-train sets it per rank from the "
          "node's GRES or partition, `cpu` when no GPU is bound. Set it to override.")

@@ -5,6 +5,7 @@ contract); these helpers only call it and turn its errors into clear exits.
 """
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -111,18 +112,50 @@ def _status_of(exits):
     return 0
 
 
-def guard_trainer_step(path, srun_pid, grace=None, poll=1.0):
+TRAINER_STEP_NAME = "eddis-train"  # srun --job-name of the trainers in eddis_job.sh
+# Once Slurm lists the trainer step no more, srun waits for nothing that can still come: it gets
+# this long to return (its own output drains in well under a second) before the guard ends it.
+STEP_GONE_GRACE = 3.0
+
+
+def job_ids(env):
+    """The job's ids as squeue takes them: every component's for a hetjob, else SLURM_JOB_ID."""
+    components = int(env.get("SLURM_HET_SIZE") or 1)
+    if components > 1:
+        return [env[f"SLURM_JOB_ID_HET_GROUP_{g}"] for g in range(components)
+                if env.get(f"SLURM_JOB_ID_HET_GROUP_{g}")]
+    return [env["SLURM_JOB_ID"]] if env.get("SLURM_JOB_ID") else []
+
+
+def slurm_lists_step(name, env=None, timeout=10.0):
+    """Whether Slurm lists a step of this job named ``name``; None when it cannot be asked."""
+    env = os.environ if env is None else env
+    ids = job_ids(env)
+    if not ids:
+        return None
+    try:
+        proc = subprocess.run(["squeue", "-h", "-s", "-j", ",".join(ids), "-o", "%i %j"], capture_output=True,
+                              text=True, timeout=timeout, env=dict(env))
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    return any(line.split()[1:2] == [name] for line in proc.stdout.splitlines())
+
+
+def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None):
     """Bound the job script's wait for the trainers' srun.
 
     srun can miss the end of a step whose tasks have all exited (seen with
     hetjob steps on a loaded host: every rank gone, srun waiting on). Once every
-    rank of the newest launch has recorded its exit, srun gets ``grace`` seconds
-    to return; after that this kills srun, writes the status the exit records
-    stand for to ``<run dir>/launch/trainers.status`` and says so. Returns when
-    srun has ended either way.
+    rank of the newest launch has recorded its exit, srun gets ``grace``
+    seconds to return, or STEP_GONE_GRACE once Slurm lists the trainer step no
+    more; after that this kills srun, writes the status the exit records stand
+    for to ``<run dir>/launch/trainers.status`` and says so. Returns when srun
+    has ended either way.
     """
     grace = settings.get("EDDIS_STEP_END_GRACE") if grace is None else grace
-    all_exited_at = None
+    all_exited_at = step_gone_at = None
     while process_alive(srun_pid):
         newest = launches(path)[-1:] or [None]
         records = newest[0]
@@ -131,19 +164,28 @@ def guard_trainer_step(path, srun_pid, grace=None, poll=1.0):
             size = max((r.get("size") or 0 for r in starts), default=0)
             exits = read_records(records.exits)
             if size and len(exits) >= size:
-                all_exited_at = all_exited_at or time.monotonic()
-                if time.monotonic() - all_exited_at >= grace:
-                    status = _status_of(exits)
-                    (Path(path) / "launch" / TRAINERS_STATUS_FILE).write_text(f"{status}\n")
-                    print(f"eddis-train: all {size} ranks exited ({', '.join(sorted({describe_exit(e.get('code'), e.get('signal')) for e in exits}))}) "
-                          f"but srun (pid {srun_pid}) had not returned {grace:.0f} s later; ending it "
-                          f"(EDDIS_STEP_END_GRACE). Job status {status}, from the ranks' exit records.",
-                          file=sys.stderr, flush=True)
-                    for pid in reversed(_descendants(srun_pid)):
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except OSError:
-                            pass
+                now = time.monotonic()
+                all_exited_at = all_exited_at or now
+                if step_gone_at is None and slurm_lists_step(TRAINER_STEP_NAME, env) is False:
+                    step_gone_at = now
+                step_gone = step_gone_at is not None and now - step_gone_at >= min(grace, STEP_GONE_GRACE)
+                if step_gone or now - all_exited_at >= grace:
+                    _end_stuck_srun(path, srun_pid, exits, size,
+                                    f"Slurm had ended the step {now - step_gone_at:.0f} s before" if step_gone
+                                    else f"{grace:.0f} s later (EDDIS_STEP_END_GRACE)")
                     return 0
         time.sleep(poll)
     return 0
+
+
+def _end_stuck_srun(path, srun_pid, exits, size, why):
+    status = _status_of(exits)
+    (Path(path) / "launch" / TRAINERS_STATUS_FILE).write_text(f"{status}\n")
+    outcomes = ", ".join(sorted({describe_exit(e.get("code"), e.get("signal")) for e in exits}))
+    print(f"eddis-train: all {size} ranks exited ({outcomes}) but srun (pid {srun_pid}) had not returned: "
+          f"{why}; ending it. Job status {status}, from the ranks' exit records.", file=sys.stderr, flush=True)
+    for pid in reversed(_descendants(srun_pid)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
