@@ -75,8 +75,11 @@ def job_state(cluster, job_id):
     return fields.get("JobState"), fields.get("ExitCode")
 
 
-def wait_job_end(cluster, job_id, timeout):
-    """Block until the job has ended and Slurm has reaped its processes; returns (state, exit code)."""
+def wait_job_end(cluster, job_id, timeout, output=None):
+    """Block until the job has ended and Slurm has reaped its processes; returns (state, exit code).
+
+    On timeout the assertion carries what explains it: the job's state, the steps Slurm still
+    lists and the end of the job's output (``output``: its path)."""
     def ended():
         state = job_state(cluster, job_id)
         if state is None:
@@ -84,7 +87,18 @@ def wait_job_end(cluster, job_id, timeout):
         return state if state[0] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED") else None
     try:
         return wait_until(ended, timeout, interval=0.5, what=f"job {job_id} to end")
-    except AssertionError:
+    except AssertionError as exc:
+        detail = _job_detail(cluster, job_id, output)
         # a job left running would hold the nodes and stall every later test
         cluster.run(["scancel", str(job_id)], timeout=30, check=False)
-        raise
+        raise AssertionError(f"{exc}\n{detail}") from None
+
+
+def _job_detail(cluster, job_id, output):
+    steps = cluster.run(["squeue", "-h", "-s", "-o", "%i %j %M"], timeout=30, check=False).stdout
+    lines = [f"job state: {job_state(cluster, job_id)}", "steps Slurm lists:", steps.rstrip() or "  (none)"]
+    if output is not None:
+        path = Path(str(output).replace("%j", str(job_id)))
+        text = path.read_text(errors="replace") if path.exists() else "(no output file)"
+        lines += [f"last lines of {path}:", *text.splitlines()[-60:]]
+    return "\n".join(lines)

@@ -31,7 +31,7 @@ def test_hybrid_groups_are_the_hetjob_components(slurm_cluster, job_env, tmp_pat
                               "--mode", "hybrid", "--iterations", TOTAL, "--checkpoint", checkpoint],
                              env=env, timeout=60)
     job_id = re.search(r"Submitted EDDIS job (\d+)", proc.stdout).group(1)
-    state, code = wait_job_end(slurm_cluster, job_id, 420)
+    state, code = wait_job_end(slurm_cluster, job_id, 420, out)
     text = out.read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text
     for rank, group in ((0, 0), (1, 0), (2, 1), (3, 1)):

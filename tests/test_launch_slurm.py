@@ -67,7 +67,7 @@ def test_submit_hetjob_trains_and_exits_zero(slurm_cluster, job_env, tmp_path):
     proc = slurm_cluster.run([PYTHON, "-m", "eddis.cli", "submit", "--gpus", "a100:2,v100:2", "--time", "00:10:00",
                               "--output", out, TRAINER, "--steps", "4"], env=job_env, timeout=60)
     job_id = re.search(r"Submitted EDDIS job (\d+)", proc.stdout).group(1)
-    state, code = wait_job_end(slurm_cluster, job_id, 180)
+    state, code = wait_job_end(slurm_cluster, job_id, 180, out)
     text = Path(str(out).replace("%j", job_id)).read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text
     assert_rank_lines(text)
@@ -87,7 +87,7 @@ def test_killed_rank_stops_the_job_with_a_report(slurm_cluster, job_env, tmp_pat
     victim = __import__("json").loads(record.read_text())
     os.kill(victim["trainer_pid"], signal.SIGKILL)
     # the acceptance bound: the whole job ends within 60 s of the kill
-    state, code = wait_job_end(slurm_cluster, job_id, 60)
+    state, code = wait_job_end(slurm_cluster, job_id, 60, out)
     text = out.read_text()
     assert state == "FAILED" and code != "0:0", (state, code, text)
     assert re.search(r"ROOT CAUSE: rank 1 on host n1 was killed by signal 9 \(SIGKILL\)", text), text
@@ -101,7 +101,7 @@ def test_rank_exception_report_has_the_traceback(slurm_cluster, job_env, tmp_pat
     out = tmp_path / "job.out"
     job_id = sbatch(slurm_cluster, job_env, out, TRAINER, "--steps", "3000", "--step-seconds", "0.1",
                     "--fail-rank", "2", "--fail-step", "5")
-    state, code = wait_job_end(slurm_cluster, job_id, 180)
+    state, code = wait_job_end(slurm_cluster, job_id, 180, out)
     text = out.read_text()
     assert state == "FAILED", text
     report = text[text.index("ROOT CAUSE"):]
@@ -133,7 +133,7 @@ def test_scancel_leaves_nothing_behind(slurm_cluster, job_env, tmp_path):
     wait_for_training(run_dir, out)
     assert_servers_hold_the_jobs_cpus(run_dir)
     slurm_cluster.run(["scancel", job_id], timeout=30)
-    state, _ = wait_job_end(slurm_cluster, job_id, 60)
+    state, _ = wait_job_end(slurm_cluster, job_id, 60, out)
     assert state == "CANCELLED", state
     assert_job_left_nothing(run_dir, job_id)
     text = out.read_text()
@@ -144,7 +144,7 @@ def test_scancel_leaves_nothing_behind(slurm_cluster, job_env, tmp_path):
 def test_servers_that_cannot_start_fail_the_job_clearly(slurm_cluster, job_env, tmp_path):
     out = tmp_path / "job.out"
     job_id = sbatch(slurm_cluster, dict(job_env, SMB_MEMORY="plenty"), out, TRAINER, "--steps", "1")
-    state, code = wait_job_end(slurm_cluster, job_id, 120)
+    state, code = wait_job_end(slurm_cluster, job_id, 120, out)
     text = out.read_text()
     assert state == "FAILED", text
     assert "SMB_MEMORY='plenty' is not a valid size" in text
@@ -161,7 +161,7 @@ def test_dead_server_stops_the_trainers(slurm_cluster, job_env, tmp_path):
     wait_for_training(run_dir, out)
     server = __import__("json").loads((run_dir / "servers" / "1.json").read_text())
     os.kill(server["pid"], signal.SIGKILL)
-    state, code = wait_job_end(slurm_cluster, job_id, 60)
+    state, code = wait_job_end(slurm_cluster, job_id, 60, out)
     text = out.read_text()
     assert state == "FAILED", text
     assert "an smb-server step ended (status" in text and "stopping the trainers" in text

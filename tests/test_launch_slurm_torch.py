@@ -30,7 +30,7 @@ def submit(cluster, env, out, *train_args):
 def test_hetjob_trains_the_pytorch_example(slurm_cluster, job_env, tmp_path):
     out = tmp_path / "job.out"
     job_id = submit(slurm_cluster, job_env, out, "--epochs", "2")
-    state, code = wait_job_end(slurm_cluster, job_id, 360)
+    state, code = wait_job_end(slurm_cluster, job_id, 360, out)
     text = out.read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text
     for rank, (host, local, group, gpu_type, gpu) in EXPECTED.items():
@@ -52,7 +52,7 @@ def test_killing_one_pytorch_rank_ends_the_job_with_a_report(slurm_cluster, job_
                interval=1, what="the first epoch")
     (record,) = run_dir.glob("launch/*/ranks/3.json")
     os.kill(json.loads(record.read_text())["trainer_pid"], signal.SIGKILL)
-    state, code = wait_job_end(slurm_cluster, job_id, 60)  # the acceptance bound: under 60 s
+    state, code = wait_job_end(slurm_cluster, job_id, 60, out)  # the acceptance bound: under 60 s
     text = out.read_text()
     assert state == "FAILED" and code != "0:0", text
     assert re.search(r"ROOT CAUSE: rank 3 on host n2 was killed by signal 9 \(SIGKILL\)", text), text

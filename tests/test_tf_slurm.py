@@ -30,7 +30,7 @@ def test_keras_example_trains_in_a_hetjob(slurm_cluster, job_env, tmp_path, mode
     out = tmp_path / "job.out"
     env = dict(job_env, **TF_ENV)
     job_id = sbatch(slurm_cluster, env, out, EXAMPLE, "--epochs", "2", "--mode", mode)
-    state, code = wait_job_end(slurm_cluster, job_id, 420)
+    state, code = wait_job_end(slurm_cluster, job_id, 420, out)
     text = out.read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text
     for rank, (host, _, group, gpu_type, _) in EXPECTED.items():
