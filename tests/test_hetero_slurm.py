@@ -5,7 +5,6 @@ SMB servers of both nodes. The v100 group is slowed 2x (EDDIS_SIMULATE_SLOWDOWN=
 testing aid), so the a100 group does more iterations; the job uses exactly the total and the
 centre (the final model, written once by save_checkpoint) reaches 0.90 test accuracy."""
 import re
-from pathlib import Path
 
 import pytest
 

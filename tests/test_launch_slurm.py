@@ -3,13 +3,12 @@ real Open MPI ranks (pmix), real smb-servers. Every wait is bounded."""
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import PYTHON, REPO
-from launch_helpers import (TRAINER, environ_of, job_state, make_bin, processes_with_env, shm_leftovers, wait_job_end,
+from launch_helpers import (TRAINER, environ_of, make_bin, processes_with_env, shm_leftovers, wait_job_end,
                             wait_until)
 
 pytest.importorskip("eddis.smb.server", reason="the SMB server (eddis.smb.server) is not in this checkout")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO
-from launch_helpers import processes_with_env, shm_leftovers, wait_job_end, wait_until
+from launch_helpers import wait_job_end, wait_until
 from test_launch_slurm import EXPECTED, assert_job_left_nothing, job_env  # noqa: F401 (fixture)
 
 EXAMPLE = REPO / "examples" / "torch_train.py"

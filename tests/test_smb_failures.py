@@ -15,7 +15,7 @@ from eddis.errors import (SMBBoundsError, SMBConnectionError, SMBError, SMBKeyEr
                           SMBPermissionError, SMBTimeoutError, SMBValueError)
 from eddis.smb import Client, _core
 from eddis.smb.client import Request
-from eddis.smb.protocol import COUNTER_REQUEST, VEC_REQUEST, VEC_SOURCE, encode_control
+from eddis.smb.protocol import COUNTER_REQUEST, VEC_REQUEST, VEC_SOURCE
 from eddis.smb.testing import LocalServers
 
 TRANSPORTS = {

@@ -10,7 +10,6 @@ import importlib.util
 import itertools
 import json
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path

@@ -14,7 +14,6 @@ single process under the same policy: mixed_float16 2e-2, mixed_bfloat16 1e-1
 (the forward pass itself computes in 16 bits on a different batch split).
 """
 import json
-import os
 import sys
 
 STEPS = 20

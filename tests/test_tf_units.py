@@ -4,7 +4,6 @@ single-rank worker process, misuse errors, mixed precision wrapping, saving a
 model compiled with a DistributedOptimizer, and one rank training exactly like
 plain Keras."""
 import json
-import os
 import subprocess
 import sys
 

@@ -10,7 +10,6 @@ reference and the distributed run use the same fp32 arithmetic).
 """
 import copy
 import json
-import os
 import sys
 
 STEPS = 20

@@ -6,7 +6,6 @@ sync through SMB, both under a plain ``mpirun`` (embedded SMB server) and under
 with unequal per-rank shares of every batch.
 """
 import re
-import sys
 
 import pytest
 

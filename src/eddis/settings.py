@@ -8,7 +8,7 @@ copy that a test keeps in step with this file.
 """
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .errors import ConfigError
 

@@ -17,7 +17,7 @@ import re
 import socket
 import subprocess
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Optional
 
 from ..errors import ConfigError
 from .hostlist import expand_hostlist, expand_tasks_per_node

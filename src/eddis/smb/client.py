@@ -6,13 +6,12 @@ that dies turns into :class:`~eddis.errors.SMBConnectionError` for the waits on
 it, never a hang.
 """
 import json
-import os
 import threading
 import time
 import zlib
 
 from .. import settings
-from ..errors import (SMBConnectionError, SMBKeyError, SMBTimeoutError, SMBValueError, UsageError,
+from ..errors import (SMBConnectionError, SMBTimeoutError, SMBValueError, UsageError,
                       from_ucs_status)
 from . import rundir
 from .protocol import (COUNTER_REPLY, COUNTER_REQUEST, decode_control, encode_control)
