@@ -106,7 +106,6 @@ class ProgressController:
         self.rank = int(rank)
         self.size = int(size)
         self.name = name
-        self.comm = lockstep_comm
         self.unit = 1 if lockstep_comm is None else lockstep_comm.Get_size()
         self.leader = lockstep_comm is None or lockstep_comm.Get_rank() == 0
         # One unit of all ranks (sync, allreduce) has the counter to itself: after the first
