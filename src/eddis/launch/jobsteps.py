@@ -171,8 +171,8 @@ def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None):
                 step_gone = step_gone_at is not None and now - step_gone_at >= min(grace, STEP_GONE_GRACE)
                 if step_gone or now - all_exited_at >= grace:
                     _end_stuck_srun(path, srun_pid, exits, size,
-                                    f"Slurm had ended the step {now - step_gone_at:.0f} s before" if step_gone
-                                    else f"{grace:.0f} s later (EDDIS_STEP_END_GRACE)")
+                                    f"Slurm had ended the step {now - step_gone_at:.0f} s earlier" if step_gone
+                                    else f"still waiting {grace:.0f} s later (EDDIS_STEP_END_GRACE)")
                     return 0
         time.sleep(poll)
     return 0
