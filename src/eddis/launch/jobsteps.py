@@ -46,31 +46,35 @@ def process_alive(pid):
         return True
 
 
+class _ServerStepEnded(Exception):
+    pass
+
+
 def wait_servers(path, count, timeout=None, watch_pids=()):
     """Exit 0 once ``count`` servers published; 1 with a clear message on timeout or a dead server step."""
     from ..smb.rundir import wait_for_servers
 
     timeout = settings.get("SMB_CONNECT_TIMEOUT") if timeout is None else timeout
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def no_server_step_ended():
         dead = [pid for pid in watch_pids if not process_alive(pid)]
         if dead:
-            print(f"eddis-train: error: the smb-server step (pid {', '.join(map(str, dead))}) ended before "
-                  f"all {count} servers published in {path}/servers; see its output above.",
-                  file=sys.stderr, flush=True)
-            return 1
-        left = deadline - time.monotonic()
-        try:
-            servers = wait_for_servers(path, count, timeout=max(0.0, min(1.0, left)))
-        except SMBTimeoutError as exc:
-            if left <= 1.0:
-                print(f"eddis-train: error: {exc}. The servers did not publish within {timeout:.0f} s "
-                      "(SERVER_WAIT in eddis_job.sh); see the smb-server lines above.", file=sys.stderr, flush=True)
-                return 1
-            continue
-        print("eddis-train: smb-servers ready: " + ", ".join(
-            f"{s['index']}@{s.get('hostname', s.get('host'))}:{s.get('port')}" for s in servers), flush=True)
-        return 0
+            raise _ServerStepEnded(", ".join(map(str, dead)))
+
+    try:
+        no_server_step_ended()
+        servers = wait_for_servers(path, count, timeout=timeout, check=no_server_step_ended)
+    except _ServerStepEnded as exc:
+        print(f"eddis-train: error: the smb-server step (pid {exc}) ended before all {count} servers "
+              f"published in {path}/servers; see its output above.", file=sys.stderr, flush=True)
+        return 1
+    except SMBTimeoutError as exc:
+        print(f"eddis-train: error: {exc}. The servers did not publish within {timeout:.0f} s "
+              "(SERVER_WAIT in eddis_job.sh); see the smb-server lines above.", file=sys.stderr, flush=True)
+        return 1
+    print("eddis-train: smb-servers ready: " + ", ".join(
+        f"{s['index']}@{s.get('hostname', s.get('host'))}:{s.get('port')}" for s in servers), flush=True)
+    return 0
 
 
 def print_report(path, job_code=None):
