@@ -201,14 +201,12 @@ class ProgressController:
 
     def _claim(self):
         with timeline.span(timeline.COUNTER_CLAIM, args={"step": self.steps_done}):
-            result = None
             requested = self.chunk * self.unit
             if self.leader:
                 old = self.counter.fetch_add(requested)
                 usable = usable_iterations(old, requested, self.total, self.unit)
                 if usable < requested:
                     self.counter.fetch_add(usable - requested)
-                result = (old, usable)
                 if self._predicted is not None and old != self._predicted:
                     raise ProgressError(
                         f"the global learning counter {self.counter.name!r} read {old} where this job's "
@@ -220,12 +218,9 @@ class ProgressController:
                     self._posted_value.fetch_add(old - self._last_posted_value)
                     self._last_posted_value = old
                     self._posted.fetch_add(1)
-            if self._predicted is not None:
-                result = (self._predicted, usable_iterations(self._predicted, requested, self.total, self.unit))
-            elif not self.leader:
-                old = self._await_posted_claim()
-                result = (old, usable_iterations(old, requested, self.total, self.unit))
-        old, usable = result
+            else:
+                old = self._predicted if self._predicted is not None else self._await_posted_claim()
+                usable = usable_iterations(old, requested, self.total, self.unit)
         if self._exclusive:
             self._predicted = old + usable
         self.claims += 1
