@@ -271,7 +271,6 @@ def test_easgd_exchange_arithmetic(smb_run_dir):
             ElasticAverager(client, n, 0, 2, alpha=1.5, name="units.bad")
 
 
-
 @pytest.mark.timeout(60)
 def test_easgd_throughput_weighting_splits_the_move_by_mass(smb_run_dir):
     n = 4
