@@ -237,13 +237,13 @@ class Client:
         return self._control(server, {"op": "stats"}, "stats")[0]
 
     # ------------------------------------------------------------ objects
-    def pool(self, name, length, dtype="float32", slots=1, create=True):
+    def pool(self, name, length, dtype="float32", slots=1, create=True, servers=None):
         from .pool import Pool
 
-        return Pool(self, name, length, dtype=dtype, slots=slots, create=create)
+        return Pool(self, name, length, dtype=dtype, slots=slots, create=create, servers=servers)
 
-    def counter(self, name, initial=0):
-        return Counter(self, name, initial)
+    def counter(self, name, initial=0, server=None):
+        return Counter(self, name, initial, server)
 
     def barrier(self, name, parties):
         return Barrier(self, name, parties)
@@ -266,12 +266,18 @@ def _parse_address(address):
 class Counter:
     """A 64-bit counter, atomic across all clients of the job."""
 
-    def __init__(self, client, name, initial=0):
+    def __init__(self, client, name, initial=0, server=None):
+        """``server``: the index of the server that holds it (default: by its name's hash);
+        a counter that only one node's ranks use belongs on that node's server."""
         from . import _core
 
         self._client = client
         self.name = name
-        self.server = client.server_for("counter:" + name)
+        if server is None:
+            server = client.server_for("counter:" + name)
+        elif not 0 <= int(server) < client.num_servers:
+            raise SMBValueError(f"counter {name!r}: server={server} outside 0..{client.num_servers - 1}")
+        self.server = int(server)
         info, _ = client._control(self.server, {
             "op": "region_create", "name": "counter:" + name, "slots": 1, "length": 1,
             "dtype": "int64", "meta": {"kind": "counter"}, "initial": int(initial)}, f"counter {name!r}")

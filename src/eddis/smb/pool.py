@@ -77,14 +77,26 @@ def as_array(buf, pool_dtype, writable, np_dtype=None):
 MAX_SOURCES = 1024  # per server-side weighted sum (the server's limit)
 
 
+def _server_list(client, servers, name):
+    if servers is None:
+        return list(range(client.num_servers))
+    chosen = [int(s) for s in servers]
+    if not chosen or len(set(chosen)) != len(chosen) or not all(0 <= s < client.num_servers for s in chosen):
+        raise SMBValueError(f"pool {name!r}: servers={list(servers)} must be distinct indices in "
+                            f"0..{client.num_servers - 1}, at least one")
+    return chosen
+
+
 class _Segment:
     """One server's part of the pool."""
 
-    __slots__ = ("server", "conn", "start", "stop", "rid", "addr", "rkey", "local")
+    __slots__ = ("index", "server", "conn", "start", "stop", "rid", "addr", "rkey", "local")
 
 
 class Pool:
-    def __init__(self, client, name, length, dtype="float32", slots=1, create=True):
+    def __init__(self, client, name, length, dtype="float32", slots=1, create=True, servers=None):
+        """``servers``: the server indices that hold the pool (default every server), e.g. only
+        the server of this node for memory that the node's ranks share among themselves."""
         if dtype not in DTYPES:
             raise SMBValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         length, slots = int(length), int(slots)
@@ -97,17 +109,18 @@ class Pool:
         self.slots = slots
         self.itemsize = ITEMSIZE[dtype]
         self.np_dtype = numpy_dtype(dtype)
+        self.servers = _server_list(client, servers, name)
         meta = {"length": length, "dtype": dtype, "slots": slots}
-        parts = partition(length, client.num_servers)
+        parts = partition(length, len(self.servers))
         calls = [(s, {"op": "region_create", "name": "pool:" + name, "slots": slots, "length": stop - start,
                       "dtype": dtype, "meta": meta, "create": bool(create)})
-                 for s, (start, stop) in enumerate(parts)]
+                 for s, (start, stop) in zip(self.servers, parts)]
         replies = client._control_nb(calls, f"pool {name!r}",
                                      lambda rs: [decode_control(r) for r in rs]).wait()
         self.segments = []
-        for s, ((start, stop), (info, rkey)) in enumerate(zip(parts, replies)):
+        for i, (s, (start, stop), (info, rkey)) in enumerate(zip(self.servers, parts, replies)):
             seg = _Segment()
-            seg.server, seg.conn = s, client.servers[s]["conn"]
+            seg.index, seg.server, seg.conn = i, s, client.servers[s]["conn"]
             seg.start, seg.stop, seg.rid, seg.addr = start, stop, info["id"], info["addr"]
             base = client.servers[s]["base"]
             seg.local = base + info["offset"] if base else 0
@@ -119,7 +132,7 @@ class Pool:
 
     def __repr__(self):
         return (f"Pool({self.name!r}, length={self.length}, dtype={self.dtype!r}, slots={self.slots}, "
-                f"servers={len(self.segments)})")
+                f"servers={self.servers})")
 
     # ------------------------------------------------------------ helpers
     def _range(self, slot, start, count):
@@ -146,6 +159,12 @@ class Pool:
         """Byte offset of (slot, column col) in a server's segment: slot-major."""
         return (slot * (seg.stop - seg.start) + col) * self.itemsize
 
+    def layout(self, start=0, count=None):
+        """[(start, count, mapped)] of the elements [start, start+count): one entry per server
+        piece, ``mapped`` when that server's memory is mapped into this process."""
+        _, start, count = self._range(0, start, count)
+        return [(start + off, n, bool(seg.local)) for seg, _, n, off in self._pieces(start, count)]
+
     def mapped_views(self, slot=0, start=0, count=None):
         """numpy views of elements [start, start+count) of slot, one per server piece, straight
         into the memory of servers mapped into this process (same node); no copy, no request."""
@@ -164,9 +183,10 @@ class Pool:
             return self
         if not isinstance(pool, Pool) or pool.client is not self.client:
             raise SMBValueError(f"{what} must be a Pool of the same client")
-        if pool.length != self.length:
-            raise SMBValueError(f"{what} {pool.name!r} has length {pool.length}, not {self.length}: "
-                                "server-side operations need co-partitioned pools of equal length")
+        if pool.length != self.length or pool.servers != self.servers:
+            raise SMBValueError(f"{what} {pool.name!r} has length {pool.length} on servers {pool.servers}, "
+                                f"not {self.length} on {self.servers}: server-side operations need "
+                                "co-partitioned pools (equal length, the same servers)")
         if pool.dtype not in FLOAT_DTYPES:
             raise SMBValueError(f"{what} {pool.name!r} holds {pool.dtype}; vector ops need float pools")
         return pool
@@ -249,7 +269,7 @@ class Pool:
         servers = []
         for seg, col, n, _ in self._pieces(start, count):
             payload = VEC_REQUEST.pack(kind, len(sources), seg.rid, dst_slot, col, n, float(alpha))
-            payload += b"".join(VEC_SOURCE.pack(pool.segments[seg.server].rid, int(slot), float(w))
+            payload += b"".join(VEC_SOURCE.pack(pool.segments[seg.index].rid, int(slot), float(w))
                                 for pool, slot, w in sources)
             client._post(pending, seg.server, _core.OP_VECOP, payload)
             servers.append(seg.server)
@@ -312,7 +332,7 @@ class Pool:
         for seg, col, n, _ in self._pieces(start, count):
             calls.append((seg.server, {
                 "op": "reduce", "dst": seg.rid, "dst_slot": dst_slot, "start": col, "count": n,
-                "src": src.segments[seg.server].rid, "src_slot": int(contrib_slot),
+                "src": src.segments[seg.index].rid, "src_slot": int(contrib_slot),
                 "weight": float(weight), "parties": int(parties), "generation": int(generation),
                 "average": bool(average)}))
         return self.client._control_nb(calls, f"pool {self.name!r} reduce generation {generation}")
