@@ -85,6 +85,7 @@ def train_config(mode, compression, kind, weighted):
     spread = eddis.allreduce((flat - rank0).abs().max().reshape(1), op=eddis.Max).item()
     buckets = len(optimizer.reducer.plan.buckets)
     by_ranks = getattr(optimizer.reducer, "_by_ranks", None) is not None
+    hierarchical = getattr(optimizer.reducer, "layout", None) is not None
     in_slot = bool(getattr(optimizer.reducer, "_in_slot", False))
     grads = [p.grad.clone() for p in model.parameters()]
     slot = (optimizer._eddis_flat.data_ptr(), optimizer._eddis_flat.data_ptr() + optimizer._eddis_flat.nbytes)
@@ -98,10 +99,14 @@ def train_config(mode, compression, kind, weighted):
     return {"mode": mode + (f":{variant}" if variant else ""), "compression": compression, "model": kind,
             "weighted": weighted, "ranks": size, "rel_error": float((flat - ref).norm() / ref.norm()),
             "rank_spread": spread, "buckets": buckets, "by_ranks": by_ranks, "in_slot": in_slot,
+            "hierarchical": hierarchical,
             "grads_follow": grads_follow and grads_private}
 
 
 def worker():
+    fake_hosts = os.environ.get("EQUIV_FAKE_HOSTS")  # "hA,hA,hB,hB": this rank's node name by rank
+    if fake_hosts:
+        os.environ["EDDIS_HOSTNAME"] = fake_hosts.split(",")[int(os.environ["OMPI_COMM_WORLD_RANK"])]
     import eddis.torch as eddis
     from eddis.core import available_modes
 

@@ -141,6 +141,17 @@ register("EDDIS_DEV_CLUSTER_PORT", "int", 16817,
          "TCP port of the local cluster's slurmctld; its slurmd n1 and n2 use the next two.")
 register("EDDIS_DEV_CLUSTER_WAIT", "int", 60,
          "Seconds `eddis-dev-cluster up` waits for the nodes to become idle.")
+register("EDDIS_DEV_CLUSTER_NET", "str", "auto",
+         "Network mode of the local cluster: netns (each node its own network, UTS and mount "
+         "namespace: own host name, own 198.18.0.0/15 address, a veth into a bridge), loopback "
+         "(every node is 127.0.0.1 and this host's name), auto (netns where the machine allows "
+         "it, else loopback, saying why).", choices=["auto", "netns", "loopback"])
+register("EDDIS_DEV_CLUSTER_LINK", "str", "unlimited",
+         "Rate of each node's link in netns mode (HTB qdisc on both ends of its veth: upload and "
+         "download).", choices=["unlimited", "100mbit", "1gbit", "10gbit"])
+register("EDDIS_DEV_CLUSTER_NODES", "int", 2,
+         "Nodes of the local cluster: n1 a100, n2 v100, then n3 h100, n4 a40, n5 l40s, n6 t4, "
+         "n7 p100, n8 a10, each its own partition with 2 fake GPUs.", choices=range(2, 9))
 for _lib, _what in (("UCX", "UCX (libucx-dev / ucx-devel)"), ("VERBS", "libibverbs (libibverbs-dev / rdma-core-devel)"),
                     ("MPI", "MPI (mpicc and mpi4py)"), ("CUDA", "the CUDA runtime")):
     register(f"EDDIS_WITH_{_lib}", "bool", False,
@@ -163,10 +174,12 @@ register("EDDIS_COMM_TIMEOUT", "float", 300.0,
          "Seconds optimizer.step() and other collective calls wait for other ranks before "
          "raising TimeoutError.")
 register("EDDIS_SYNC_REDUCE", "str", "auto",
-         "Who sums a bucket in mode sync: server (the SMB server of each column range), ranks "
-         "(every rank sums its share of each bucket in the server memory it maps; needs all "
-         "ranks and servers on one node) or auto (ranks when that holds, else server).",
-         choices=["auto", "server", "ranks"])
+         "How mode sync reduces a bucket: hierarchical (the ranks of a node sum in their node's "
+         "server memory, then each node's sum crosses the network once to the servers that own "
+         "its columns), ranks (every rank sums its share in the server memory it maps; needs "
+         "all ranks and servers on one node), server (flat: every rank's slot goes to the "
+         "servers, which sum) or auto (ranks on one node, hierarchical across nodes).",
+         choices=["auto", "hierarchical", "server", "ranks"])
 register("EDDIS_EMBEDDED_SERVER", "bool", True,
          "When no SMB server has published itself in the run directory (plain mpirun on one "
          "node), start one inside local rank 0; 0 makes that an error instead.")

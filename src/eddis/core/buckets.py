@@ -120,3 +120,11 @@ class BucketPlan:
     def describe(self):
         return (f"{len(self.slots)} parameters, {self.total} elements "
                 f"({self.total * 4 / 2**20:.1f} MiB fp32) in {len(self.buckets)} buckets")
+
+
+def column_share(start, count, index, parts, align=64):
+    """Share ``index`` of ``parts`` of the columns [start, start+count): [lo, hi), cut at
+    multiples of ``align`` from ``start`` so that the shares' vector kernels stay aligned."""
+    def cut(i):
+        return start + (count * i // parts) // align * align if i < parts else start + count
+    return cut(index), cut(index + 1)

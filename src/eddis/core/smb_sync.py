@@ -45,6 +45,8 @@ from ..errors import ConfigError, SMBMemoryError, SMBTimeoutError
 from ..smb import _core  # without the built SMB extension there is no mode sync
 from ..smb import _vecops
 from . import collectives, runtime
+from .buckets import column_share
+from .hier_sync import HierarchicalSyncReducer, NodeLayout
 from .reducer import Reducer, register_mode
 
 log = logging.getLogger("eddis.core.sync")
@@ -97,7 +99,7 @@ class SyncReducer(Reducer):
         everyone = collectives.allgather_object((mapped, in_slot), timeout=self.timeout,
                                                 what="mode sync: do all ranks map every SMB server?")
         all_mapped = all(m for m, _ in everyone)
-        if choice == "server" or (choice == "auto" and not all_mapped):
+        if choice in ("server", "hierarchical") or (choice == "auto" and not all_mapped):
             return False, False
         if not all_mapped:
             far = [r for r, (m, _) in enumerate(everyone) if not m]
@@ -123,7 +125,7 @@ class SyncReducer(Reducer):
         for k, bucket in enumerate(self.plan.buckets):
             arrived = client.counter(f"{self.pool_name}.arrived.{k}")
             done = client.counter(f"{self.pool_name}.done.{k}")
-            lo, hi = _share(bucket.start, bucket.count, self.rank, self.size)
+            lo, hi = column_share(bucket.start, bucket.count, self.rank, self.size)
             slots = list(zip(*(self.slots_pool.mapped_views(r, lo, hi - lo) for r in range(self.size))))
             # per server piece of this rank's share: (result or None, [slot 0, ..., slot W-1])
             results = [None] * len(slots) if self._in_slot else self.result_pool.mapped_views(0, lo, hi - lo)
@@ -243,11 +245,24 @@ class SyncReducer(Reducer):
             log.warning("could not free the sync pools %s: %s", self.pool_name, exc)
 
 
-def _share(start, count, rank, size, align=64):
-    """Rank's contiguous share [lo, hi) of a bucket's columns, cut at multiples of ``align``."""
-    def cut(i):
-        return start + (count * i // size) // align * align if i < size else start + count
-    return cut(rank), cut(rank + 1)
+def make_sync_reducer(plan, compression="none", op="average", timeout=None, name="grads"):
+    """Mode sync's reducer (collective): hierarchical when the ranks span several nodes.
+
+    EDDIS_SYNC_REDUCE: auto (hierarchical across nodes, the ranks' sum on one node),
+    hierarchical (also on one node), server (flat: every rank's slot to the servers) or
+    ranks (one node only)."""
+    choice = settings.get("EDDIS_SYNC_REDUCE")
+    if choice in ("auto", "hierarchical"):
+        wait = settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
+        layout = NodeLayout.gather(runtime.smb_client(), wait)
+        if choice == "hierarchical" or layout.num_nodes > 1:
+            if layout.problem is None:
+                return HierarchicalSyncReducer(plan, compression, op, timeout, name, layout=layout)
+            if choice == "hierarchical":
+                raise ConfigError(f"EDDIS_SYNC_REDUCE=hierarchical: {layout.problem}; use auto or server")
+            log.warning("mode sync: %s; every rank's slot goes to the servers instead (flat path)",
+                        layout.problem)
+    return SyncReducer(plan, compression, op, timeout, name)
 
 
-register_mode("sync", SyncReducer)
+register_mode("sync", make_sync_reducer)

@@ -1,0 +1,263 @@
+"""Mode ``sync`` across nodes: reduce inside each node, cross the network once per node.
+
+With k nodes of r ranks, the flat path (every rank writes its whole bucket into
+slots spread over all servers and reads the result back) sends about
+``2 r (k-1)/k`` of the gradient bytes S over each node's link per step. Here a
+node sends ``(k-1)/k`` S out and receives as much, whatever r is:
+
+1. **On the node.** Each rank stages its bucket in its fp32 slot of a pool that
+   lives only on its node's server (mapped memory: no network, no compression)
+   and counts itself in on a node counter.
+2. **Between nodes.** The bucket is cut into the same P pieces on every node (P:
+   the most ranks any node has); a node's ranks share its pieces. For each of
+   its pieces a rank sums the node's slots with the ranks' sample weights (fp32
+   accumulation, written in the wire dtype) into the node's row of the *inter*
+   pool, whose columns are spread over the nodes' servers: the columns the own
+   server holds are written in place, the others are put to their servers. It
+   then contributes the row to the servers' ``reduce`` with the node's total
+   weight; each server averages the k node rows of its columns.
+3. **Back on the node.** The rank reads its pieces of the result (the own
+   server's columns from mapped memory, the others with one get each), widens
+   them to fp32 into the node's result (or straight into every local rank's
+   slot, when the slots are the ranks' gradient buffers), counts itself done,
+   and once the node's ranks are all done each rank has the whole bucket.
+
+The submit thread runs steps 1-2 (so bucket k+1 goes up the link while bucket k
+comes down it), the finish thread step 3. The math is that of one big batch:
+``sum_j W_j (sum_{i in j} w_i g_i / W_j) / sum_j W_j``.
+"""
+import logging
+
+import numpy as np
+
+from .. import timeline
+from ..errors import ConfigError, SMBTimeoutError
+from ..smb import _vecops
+from ..timeline.events import CAT_COMM
+from . import collectives, runtime
+from .buckets import column_share
+from .reducer import Reducer
+
+log = logging.getLogger("eddis.core.sync")
+
+
+class NodeLayout:
+    """Where every rank and server is, as all ranks agreed (``gather``)."""
+
+    def __init__(self, hosts, local_servers):
+        self.hosts = list(hosts)
+        self.nodes = list(dict.fromkeys(self.hosts))
+        self.node_of = [self.nodes.index(h) for h in self.hosts]
+        self.members = [[r for r, n in enumerate(self.node_of) if n == j] for j in range(len(self.nodes))]
+        self.local_servers = [list(s) for s in local_servers]
+        self.node_server = []
+        self.problem = None
+        for j, members in enumerate(self.members):
+            seen = {tuple(self.local_servers[r]) for r in members}
+            servers = self.local_servers[members[0]]
+            if len(seen) != 1 or len(servers) != 1:
+                self.problem = (f"node {self.nodes[j]} maps SMB servers {sorted(seen)}; the hierarchy "
+                                "needs exactly one server on every node with ranks (the job script "
+                                "starts one per node)")
+                break
+            self.node_server.append(servers[0])
+        if self.problem is None and len(set(self.node_server)) != len(self.node_server):
+            self.problem = f"two nodes claim the same SMB server ({self.node_server}); host names clash?"
+        self.pieces = max(len(m) for m in self.members)
+
+    @classmethod
+    def gather(cls, client, timeout):
+        mapped = [s for s in range(client.num_servers) if client.is_local(s)]
+        everyone = collectives.allgather_object((runtime.hostname(), mapped), timeout=timeout,
+                                                what="mode sync: which node and server is every rank on?")
+        return cls([h for h, _ in everyone], [m for _, m in everyone])
+
+    @property
+    def num_nodes(self):
+        return len(self.nodes)
+
+
+class HierarchicalSyncReducer(Reducer):
+    mode = "sync"
+
+    def __init__(self, plan, compression="none", op="average", timeout=None, name="grads", layout=None):
+        super().__init__(plan, compression, op, timeout, name)
+        if layout is None or layout.problem:
+            raise ConfigError(f"hierarchical mode sync: {layout.problem if layout else 'no node layout'}")
+        self.client = client = runtime.smb_client()
+        self.layout = layout
+        self.node = layout.node_of[self.rank]
+        self.members = layout.members[self.node]
+        self.local = self.members.index(self.rank)
+        self.server = layout.node_server[self.node]
+        self.num_nodes = layout.num_nodes
+        base = f"eddis.{name}"
+        node = f"{base}.node{self.node}"
+        wire = self.codec.smb_dtype
+        r = len(self.members)
+        # on the node: fp32 slots (no compression needed in memory) and the ranks' weights
+        self.node_slots = client.pool(node + ".slots", plan.total, "float32", slots=r, servers=[self.server])
+        self._weights_pool = client.pool(node + ".weights", 1, "float64", slots=r, servers=[self.server])
+        self._weights = [self._weights_pool.mapped_views(m, 0, 1)[0] for m in range(r)]
+        # between the nodes, in the wire dtype: a row per node and the servers' result
+        servers = sorted(layout.node_server)
+        self.inter = client.pool(base + ".inter", plan.total, wire, slots=self.num_nodes, servers=servers)
+        self.inter_result = client.pool(base + ".inter.result", plan.total, wire, slots=1, servers=servers)
+        # the remote columns on their way up (submit thread) and down (finish thread)
+        self._outgoing = np.empty(plan.total, dtype=self.inter.np_dtype)
+        self._incoming = np.empty(plan.total, dtype=self.inter.np_dtype)
+        self._in_slot = self._agree_in_slot()
+        self.node_result = None if self._in_slot else client.pool(node + ".result", plan.total, "float32",
+                                                                  slots=1, servers=[self.server])
+        self._slots = [self.node_slots.mapped_views(m, 0, plan.total)[0] for m in range(r)]
+        self._result = None if self._in_slot else self.node_result.mapped_views(0, 0, plan.total)[0]
+        self._buckets = self._bucket_state()
+        if self._in_slot:
+            self._slots[self.local][...] = plan.buffer
+            plan.use_buffer(self._slots[self.local], movable=True)
+        log.info("mode sync: hierarchical over %d nodes (%d rank(s) on this node, %d pieces a bucket, "
+                 "%s on the wire%s)", self.num_nodes, r, layout.pieces, wire,
+                 ", in the ranks' slots" if self._in_slot else "")
+        self._start_threads()
+
+    def _agree_in_slot(self):
+        everyone = collectives.allgather_object(self.plan.movable, timeout=self.timeout,
+                                                what="mode sync: may every rank's buffer move?")
+        return all(everyone)
+
+    def _bucket_state(self):
+        client, node = self.client, f"eddis.{self.name}.node{self.node}"
+        pieces = self.layout.pieces
+        r = len(self.members)
+        state = []
+        for k, bucket in enumerate(self.plan.buckets):
+            arrived = client.counter(f"{node}.arrived.{k}", server=self.server)
+            done = client.counter(f"{node}.done.{k}", server=self.server)
+            mine = [column_share(bucket.start, bucket.count, p, pieces) for p in range(self.local, pieces, r)]
+            state.append({"arrived": arrived, "done": done, "pieces": [(lo, hi) for lo, hi in mine if hi > lo],
+                          "base": (arrived.read(), done.read())})
+        bases = collectives.allgather_object([st["base"] for st in state], timeout=self.timeout,
+                                             what="mode sync: node counter bases")
+        if any(bases[m] != bases[self.rank] for m in self.members):
+            raise ConfigError(f"mode sync: the ranks of node {self.layout.nodes[self.node]} found different "
+                              f"reduction counters; two optimizers share the name {self.name!r} at once? "
+                              "Give each its own.")
+        return state
+
+    # ------------------------------------------------------------ one step
+    def _prepare_step(self):
+        self._weights[self.local][0] = self._step_weight if self.op == "average" else 1.0
+
+    def _wait_count(self, counter, target, what):
+        try:
+            counter.wait_for(target, self.timeout)
+        except SMBTimeoutError as exc:
+            raise SMBTimeoutError(
+                f"step {self.step}: {what}: not every rank of node {self.layout.nodes[self.node]} "
+                f"(ranks {self.members}) arrived within {self.timeout:g} s (one failed or is far "
+                "slower; raise EDDIS_COMM_TIMEOUT if it is slow)", exc.code) from exc
+
+    def _submit(self, k):
+        bucket = self.plan.buckets[k]
+        state = self._buckets[k]
+        if not self._in_slot:
+            lo, hi = bucket.start, bucket.start + bucket.count
+            self._slots[self.local][lo:hi] = self.plan.buffer[lo:hi]
+        state["arrived"].fetch_add(1)
+        generation = self.step + 1
+        arrived_base, _ = state["base"]
+        self._wait_count(state["arrived"], arrived_base + generation * len(self.members), f"bucket {k}")
+        weights = np.array([w[0] for w in self._weights])
+        node_weight = float(weights.sum())
+        if self.op == "average":
+            weights = weights / node_weight if node_weight > 0 else np.zeros_like(weights)
+        requests = []
+        for lo, hi in state["pieces"]:
+            self._node_sum(k, lo, hi, weights)
+            requests.append(self.inter_result.reduce_nb(
+                self.node, node_weight if self.op == "average" else 1.0, self.num_nodes, 0, self.step,
+                src_pool=self.inter, start=lo, count=hi - lo, average=self.op == "average"))
+        return generation, requests
+
+    def _node_sum(self, k, lo, hi, weights):
+        """The node's weighted sum of columns [lo, hi) into its row of the inter pool."""
+        sources = [slot[lo:hi] for slot in self._slots]
+        dtypes = ["float32"] * len(sources)
+        wire = self.inter.dtype
+        writes = []
+        with timeline.span(timeline.REDUCE, cat=CAT_COMM, args={"step": self.step, "bucket": k,
+                                                                "count": hi - lo, "by": "node"}):
+            for start, count, mapped in self.inter.layout(lo, hi - lo):
+                s, e = start - lo, start - lo + count
+                if mapped:
+                    dst = self.inter.mapped_views(self.node, start, count)[0]
+                else:
+                    dst = self._outgoing[start:start + count]
+                _vecops.weighted_sum(dst, [src[s:e] for src in sources], weights, dtype=wire,
+                                     src_dtypes=dtypes)
+                if not mapped:
+                    writes.append(self.inter.write_nb(dst, slot=self.node, start=start))
+        if writes:
+            with timeline.span(timeline.PUSH, args={"step": self.step, "bucket": k, "requests": len(writes)}):
+                for request in writes:
+                    request.wait(self.timeout)
+
+    def _finish(self, k, token):
+        generation, requests = token
+        state = self._buckets[k]
+        for (lo, hi), request in zip(state["pieces"], requests):
+            try:
+                request.wait(self.timeout)
+            except SMBTimeoutError as exc:
+                raise SMBTimeoutError(
+                    f"step {self.step}, bucket {k}: not every node contributed within {self.timeout:g} s "
+                    f"(nodes {self.layout.nodes}; one failed or is far slower; raise EDDIS_COMM_TIMEOUT "
+                    "if it is slow)", exc.code) from exc
+            self._spread(k, lo, hi)
+        state["done"].fetch_add(1)
+        _, done_base = state["base"]
+        self._wait_count(state["done"], done_base + generation * len(self.members),
+                         f"bucket {k} (the node's other pieces)")
+        if not self._in_slot:
+            bucket = self.plan.buckets[k]
+            lo, hi = bucket.start, bucket.start + bucket.count
+            self.plan.buffer[lo:hi] = self._result[lo:hi]
+
+    def _spread(self, k, lo, hi):
+        """Columns [lo, hi) of the result, widened to fp32, where the node's ranks find them."""
+        target = self._slots[self.local] if self._in_slot else self._result
+        reads, pieces = [], []
+        with timeline.span(timeline.PULL, args={"step": self.step, "bucket": k, "count": hi - lo}):
+            for start, count, mapped in self.inter_result.layout(lo, hi - lo):
+                if mapped:
+                    pieces.append((start, self.inter_result.mapped_views(0, start, count)[0]))
+                else:
+                    buf = self._incoming[start:start + count]
+                    reads.append(self.inter_result.read_nb(out=buf, slot=0, start=start))
+                    pieces.append((start, buf))
+            for request in reads:
+                request.wait(self.timeout)
+        for start, src in pieces:
+            _vecops.convert(target[start:start + src.size], src, dst_dtype="float32",
+                            src_dtype=self.inter.dtype)
+        if self._in_slot:
+            for m, slot in enumerate(self._slots):
+                if m != self.local:
+                    slot[lo:hi] = target[lo:hi]
+
+    def _release(self):
+        if self._in_slot:
+            self.plan.use_buffer(self.plan.buffer.copy(), movable=True)
+            self._in_slot = False
+        try:
+            self.client.barrier(f"eddis.{self.name}.close", self.size).wait(timeout=min(self.timeout, 60.0))
+            if self.local == 0:
+                for pool in (self.node_slots, self._weights_pool, self.node_result):
+                    if pool is not None:
+                        pool.free()
+            if self.rank == 0:
+                self.inter.free()
+                self.inter_result.free()
+        except Exception as exc:  # the servers free everything when they stop anyway
+            log.warning("could not free the hierarchical sync pools eddis.%s: %s", self.name, exc)
+

@@ -1,0 +1,69 @@
+"""Hierarchical mode sync: ranks on several nodes end with the parameters of one
+process on the global batch, and each node's sum crosses between nodes once.
+
+The nodes are named (EDDIS_HOSTNAME per rank, one smb-server per name), so a
+rank maps only its own node's server and reaches the others through UCX, as
+across real hosts; the same worker as tests/test_torch_equivalence.py trains.
+The emulated cluster's tests (tests/test_cluster_sync.py) count the bytes on
+real node links.
+"""
+import json
+
+import pytest
+
+from conftest import PYTHON, REPO
+from eddis.smb.testing import LocalServers
+from test_torch_equivalence import TOLERANCE
+
+WORKER = REPO / "tests" / "test_torch_equivalence.py"
+LAYOUTS = {  # name: node of each rank
+    "2x2": ["hA", "hA", "hB", "hB"],
+    "4x1": ["h0", "h1", "h2", "h3"],
+    "2+1": ["hA", "hB", "hA"],  # unequal nodes: pieces are shared out unevenly
+}
+CONFIGS = ["sync,none,mlp,False", "sync,none,cnn,False", "sync,fp16,mlp,False", "sync,bf16,mlp,False",
+           "sync,none,mlp,True", "sync:keepgrads,none,mlp,False"]
+
+
+def run_layout(run_mpi, layout, configs, extra=None):
+    hosts = LAYOUTS[layout]
+    servers_hosts = list(dict.fromkeys(hosts))
+    with LocalServers(len(servers_hosts), memory="64M", hostnames=servers_hosts) as servers:
+        env = {"EDDIS_RUN_DIR": str(servers.run_dir), "EQUIV_FAKE_HOSTS": ",".join(hosts),
+               "EQUIV_CONFIGS": ";".join(configs), "EDDIS_EMBEDDED_SERVER": "0", **(extra or {})}
+        proc = run_mpi(len(hosts), [PYTHON, WORKER], env=env, timeout=240, check=True)
+    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_hierarchical_sync_matches_one_process(run_mpi, layout):
+    results = run_layout(run_mpi, layout, CONFIGS)
+    assert len(results) == len(CONFIGS), results
+    for r in results:
+        assert r["hierarchical"], f"ranks on several nodes must reduce hierarchically: {r}"
+        assert r["rank_spread"] == 0.0, f"ranks ended with different parameters: {r}"
+        assert r["rel_error"] < TOLERANCE[r["compression"]], r
+        assert r["buckets"] > 1, r
+        # CPU buffers may move: every rank's gradients live in its node slot while training
+        assert r["in_slot"], r
+        assert r["grads_follow"], f"gradients changed or stayed in SMB memory at close: {r}"
+
+
+@pytest.mark.timeout(300)
+def test_flat_path_still_there_when_asked(run_mpi):
+    [r] = run_layout(run_mpi, "2x2", ["sync:server,none,mlp,False"])
+    assert not r["hierarchical"] and not r["by_ranks"], r
+    assert r["rel_error"] < TOLERANCE["none"], r
+
+
+@pytest.mark.timeout(300)
+def test_hierarchy_on_one_node_when_forced(run_mpi):
+    with LocalServers(1, memory="64M", hostnames=["hA"]) as servers:
+        env = {"EDDIS_RUN_DIR": str(servers.run_dir), "EQUIV_FAKE_HOSTS": "hA,hA",
+               "EQUIV_CONFIGS": "sync:hierarchical,none,mlp,False;sync:hierarchical,bf16,mlp,False"}
+        proc = run_mpi(2, [PYTHON, WORKER], env=env, timeout=240, check=True)
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [r["hierarchical"] for r in results] == [True, True], results
+    for r in results:
+        assert r["rel_error"] < TOLERANCE[r["compression"]], r
