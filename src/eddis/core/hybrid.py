@@ -24,8 +24,10 @@ exchange. The exchanging workers are therefore the groups: alpha defaults to
 
 ``GroupSyncReducer`` is the reducer of mode ``hybrid`` (registered as such): the
 sync reduction restricted to this rank's group, on a pool per group (slots:
-one per member plus the result), with the same threads, bucket order, overlap
-and compression as every reducer (``eddis.core.reducer``).
+one per member plus the result) that lives on the servers of the group's own
+nodes, so that only the elastic exchanges cross between groups' nodes, with
+the same threads, bucket order, overlap and compression as every reducer
+(``eddis.core.reducer``).
 
 Helpers: ``group_comm()`` (MPI communicator of this rank's group, ranks in
 COMM_WORLD order), ``world_comm()`` (a private duplicate of the runtime's
@@ -113,14 +115,23 @@ class GroupSyncReducer(Reducer):
                                                 what="hybrid reducer set-up")
         self.alone = self.group_size == 1   # nothing to average: the gradients stay as they are
         client = runtime.smb_client()
+        self.servers = self._group_servers(client, comm)
         self.pool = None if self.alone else client.pool(
             f"eddis.hybrid.{name}.{instance}.g{self.group}", plan.total,
-            dtype=self.codec.smb_dtype, slots=self.group_size + 1)
+            dtype=self.codec.smb_dtype, slots=self.group_size + 1, servers=self.servers)
         self.result_slot = self.group_size
         self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
         self._generation = 0
         collectives.barrier(comm=comm, what="hybrid reducer set-up")
         self._start_threads()
+
+    @staticmethod
+    def _group_servers(client, comm):
+        """The servers on the group's own nodes (collective over the group): its every-step
+        reduction then stays off the network between groups; every server when none is."""
+        mapped = [s for s in range(client.num_servers) if client.is_local(s)]
+        everyone = collectives.allgather_object(mapped, comm=comm, what="hybrid: the group's servers")
+        return sorted({s for servers in everyone for s in servers}) or None
 
     def _prepare_step(self):
         self._generation += 1
