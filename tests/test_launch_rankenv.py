@@ -77,7 +77,9 @@ def test_plain_job_and_no_gpu():
     env = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
            "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURMD_NODENAME": "c2"}
     info = detect(env, gres_lookup=None)
-    assert (info.rank, info.size, info.local_rank, info.local_size, info.group, info.num_groups) == (3, 4, 1, 2, 0, 1)
+    # a plain job's groups are its nodes
+    assert (info.rank, info.size, info.local_rank, info.local_size, info.group, info.num_groups,
+            info.group_size) == (3, 4, 1, 2, 1, 2, 2)
     assert info.gpu is None and info.gpu_type == "cpu" and "CUDA_VISIBLE_DEVICES" not in info.environ()
 
 

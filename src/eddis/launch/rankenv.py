@@ -257,7 +257,14 @@ def from_slurm(env, gres_lookup=node_gres):
         local_size = counts[node_id] if node_id < len(counts) else 1
     hostname = env.get("SLURMD_NODENAME") or socket.gethostname()
     group, num_groups = _het_group(env, hostname, rank)
-    group_size = _het_group_size(env, group, size) if num_groups > 1 else size
+    if num_groups > 1:
+        group_size = _het_group_size(env, group, size)
+    else:
+        # a plain job: one group per node (hybrid's synchronous part then stays on the node)
+        group, group_size = _int(env, "SLURM_NODEID", 0), local_size
+        num_groups = (_int(env, "SLURM_STEP_NUM_NODES", 0) or _int(env, "SLURM_NNODES", 0)
+                      or max(1, len(expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE")
+                                                          or env.get("SLURM_TASKS_PER_NODE", "")))))
     devices = visible_gpus(env)
     return RankInfo(rank, size, local_rank, local_size, group, num_groups, group_size, hostname,
                     resolve_gpu_type(env, hostname, group, devices, gres_lookup),
