@@ -20,7 +20,8 @@ DEMO_OUT     ?= $(STAMPS)/demo-%j.out
 
 APT_PACKAGES := build-essential pkg-config python3-dev python3-venv \
 	slurm-wlm munge libpmix2 openmpi-bin libopenmpi-dev \
-	libucx-dev ucx-utils libibverbs-dev librdmacm-dev rdma-core ibverbs-utils lmod
+	libucx-dev ucx-utils libibverbs-dev librdmacm-dev rdma-core ibverbs-utils lmod \
+	iproute2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 NATIVE_SOURCES := setup.py setup.cfg $(wildcard cython/*.pyx cython/*.pxd cython/*.h)
 
@@ -72,8 +73,13 @@ $(STAMPS)/editable.stamp: setup.cfg $(STAMPS)/build.stamp
 
 build: system-packages $(STAMPS)/editable.stamp
 
+# Network mode: EDDIS_DEV_CLUSTER_NET=auto (netns where the machine allows it; CI's does),
+# netns or loopback; EDDIS_DEV_CLUSTER_LINK and EDDIS_DEV_CLUSTER_NODES pass through too.
+DEV_CLUSTER_ENV = EDDIS_DEV_CLUSTER_DIR=$(EDDIS_DEV_CLUSTER_DIR) EDDIS_DEV_CLUSTER_NET="$${EDDIS_DEV_CLUSTER_NET:-}" \
+	EDDIS_DEV_CLUSTER_LINK="$${EDDIS_DEV_CLUSTER_LINK:-}" EDDIS_DEV_CLUSTER_NODES="$${EDDIS_DEV_CLUSTER_NODES:-}"
+
 cluster: system-packages
-	$(SUDO) env EDDIS_DEV_CLUSTER_DIR=$(EDDIS_DEV_CLUSTER_DIR) scripts/eddis-dev-cluster up
+	$(SUDO) env $(DEV_CLUSTER_ENV) scripts/eddis-dev-cluster up
 
 cluster-down:
 	$(SUDO) env EDDIS_DEV_CLUSTER_DIR=$(EDDIS_DEV_CLUSTER_DIR) scripts/eddis-dev-cluster down
@@ -101,6 +107,8 @@ demo: setup
 	done
 	@mkdir -p $(STAMPS)
 	@echo "sbatch --wait scripts/eddis_job.sh $(DEMO_SCRIPT)   (SLURM_CONF=$(SLURM_CONF_DEV))"
+	@echo "local cluster: $$(sed -n 's/^NET=/network mode /p; s/^NODES=\(.*\)/\1 nodes/p; s/^LINK=/link /p' \
+	  $(EDDIS_DEV_CLUSTER_DIR)/cluster.env 2>/dev/null | paste -sd, | sed 's/,/, /g')"
 	@set +e; \
 	out=$$(PATH=$(VENV)/bin:$$PATH SLURM_CONF=$(SLURM_CONF_DEV) PYTHONPATH=$(REPO)/src \
 	  sbatch --parsable --wait --output=$(DEMO_OUT) scripts/eddis_job.sh $(DEMO_SCRIPT)); rc=$$?; \
