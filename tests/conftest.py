@@ -10,6 +10,9 @@
   session). Skips only when slurm-wlm is not installed. ``.env`` is an
   environment for Slurm commands (SLURM_CONF set), ``.run(argv, ...)`` runs one.
 - ``REPO``, ``SRC``, ``PYTHON`` and ``python_env()`` for subprocesses.
+- Marker ``netns``: the test needs the dev cluster's netns mode (each node its own
+  network host); skipped, with the reason, where the machine cannot run it, and a
+  failure in CI (CI=true).
 
 Example::
 
@@ -133,6 +136,34 @@ class DevCluster:
         if check:
             _fail_unless_ok(proc, " ".join(map(str, argv)))
         return proc
+
+
+_NETNS_SUPPORT = []
+
+
+def netns_support():
+    """(True, what it said) where the dev cluster's netns mode can run here, else (False, why)."""
+    if not _NETNS_SUPPORT:
+        try:
+            proc = subprocess.run([str(DEV_CLUSTER), "netns-support"], capture_output=True, text=True,
+                                  timeout=60)
+            _NETNS_SUPPORT.append((proc.returncode == 0, (proc.stdout + proc.stderr).strip()))
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _NETNS_SUPPORT.append((False, f"scripts/eddis-dev-cluster netns-support failed: {exc}"))
+    return _NETNS_SUPPORT[0]
+
+
+def pytest_runtest_setup(item):
+    """Tests marked netns need the dev cluster's netns mode: a listed skip where the machine
+    cannot run it, a failure in CI (CI=true), whose machines must."""
+    if item.get_closest_marker("netns") is None:
+        return
+    ok, why = netns_support()
+    if ok:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run the dev cluster in netns mode, and this machine cannot: {why}", pytrace=False)
+    pytest.skip(f"dev cluster netns mode not possible here ({why})")
 
 
 def dev_cluster_dir():

@@ -1,7 +1,8 @@
-"""scripts/eddis-dev-cluster: a real two-node Slurm cluster on this machine.
+"""scripts/eddis-dev-cluster: a real Slurm cluster of 2 to 8 nodes on this machine.
 
-The lifecycle test runs its own cluster (own state directory and ports) so that
-`down` never touches the shared cluster other tests use via `slurm_cluster`.
+The lifecycle tests run their own cluster (own state directory and ports) so that
+`down` never touches the shared cluster other tests use via `slurm_cluster`. Tests
+marked netns run the nodes as network hosts of their own (EDDIS_DEV_CLUSTER_NET=netns).
 """
 import os
 import shutil
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEV_CLUSTER, PYTHON, SRC, python_env
+from conftest import DEV_CLUSTER, PYTHON, SRC, dev_cluster_dir, python_env
+from eddis.slurm import devcluster
 
 pytestmark = pytest.mark.skipif(shutil.which("sbatch") is None,
                                 reason="slurm-wlm not installed (apt-get install slurm-wlm munge libpmix2)")
@@ -51,6 +53,18 @@ def marked_processes(state_dir):
         except OSError:
             continue
     return found
+
+
+def leftover_network(names):
+    """Which of these namespaces and interfaces (root namespace) still exist."""
+    namespaces = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+    return [n for n in names if n in namespaces or os.path.exists(f"/sys/class/net/{n}")]
+
+
+def network_names(state):
+    """The namespaces, veths and bridge of a netns cluster, from its record."""
+    names = [n.netns for n in devcluster.nodes(state)] + [n.veth for n in devcluster.nodes(state)]
+    return names + [devcluster.config(state)["BRIDGE"]]
 
 
 @pytest.fixture
@@ -104,10 +118,12 @@ def test_up_twice_sinfo_and_down_leaves_nothing(private_cluster):
         time.sleep(0.3)
     assert state_now == "RUNNING"
     assert len(marked_processes(state)) >= 4
+    net = network_names(state) if devcluster.config(state)["NET"] == "netns" else []
 
     down = run("down")
     assert down.returncode == 0, down.stdout + down.stderr
     assert marked_processes(state) == []
+    assert leftover_network(net) == []
     for pid in pids.values():
         assert not os.path.exists(f"/proc/{pid}"), f"daemon {pid} still alive after down"
     assert not state.exists()
@@ -213,3 +229,140 @@ def test_hetjob_runs_one_mpi_world_across_both_nodes(slurm_cluster, tmp_path):
     assert {f["gpus"] for f in by_node["n1"]} == {"0,1"}
     assert {f["gpus"] for f in by_node["n2"]} == {"0"}  # node-local index
     assert by_node["n1"][0]["vader"] != by_node["n2"][0]["vader"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("setting, value, allowed", [
+    ("EDDIS_DEV_CLUSTER_NET", "bridge", "auto, netns, loopback"),
+    ("EDDIS_DEV_CLUSTER_LINK", "5gbit", "unlimited, 100mbit, 1gbit, 10gbit"),
+    ("EDDIS_DEV_CLUSTER_NODES", "9", "from 2 to 8"),
+    ("EDDIS_DEV_CLUSTER_NODES", "1", "from 2 to 8"),
+    ("EDDIS_DEV_CLUSTER_NODES", "two", "from 2 to 8"),
+])
+def test_a_bad_setting_is_refused_naming_it_and_the_allowed_values(private_cluster, setting, value, allowed):
+    state, env, run = private_cluster
+    env[setting] = value
+    proc = run("up")
+    assert proc.returncode != 0
+    assert f"{setting}='{value}'" in proc.stderr and allowed in proc.stderr, proc.stderr
+    assert not state.exists()
+    assert marked_processes(state) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_link_rate_on_loopback_nodes_is_refused(private_cluster):
+    state, env, run = private_cluster
+    env.update(EDDIS_DEV_CLUSTER_NET="loopback", EDDIS_DEV_CLUSTER_LINK="1gbit")
+    proc = run("up")
+    assert proc.returncode != 0
+    assert "EDDIS_DEV_CLUSTER_LINK=1gbit needs network mode netns" in proc.stderr, proc.stderr
+    assert not state.exists()
+
+
+def srun_lines(env, *argv, timeout=60):
+    proc = subprocess.run(["srun", *argv], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.split("\n")
+
+
+ALLREDUCE_BYTES = 20_000_000
+ALLREDUCE = textwrap.dedent(f"""
+    import numpy as np
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    send = np.ones({ALLREDUCE_BYTES // 8}, dtype=np.float64)
+    recv = np.empty_like(send)
+    comm.Allreduce(send, recv)
+    print("rank", comm.Get_rank(), MPI.Get_processor_name(), recv[0], flush=True)
+""")
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_netns_nodes_are_hosts_of_their_own_with_counted_limited_links(private_cluster):
+    state, env, run = private_cluster
+    env.update(EDDIS_DEV_CLUSTER_NET="netns", EDDIS_DEV_CLUSTER_LINK="1gbit",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    up = run("up")
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "mode netns, 2 nodes, link 1gbit" in up.stdout
+    nodes = {n.name: n for n in devcluster.nodes(state)}
+    assert sorted(nodes) == ["n1", "n2"]
+    status = run("status")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "mode netns, 2 nodes, link 1gbit" in status.stdout
+    for node in nodes.values():
+        assert node.address in status.stdout
+
+    # Own host names; own addresses in 198.18.0.0/15, which the node's own name resolves to
+    # and smb-server publishes; no route out.
+    assert srun_lines(env, "-w", "n1", "hostname")[0] == "n1"
+    assert srun_lines(env, "-w", "n2", "hostname")[0] == "n2"
+    probe = ("import socket; from eddis.smb.server import _published_host; "
+             "print(socket.gethostname(), socket.gethostbyname(socket.gethostname()), _published_host())")
+    seen = {}
+    for name in ("n1", "n2"):
+        host, resolved, published = srun_lines(env, "-w", name, PYTHON, "-c", probe)[0].split()
+        seen[host] = resolved
+        assert resolved == published == nodes[name].address
+        assert resolved.startswith(("198.18.", "198.19."))
+        assert "default" not in "\n".join(srun_lines(env, "-w", name, "ip", "route"))
+    assert seen["n1"] != seen["n2"]
+    shared = Path(dev_cluster_dir()) / "nodes"
+    if shared.exists():  # the shared cluster, when it runs in netns mode too, has another /24
+        assert not {n.address for n in nodes.values()} & {n.address for n in devcluster.nodes(shared.parent)
+                                                         if n.veth}
+
+    # The link rate: an HTB class of 1gbit on both ends of each node's veth.
+    for node in nodes.values():
+        out_of_node = subprocess.run(["tc", "-n", node.netns, "class", "show", "dev", "eth0"],
+                                     capture_output=True, text=True, timeout=30).stdout
+        into_node = subprocess.run(["tc", "class", "show", "dev", node.veth], capture_output=True,
+                                   text=True, timeout=30).stdout
+        assert "htb" in out_of_node and "rate 1Gbit" in out_of_node, out_of_node
+        assert "htb" in into_node and "rate 1Gbit" in into_node, into_node
+
+    # A 2-node allreduce crosses both links: each node sends and receives at least the
+    # 20 MB (each element leaves or enters each node once at least).
+    before = devcluster.traffic(state)
+    lines = srun_lines(env, "--mpi=pmix", "-N2", "-n2", PYTHON, "-c", ALLREDUCE, timeout=120)
+    assert sorted(line.split()[2] for line in lines if line.startswith("rank ")) == ["n1", "n2"], lines
+    grown = devcluster.difference(before, devcluster.traffic(state))
+    for name in ("n1", "n2"):
+        assert grown[name]["tx"] >= ALLREDUCE_BYTES and grown[name]["rx"] >= ALLREDUCE_BYTES, grown
+    script = subprocess.run([str(DEV_CLUSTER), "traffic", "--json"], env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert script.returncode == 0, script.stderr
+    counted = __import__("json").loads(script.stdout)
+    assert all(counted[n]["tx"] >= before[n]["tx"] + ALLREDUCE_BYTES for n in ("n1", "n2")), counted
+
+    # Another link rate rebuilds the cluster.
+    env["EDDIS_DEV_CLUSTER_LINK"] = "100mbit"
+    again = run("up")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "rebuilding" in again.stdout and "link 100mbit" in again.stdout
+    veth = devcluster.nodes(state)[0].veth
+    assert "rate 100Mbit" in subprocess.run(["tc", "class", "show", "dev", veth], capture_output=True,
+                                            text=True, timeout=30).stdout
+    pids = [f.read_text().strip() for f in (state / "run").glob("*.pid")]
+    net = network_names(state)
+    assert leftover_network(net) == net
+
+    down = run("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert marked_processes(state) == []
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+    assert leftover_network(net) == []
+    assert not state.exists()
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_the_shared_cluster_runs_in_netns_mode_in_ci(slurm_cluster):
+    if os.environ.get("CI") != "true":
+        pytest.skip("checks the mode of CI's shared cluster (CI=true); a developer's may be either")
+    if os.environ.get("EDDIS_DEV_CLUSTER_NET", "auto") not in ("auto", "netns"):
+        pytest.skip(f"EDDIS_DEV_CLUSTER_NET={os.environ['EDDIS_DEV_CLUSTER_NET']} asks for another mode")
+    assert devcluster.config(slurm_cluster.state_dir)["NET"] == "netns"
+    assert [slurm_cluster.run(["srun", "-w", n, "hostname"], timeout=60).stdout.strip() for n in ("n1", "n2")] \
+        == ["n1", "n2"]
