@@ -138,7 +138,8 @@ register("EDDIS_DEV_CLUSTER_DIR", "path", "/tmp/eddis-dev-cluster",
          "State directory of the local Slurm cluster of scripts/eddis-dev-cluster "
          "(slurm.conf, logs, spool, fake GPU devices); clients use SLURM_CONF=<dir>/slurm.conf.")
 register("EDDIS_DEV_CLUSTER_PORT", "int", 16817,
-         "TCP port of the local cluster's slurmctld; its slurmd n1 and n2 use the next two.")
+         "TCP port of the local cluster's slurmctld; its slurmd n1, n2, ... use the next ones "
+         "(base+1..base+nodes).")
 register("EDDIS_DEV_CLUSTER_WAIT", "int", 60,
          "Seconds `eddis-dev-cluster up` waits for the nodes to become idle.")
 register("EDDIS_DEV_CLUSTER_NET", "str", "auto",
