@@ -2,8 +2,12 @@
 
 With k nodes of r ranks, the flat path (every rank writes its whole bucket into
 slots spread over all servers and reads the result back) sends about
-``2 r (k-1)/k`` of the gradient bytes S over each node's link per step. Here a
-node sends ``(k-1)/k`` S out and receives as much, whatever r is:
+``2 r (k-1)/k`` of the gradient bytes S each way over each node's link per step.
+Here each way carries ``2 (k-1)/k`` S, whatever r is: the node's sum of the other
+servers' columns goes out and their result comes back ((k-1)/k S each), and the
+other nodes' sums of its own server's columns come in and their result goes out
+(as much again). That is the least a bandwidth-optimal allreduce among k parties
+sends; a ring over all n = k r ranks sends ``2 (n-1)/n`` S:
 
 1. **On the node.** Each rank stages its bucket in its fp32 slot of a pool that
    lives only on its node's server (mapped memory: no network, no compression)
@@ -99,13 +103,18 @@ class HierarchicalSyncReducer(Reducer):
         self.node_slots = client.pool(node + ".slots", plan.total, "float32", slots=r, servers=[self.server])
         self._weights_pool = client.pool(node + ".weights", 1, "float64", slots=r, servers=[self.server])
         self._weights = [self._weights_pool.mapped_views(m, 0, 1)[0] for m in range(r)]
-        # between the nodes, in the wire dtype: a row per node and the servers' result
+        # between the nodes, in the wire dtype, a pair of pools per bucket (a row per node, the
+        # servers' result), so that every bucket is spread evenly over the nodes' servers: each
+        # node's link then carries its share of every bucket in both directions at once
         servers = sorted(layout.node_server)
-        self.inter = client.pool(base + ".inter", plan.total, wire, slots=self.num_nodes, servers=servers)
-        self.inter_result = client.pool(base + ".inter.result", plan.total, wire, slots=1, servers=servers)
+        self.inter = [client.pool(f"{base}.inter.{k}", b.count, wire, slots=self.num_nodes, servers=servers)
+                      for k, b in enumerate(plan.buckets)]
+        self.inter_result = [client.pool(f"{base}.inter.result.{k}", b.count, wire, slots=1, servers=servers)
+                             for k, b in enumerate(plan.buckets)]
+        self.wire_dtype = wire
         # the remote columns on their way up (submit thread) and down (finish thread)
-        self._outgoing = np.empty(plan.total, dtype=self.inter.np_dtype)
-        self._incoming = np.empty(plan.total, dtype=self.inter.np_dtype)
+        self._outgoing = np.empty(plan.total, dtype=self.inter[0].np_dtype)
+        self._incoming = np.empty(plan.total, dtype=self.inter[0].np_dtype)
         self._in_slot = self._agree_in_slot()
         self.node_result = None if self._in_slot else client.pool(node + ".result", plan.total, "float32",
                                                                   slots=1, servers=[self.server])
@@ -172,31 +181,32 @@ class HierarchicalSyncReducer(Reducer):
         if self.op == "average":
             weights = weights / node_weight if node_weight > 0 else np.zeros_like(weights)
         requests = []
+        first = self.plan.buckets[k].start
         for lo, hi in state["pieces"]:
             self._node_sum(k, lo, hi, weights)
-            requests.append(self.inter_result.reduce_nb(
+            requests.append(self.inter_result[k].reduce_nb(
                 self.node, node_weight if self.op == "average" else 1.0, self.num_nodes, 0, self.step,
-                src_pool=self.inter, start=lo, count=hi - lo, average=self.op == "average"))
+                src_pool=self.inter[k], start=lo - first, count=hi - lo, average=self.op == "average"))
         return generation, requests
 
     def _node_sum(self, k, lo, hi, weights):
         """The node's weighted sum of columns [lo, hi) into its row of the inter pool."""
         sources = [slot[lo:hi] for slot in self._slots]
         dtypes = ["float32"] * len(sources)
-        wire = self.inter.dtype
+        wire, inter, first = self.wire_dtype, self.inter[k], self.plan.buckets[k].start
         writes = []
         with timeline.span(timeline.REDUCE, cat=CAT_COMM, args={"step": self.step, "bucket": k,
                                                                 "count": hi - lo, "by": "node"}):
-            for start, count, mapped in self.inter.layout(lo, hi - lo):
-                s, e = start - lo, start - lo + count
+            for start, count, mapped in inter.layout(lo - first, hi - lo):
+                s, e = start + first - lo, start + first - lo + count
                 if mapped:
-                    dst = self.inter.mapped_views(self.node, start, count)[0]
+                    dst = inter.mapped_views(self.node, start, count)[0]
                 else:
-                    dst = self._outgoing[start:start + count]
+                    dst = self._outgoing[first + start:first + start + count]
                 _vecops.weighted_sum(dst, [src[s:e] for src in sources], weights, dtype=wire,
                                      src_dtypes=dtypes)
                 if not mapped:
-                    writes.append(self.inter.write_nb(dst, slot=self.node, start=start))
+                    writes.append(inter.write_nb(dst, slot=self.node, start=start))
         if writes:
             with timeline.span(timeline.PUSH, args={"step": self.step, "bucket": k, "requests": len(writes)}):
                 for request in writes:
@@ -226,20 +236,21 @@ class HierarchicalSyncReducer(Reducer):
     def _spread(self, k, lo, hi):
         """Columns [lo, hi) of the result, widened to fp32, where the node's ranks find them."""
         target = self._slots[self.local] if self._in_slot else self._result
+        result, first = self.inter_result[k], self.plan.buckets[k].start
         reads, pieces = [], []
         with timeline.span(timeline.PULL, args={"step": self.step, "bucket": k, "count": hi - lo}):
-            for start, count, mapped in self.inter_result.layout(lo, hi - lo):
+            for start, count, mapped in result.layout(lo - first, hi - lo):
                 if mapped:
-                    pieces.append((start, self.inter_result.mapped_views(0, start, count)[0]))
+                    pieces.append((first + start, result.mapped_views(0, start, count)[0]))
                 else:
-                    buf = self._incoming[start:start + count]
-                    reads.append(self.inter_result.read_nb(out=buf, slot=0, start=start))
-                    pieces.append((start, buf))
+                    buf = self._incoming[first + start:first + start + count]
+                    reads.append(result.read_nb(out=buf, slot=0, start=start))
+                    pieces.append((first + start, buf))
             for request in reads:
                 request.wait(self.timeout)
         for start, src in pieces:
             _vecops.convert(target[start:start + src.size], src, dst_dtype="float32",
-                            src_dtype=self.inter.dtype)
+                            src_dtype=self.wire_dtype)
         if self._in_slot:
             for m, slot in enumerate(self._slots):
                 if m != self.local:
@@ -256,8 +267,8 @@ class HierarchicalSyncReducer(Reducer):
                     if pool is not None:
                         pool.free()
             if self.rank == 0:
-                self.inter.free()
-                self.inter_result.free()
+                for pool in self.inter + self.inter_result:
+                    pool.free()
         except Exception as exc:  # the servers free everything when they stop anyway
             log.warning("could not free the hierarchical sync pools eddis.%s: %s", self.name, exc)
 
