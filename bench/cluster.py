@@ -1,0 +1,521 @@
+"""Every contender on the emulated cluster, side by side: samples/s, time to target, bytes on the links.
+
+    python bench/cluster.py --quick                       # one configuration, under 10 minutes
+    python bench/cluster.py [--links 1gbit,10gbit] [--layouts 2x2,4x1] [--slowdowns 1111,1123]
+                            [--models comm,compute,lstm] [--contenders ...] [--json out.json]
+    python bench/cluster.py --scaling [--json out.json]   # 1, 2, 4, 8 nodes of 1 rank; 2 nodes of 1, 2, 4
+
+The cluster is ``scripts/eddis-dev-cluster`` in network mode ``netns`` (every Slurm
+node its own network host, each link limited by an HTB qdisc), in a state directory
+of its own (``--cluster-dir``), rebuilt for each link rate and taken down at the end.
+For each configuration (link, nodes x ranks per node, slowdowns, model) one Slurm job
+(the EDDIS job script: one smb-server per node, ``srun eddis-train``) runs every
+contender in turn on the same data:
+
+- ``ddp`` (torch DDP over gloo: ring allreduce), ``ddp-fp16`` (its fp16 compression
+  hook), ``horovod`` (when ``import horovod.torch`` works in the job);
+- ``eddis-allreduce`` (MPI), ``eddis-sync`` (hierarchical across nodes), ``-fp16``,
+  ``-bf16``, ``eddis-sync-flat`` (``EDDIS_SYNC_REDUCE=server``: every rank's slot to
+  the servers, the path before the hierarchy), ``eddis-balanced``, ``eddis-easgd``,
+  ``eddis-hybrid`` (a group per node).
+
+Each contender warms up, then every rank stops at a barrier while this driver reads
+the byte counters of every node link (``eddis.slurm.devcluster.traffic``), trains on
+the same number of global samples, stops again for the counters, and reports. The
+bytes are counted per node and step (a step: one global batch of samples), out of
+and into the node, headers included; ``cross_node_bytes_per_step`` is their mean
+each way ((out + in) / 2, averaged over the nodes), the measure of the least a
+synchronous step must send: ``2(n-1)/n`` S for a ring of n ranks, ``2(k-1)/k`` S
+for a hierarchy of k nodes (each node sends its share of every other node's columns
+and serves its own columns' results), S being the fp32 gradient bytes. Time to target is the time until rank 0's
+moving average of its mini-batch loss falls below the model's target loss (stated
+in the table). Slowdowns act through a simulated accelerator (``--device-ms``: a
+rank with factor f sleeps f x D ms per sample between forward and backward), so the
+2 CPUs of this machine are not what makes a rank slow.
+
+This is a benchmark, not a test: it prints figures and ratios to DDP and asserts
+nothing. Run it alone (it takes /tmp/eddis-bench.lock).
+"""
+import argparse
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+
+MODELS = {  # local batch, target loss, learning rate at a batch of 32, steps to warm up, class separation
+    "comm": {"batch": 8, "target": 0.5, "lr": 0.05, "warmup": 2, "separation": 0.2},
+    "compute": {"batch": 8, "target": 1.0, "lr": 0.05, "warmup": 2, "separation": 1.0},
+    "lstm": {"batch": 8, "target": 3.5, "lr": 1.0, "warmup": 2},
+}
+CONTENDERS = ["ddp", "ddp-fp16", "horovod", "eddis-allreduce", "eddis-sync", "eddis-sync-fp16",
+              "eddis-sync-bf16", "eddis-sync-flat", "eddis-balanced", "eddis-easgd", "eddis-hybrid"]
+QUICK = {"links": ["1gbit"], "layouts": ["2x2"], "slowdowns": ["1111"], "models": ["comm"],
+         "contenders": ["ddp", "eddis-sync", "eddis-hybrid"]}
+PAUSE_TIMEOUT_S = 300
+JOB_TIMEOUT_S = 1800
+
+
+# ---------------------------------------------------------------- models and data (worker side)
+def build_model(name):
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    if name == "compute":
+        return nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(128 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10))
+    if name == "comm":
+        return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                             nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return LanguageModel()
+
+
+def _language_model_class():
+    import torch.nn as nn
+
+    class LanguageModel(nn.Module):
+        """A small LSTM language model: 1000 tokens, 128-d embedding, 512 hidden units."""
+
+        def __init__(self, vocab=1000, embed=128, hidden=512):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, embed)
+            self.lstm = nn.LSTM(embed, hidden, batch_first=True)
+            self.out = nn.Linear(hidden, vocab)
+
+        def forward(self, tokens):
+            hidden, _ = self.lstm(self.embed(tokens))
+            return self.out(hidden).flatten(0, 1)
+
+    return LanguageModel
+
+
+def LanguageModel():  # noqa: N802  (built on first use: torch is imported in the worker only)
+    return _language_model_class()()
+
+
+class Data:
+    """Learnable synthetic data, the same on every rank: ten Gaussian classes (comm,
+    compute), token streams of a fixed random Markov chain (lstm)."""
+
+    def __init__(self, model, samples=4096):
+        import torch
+
+        g = torch.Generator().manual_seed(1234)
+        self.model = model
+        if model == "lstm":
+            vocab, length = 1000, 33
+            successor = torch.randperm(vocab, generator=g)
+            tokens = torch.empty(samples, length, dtype=torch.long)
+            tokens[:, 0] = torch.randint(0, vocab, (samples,), generator=g)
+            for t in range(1, length):
+                keep = torch.rand(samples, generator=g) < 0.8
+                tokens[:, t] = torch.where(keep, successor[tokens[:, t - 1]],
+                                           torch.randint(0, vocab, (samples,), generator=g))
+            self.x, self.y = tokens[:, :-1], tokens[:, 1:]
+        else:
+            shape = (1024,) if model == "comm" else (3, 32, 32)
+            # ten Gaussian classes whose means lie close: learnable, not at once
+            self.y = torch.randint(0, 10, (samples,), generator=g)
+            means = MODELS[model]["separation"] * torch.randn(10, *shape, generator=g)
+            self.x = means[self.y] + torch.randn(samples, *shape, generator=g)
+
+    def batch(self, indices):
+        import torch
+
+        idx = torch.as_tensor(indices, dtype=torch.long) % len(self.x)
+        return self.x[idx], self.y[idx].reshape(-1)
+
+
+class LossTracker:
+    """Rank 0's moving average of its mini-batch loss; when it first fell below the target."""
+
+    def __init__(self, target):
+        self.target, self.ema, self.hit, self.start, self.paused = target, None, None, None, 0.0
+
+    def add(self, loss):
+        self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
+        if self.hit is None and self.start is not None and self.ema <= self.target:
+            self.hit = time.perf_counter() - self.start
+
+
+# ---------------------------------------------------------------- worker
+def pause(marker_dir, label, comm, rank):
+    """Every rank stops here while the driver reads the link counters (bounded wait)."""
+    comm.Barrier()
+    if rank == 0:
+        Path(marker_dir, f"pause-{label}").write_text(str(time.time()))
+        go = Path(marker_dir, f"go-{label}")
+        deadline = time.monotonic() + PAUSE_TIMEOUT_S
+        while not go.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the driver did not read the counters at {label} within "
+                                   f"{PAUSE_TIMEOUT_S} s")
+            time.sleep(0.05)
+    comm.Barrier()
+
+
+def worker(args):
+    import torch
+    import eddis.torch as eddis
+
+    torch.set_num_threads(1)
+    eddis.init()
+    from eddis.core import runtime
+
+    comm = runtime.comm()
+    rank, size = eddis.rank(), eddis.size()
+    factors = [float(c) for c in args.slowdowns]
+    factor = factors[rank % len(factors)]
+    cfg = MODELS[args.model]
+    data = Data(args.model)
+    hosts = eddis.allgather_object(runtime.hostname())
+    for contender in args.contenders.split(","):
+        try:
+            result = run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts)
+        except ImportError as exc:
+            if rank == 0:
+                print(f"SKIP {contender}: {exc}", flush=True)
+            Path(args.marker_dir, f"skip-{contender}").write_text(str(exc))
+            continue
+        if rank == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+    eddis.shutdown()
+
+
+def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    import eddis.torch as eddis
+
+    local_batch = cfg["batch"]
+    global_batch = local_batch * size
+    total_samples = args.steps * global_batch
+    model = build_model(args.model)
+    gradient_bytes = 4 * sum(p.numel() for p in model.parameters())
+    ddp = contender.startswith("ddp")
+    hvd = None
+    eddis_mode = None
+    group_size = sum(1 for h in hosts if h == hosts[rank])
+    if ddp:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"tcp://{hosts[0]}:{args.port}", rank=rank,
+                                    world_size=size)
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        if contender == "ddp-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"] * global_batch / 32, momentum=0.9)
+    elif contender == "horovod":
+        import horovod.torch as hvd  # ImportError: listed as skipped
+
+        hvd.init()
+        net = model
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=cfg["lr"] * global_batch / 32,
+                                                       momentum=0.9),
+                                       named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    else:
+        net = model
+        parts = contender.split("-")[1:]
+        eddis_mode = {"sync": "sync", "balanced": "sync", "allreduce": "allreduce", "easgd": "easgd",
+                      "hybrid": "hybrid"}[parts[0]]
+        compression = parts[1] if len(parts) > 1 and parts[1] in ("fp16", "bf16") else "none"
+        os.environ["EDDIS_SYNC_REDUCE"] = "server" if parts[-1] == "flat" else "auto"
+        batch_for_lr = {"easgd": local_batch, "hybrid": local_batch * group_size}.get(eddis_mode, global_batch)
+        opt = eddis.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=cfg["lr"] * batch_for_lr / 32, momentum=0.9),
+            named_parameters=model.named_parameters(), mode=eddis_mode,
+            compression=getattr(eddis.Compression, compression), balance=parts[0] == "balanced")
+        eddis.broadcast_parameters(model.state_dict(), root_rank=0)
+    lockstep = eddis_mode not in ("easgd", "hybrid")  # every rank takes its share of one global batch
+    rng = np.random.default_rng(100 + rank)
+    tracker = LossTracker(cfg["target"])
+
+    def one_step(step):
+        if lockstep:
+            first = step * global_batch
+            if contender == "eddis-balanced":
+                share = eddis.balanced_slice(global_batch)
+                indices = np.arange(first + share.start, first + share.stop)
+            else:
+                indices = np.arange(first + rank * local_batch, first + (rank + 1) * local_batch)
+        else:
+            indices = rng.integers(0, len(data.x), local_batch)
+        x, y = data.batch(indices)
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        if args.device_ms > 0:
+            time.sleep(factor * args.device_ms * len(indices) / 1000.0)
+        loss.backward()
+        opt.step()
+        if rank == 0:
+            tracker.add(loss.item())
+
+    for step in range(cfg["warmup"]):
+        one_step(step)
+    pause(args.marker_dir, f"{contender}-1", comm, rank)
+    # balanced sync, easgd and hybrid run on the global learning counter (faster ranks do
+    # more); the others take the same number of lockstep steps
+    counted = eddis_mode in ("easgd", "hybrid") or contender == "eddis-balanced"
+    if counted:
+        eddis.configure_progress(total=total_samples // local_batch)
+    start = tracker.start = time.perf_counter()
+    local_steps = 0
+    while (not eddis.should_stop()) if counted else local_steps < args.steps:
+        one_step(cfg["warmup"] + local_steps)
+        local_steps += 1
+    local_wall = time.perf_counter() - start
+    if eddis_mode in ("easgd", "hybrid"):
+        eddis.final_model(opt)
+    walls = eddis.allgather_object(local_wall)
+    pause(args.marker_dir, f"{contender}-2", comm, rank)
+    if hasattr(opt, "close"):
+        opt.close()
+    if ddp:
+        del net
+    return {"contender": contender, "samples": total_samples, "wall_s": max(walls),
+            "samples_per_s": total_samples / max(walls), "time_to_target_s": tracker.hit,
+            "final_loss_ema": tracker.ema, "gradient_bytes": gradient_bytes, "global_batch": global_batch,
+            "rank0_steps": local_steps}
+
+
+# ---------------------------------------------------------------- driver
+def cluster_env(args, link, nodes):
+    env = dict(os.environ)
+    env.update({"EDDIS_DEV_CLUSTER_DIR": args.cluster_dir, "EDDIS_DEV_CLUSTER_NET": "netns",
+                "EDDIS_DEV_CLUSTER_LINK": link, "EDDIS_DEV_CLUSTER_NODES": str(nodes),
+                "EDDIS_DEV_CLUSTER_PORT": str(args.cluster_port)})
+    env["SLURM_CONF"] = str(Path(args.cluster_dir) / "slurm.conf")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    for key in [k for k in env if k.startswith(("SLURM_JOB", "SLURM_STEP", "SLURM_PROCID"))]:
+        del env[key]
+    return env
+
+
+def cluster_up(args, link, nodes):
+    env = cluster_env(args, link, nodes)
+    proc = subprocess.run([str(REPO / "scripts" / "eddis-dev-cluster"), "up"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode != 0:
+        sys.exit(f"bench/cluster.py: the emulated cluster did not come up ({link}, {nodes} nodes):\n"
+                 f"{proc.stdout}\n{proc.stderr}")
+    return env
+
+
+def cluster_down(args):
+    env = cluster_env(args, "unlimited", 2)
+    subprocess.run([str(REPO / "scripts" / "eddis-dev-cluster"), "down"], env=env, capture_output=True,
+                   text=True, timeout=300)
+
+
+def job_script(nodes, ranks, command, output):
+    from eddis.slurm.script import JobComponent, render_job_script
+
+    return render_job_script(components=[JobComponent("all", nodes=nodes, tasks_per_node=ranks)],
+                             command=command, job_name="eddis-bench", output=output, time="00:45:00",
+                             settings={"SMB_MEMORY": "1G", "EDDIS_COMM_TIMEOUT": "600"})
+
+
+def run_configuration(args, env, config, contenders):
+    """One Slurm job: every contender of this configuration; returns its records."""
+    from eddis.slurm import devcluster
+
+    work = Path(tempfile.mkdtemp(prefix="eddis-bench-cluster-", dir="/tmp"))
+    os.chmod(work, 0o755)
+    output = work / "job.out"
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", config["model"],
+               "--steps", str(args.steps), "--slowdowns", config["slowdowns"], "--device-ms",
+               str(args.device_ms), "--contenders", ",".join(contenders), "--marker-dir", str(work),
+               "--port", str(29500 + os.getpid() % 1000)]
+    script = work / "job.sh"
+    script.write_text(job_script(config["nodes"], config["ranks_per_node"], command, str(output)))
+    submit = subprocess.run(["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True,
+                            timeout=60)
+    if submit.returncode != 0:
+        sys.exit(f"bench/cluster.py: sbatch failed: {submit.stderr}")
+    job = submit.stdout.strip().split(";")[0]
+    counters, deadline = {}, time.monotonic() + JOB_TIMEOUT_S
+    labels = [f"{c}-{i}" for c in contenders for i in (1, 2)]
+    while time.monotonic() < deadline:
+        for label in labels:
+            if label not in counters and (work / f"pause-{label}").exists():
+                counters[label] = devcluster.traffic(args.cluster_dir)
+                (work / f"go-{label}").write_text("")
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True,
+                               text=True, timeout=30).stdout.strip()
+        if not state:
+            break
+        time.sleep(0.1)
+    else:
+        subprocess.run(["scancel", job], env=env, timeout=30)
+        print(f"job {job} ran past {JOB_TIMEOUT_S} s and was cancelled", file=sys.stderr)
+    text = output.read_text() if output.exists() else ""
+    records = []
+    for line in text.splitlines():
+        match = re.search(r"RESULT (\{.*\})", line)
+        if not match:
+            continue
+        r = json.loads(match.group(1))
+        c = r["contender"]
+        per_node = devcluster.difference(counters[f"{c}-1"], counters[f"{c}-2"])
+        steps = r["samples"] / r["global_batch"]
+        used = sorted(per_node)[:config["nodes"]]
+        tx = [per_node[n]["tx"] / steps for n in used]
+        rx = [per_node[n]["rx"] / steps for n in used]
+        records.append({
+            "config": {k: config[k] for k in ("link", "nodes", "ranks_per_node", "slowdowns", "model")},
+            "contender": c, "samples_per_s": r["samples_per_s"], "time_to_target_s": r["time_to_target_s"],
+            "target_loss": MODELS[config["model"]]["target"], "final_loss_ema": r["final_loss_ema"],
+            # each way: the mean over nodes of (out + in) / 2, the measure of 2(k-1)/k S
+            "cross_node_bytes_per_step": sum(t + x for t, x in zip(tx, rx)) / (2 * len(used)),
+            "tx_per_step": tx, "rx_per_step": rx, "gradient_bytes": r["gradient_bytes"],
+            "wall_s": r["wall_s"], "job": job})
+    missing = [c for c in contenders if c not in {r["contender"] for r in records}
+               and not (work / f"skip-{c}").exists()]
+    if missing:
+        print(f"job {job}: no result for {', '.join(missing)}; the end of its output:\n"
+              + "\n".join(text.splitlines()[-40:]), file=sys.stderr)
+    for c in contenders:
+        if (work / f"skip-{c}").exists():
+            print(f"{c}: skipped ({(work / f'skip-{c}').read_text()})")
+    if args.keep_jobs:
+        print(f"job {job}: output and script kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return records
+
+
+def print_table(records):
+    by_config = {}
+    for r in records:
+        by_config.setdefault(json.dumps(r["config"], sort_keys=True), []).append(r)
+    for key, rows in by_config.items():
+        config = json.loads(key)
+        ddp = next((r for r in rows if r["contender"] == "ddp"), None)
+        print(f"\n{config['link']}, {config['nodes']} nodes x {config['ranks_per_node']} ranks, slowdowns "
+              f"{config['slowdowns']}, model {config['model']} (S = {rows[0]['gradient_bytes'] / 1e6:.1f} MB, "
+              f"target loss {rows[0]['target_loss']})")
+        print(f"{'contender':18s} {'samples/s':>10s} {'x DDP':>6s} {'to target s':>12s} {'x DDP':>6s} "
+              f"{'bytes/step/node/way':>20s} {'/ S':>6s}")
+        for r in rows:
+            speed = f"{r['samples_per_s'] / ddp['samples_per_s']:.2f}" if ddp else "-"
+            hit = r["time_to_target_s"]
+            faster = (f"{ddp['time_to_target_s'] / hit:.2f}" if ddp and hit and ddp["time_to_target_s"] else "-")
+            print(f"{r['contender']:18s} {r['samples_per_s']:10.1f} {speed:>6s} "
+                  f"{'-' if hit is None else f'{hit:.1f}':>12s} {faster:>6s} "
+                  f"{r['cross_node_bytes_per_step'] / 1e6:18.1f}MB {r['cross_node_bytes_per_step'] / r['gradient_bytes']:6.2f}")
+
+
+def configurations(args):
+    if args.scaling:
+        for nodes in (1, 2, 4, 8):
+            yield {"link": "1gbit", "nodes": nodes, "ranks_per_node": 1, "slowdowns": "1", "model": args.models[0]}
+        for ranks in (2, 4):
+            yield {"link": "1gbit", "nodes": 2, "ranks_per_node": ranks, "slowdowns": "1", "model": args.models[0]}
+        return
+    for link in args.links:
+        for layout in args.layouts:
+            nodes, ranks = (int(v) for v in layout.split("x"))
+            for slowdowns in args.slowdowns:
+                for model in args.models:
+                    yield {"link": link, "nodes": nodes, "ranks_per_node": ranks, "slowdowns": slowdowns,
+                           "model": model}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="one configuration: 2x2, 1gbit, comm, DDP/sync/hybrid")
+    p.add_argument("--scaling", action="store_true", help="the scaling run (DDP, sync, hybrid)")
+    p.add_argument("--links", default="1gbit,10gbit")
+    p.add_argument("--layouts", default="2x2,4x1", help="NODESxRANKS_PER_NODE, comma-separated")
+    p.add_argument("--slowdowns", default="1111,1123", help="per-rank factors, one digit a rank")
+    p.add_argument("--models", default="comm,compute,lstm")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--steps", type=int, default=80, help="global batches each contender trains on (measured)")
+    p.add_argument("--device-ms", type=float, default=0.0,
+                   help="simulated accelerator: ms per sample at factor 1 (0: none)")
+    p.add_argument("--json", default=None, help="also write the records to this file")
+    p.add_argument("--cluster-dir", default="/tmp/eddis-bench-cluster")
+    p.add_argument("--cluster-port", type=int, default=18817)
+    p.add_argument("--keep-cluster", action="store_true", help="leave the emulated cluster running")
+    p.add_argument("--keep-jobs", action="store_true", help="keep each job's script and output")
+    # worker side (inside the Slurm job)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="comm", help=argparse.SUPPRESS)
+    p.add_argument("--marker-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.quick:  # its configuration, unless an option names another
+        for key, value in QUICK.items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, ",".join(value))
+    if args.scaling:
+        args.contenders = "ddp,eddis-sync,eddis-hybrid"
+    args.links = args.links.split(",")
+    args.layouts = args.layouts.split(",")
+    args.slowdowns = args.slowdowns.split(",")
+    args.models = args.models.split(",")
+    for c in args.contenders.split(","):
+        if c not in CONTENDERS:
+            sys.exit(f"bench/cluster.py: unknown contender {c!r}; choose from {', '.join(CONTENDERS)}")
+    for m in args.models:
+        if m not in MODELS:
+            sys.exit(f"bench/cluster.py: unknown model {m!r}; choose from {', '.join(MODELS)}")
+    lock = open("/tmp/eddis-bench.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        sys.exit("bench/cluster.py: another benchmark holds /tmp/eddis-bench.lock; run benchmarks alone")
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"bench/cluster.py, {started}, load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
+    configs = list(configurations(args))
+    records, current = [], None
+    try:
+        for config in configs:
+            nodes = max(2, max(c["nodes"] for c in configs))
+            if current != (config["link"], nodes):
+                env = cluster_up(args, config["link"], nodes)
+                current = (config["link"], nodes)
+            contenders = args.contenders.split(",")
+            if config["nodes"] * config["ranks_per_node"] == 1:
+                contenders = [c for c in contenders if c in ("ddp", "eddis-sync")]
+            print(f"-- {config}: {', '.join(contenders)}", flush=True)
+            found = run_configuration(args, env, config, contenders)
+            for r in found:
+                print(f"   {r['contender']:18s} {r['samples_per_s']:8.1f} samples/s, to target "
+                      f"{r['time_to_target_s']}, {r['cross_node_bytes_per_step'] / 1e6:.1f} MB/step/node "
+                      f"(out {', '.join(f'{t / 1e6:.1f}' for t in r['tx_per_step'])}, in "
+                      f"{', '.join(f'{t / 1e6:.1f}' for t in r['rx_per_step'])})", flush=True)
+            records += found
+    finally:
+        if not args.keep_cluster:
+            cluster_down(args)
+    print_table(records)
+    print(f"\nfinished {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+          f"{os.getloadavg()[0]:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
