@@ -235,6 +235,9 @@ def test_hetjob_runs_one_mpi_world_across_both_nodes(slurm_cluster, tmp_path):
 @pytest.mark.parametrize("setting, value, allowed", [
     ("EDDIS_DEV_CLUSTER_NET", "bridge", "auto, netns, loopback"),
     ("EDDIS_DEV_CLUSTER_LINK", "5gbit", "unlimited, 100mbit, 1gbit, 10gbit"),
+    ("EDDIS_DEV_CLUSTER_LINK", "1gbit,n1=5gbit", "RATE,nK=RATE,... with RATE one of unlimited, 100mbit, 1gbit, 10gbit"),
+    ("EDDIS_DEV_CLUSTER_LINK", "1gbit,n3=unlimited", "n3 is not a node of this cluster"),
+    ("EDDIS_DEV_CLUSTER_LINK", "1gbit,3=unlimited", "'3=unlimited' is neither a rate nor nK=RATE"),
     ("EDDIS_DEV_CLUSTER_NODES", "9", "from 2 to 8"),
     ("EDDIS_DEV_CLUSTER_NODES", "1", "from 2 to 8"),
     ("EDDIS_DEV_CLUSTER_NODES", "two", "from 2 to 8"),
@@ -354,6 +357,57 @@ def test_netns_nodes_are_hosts_of_their_own_with_counted_limited_links(private_c
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
     assert leftover_network(net) == []
     assert not state.exists()
+
+
+def htb_rates(node):
+    """The HTB class lines on both ends of a node's link: (out of the node, into it)."""
+    out_of_node = subprocess.run(["tc", "-n", node.netns, "class", "show", "dev", "eth0"],
+                                 capture_output=True, text=True, timeout=30).stdout
+    into_node = subprocess.run(["tc", "class", "show", "dev", node.veth], capture_output=True,
+                               text=True, timeout=30).stdout
+    return out_of_node, into_node
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_netns_per_node_link_rates_are_shaped_shown_and_rebuilt(private_cluster):
+    state, env, run = private_cluster
+    env.update(EDDIS_DEV_CLUSTER_NET="netns", EDDIS_DEV_CLUSTER_LINK="1gbit,n2=100mbit")
+    up = run("up")
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "mode netns, 2 nodes, link 1gbit,n2=100mbit" in up.stdout
+    assert devcluster.config(state)["LINK"] == "1gbit,n2=100mbit"
+    nodes = {n.name: n for n in devcluster.nodes(state)}
+    assert {name: n.link for name, n in nodes.items()} == {"n1": "1gbit", "n2": "100mbit"}
+
+    # Each node's link has its own rate, on both ends of its veth.
+    for name, rate in (("n1", "rate 1Gbit"), ("n2", "rate 100Mbit")):
+        for side in htb_rates(nodes[name]):
+            assert "htb" in side and rate in side, (name, side)
+
+    status = run("status")
+    assert status.returncode == 0, status.stdout + status.stderr
+    rows = {line.split()[0]: line for line in status.stdout.splitlines() if line.split()[:1] in (["n1"], ["n2"])}
+    assert "1gbit up/down" in rows["n1"] and "100mbit up/down" in rows["n2"], status.stdout
+
+    # The same rates in another order are the same cluster; other per-node rates rebuild it.
+    env["EDDIS_DEV_CLUSTER_LINK"] = "N2=100mbit, 1gbit"
+    same = run("up")
+    assert same.returncode == 0 and "already up" in same.stdout, same.stdout + same.stderr
+    env["EDDIS_DEV_CLUSTER_LINK"] = "1gbit,n1=unlimited"
+    again = run("up")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "rebuilding" in again.stdout and "link 1gbit,n1=unlimited" in again.stdout
+    nodes = {n.name: n for n in devcluster.nodes(state)}
+    assert {name: n.link for name, n in nodes.items()} == {"n1": "unlimited", "n2": "1gbit"}
+    assert not any("htb" in side for side in htb_rates(nodes["n1"])), htb_rates(nodes["n1"])
+    assert all("htb" in side and "rate 1Gbit" in side for side in htb_rates(nodes["n2"])), htb_rates(nodes["n2"])
+    assert "unlimited up/down" in run("status").stdout
+
+    net = network_names(state)
+    down = run("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert marked_processes(state) == [] and leftover_network(net) == []
 
 
 @pytest.mark.netns

@@ -149,7 +149,8 @@ register("EDDIS_DEV_CLUSTER_NET", "str", "auto",
          "it, else loopback, saying why).", choices=["auto", "netns", "loopback"])
 register("EDDIS_DEV_CLUSTER_LINK", "str", "unlimited",
          "Rate of each node's link in netns mode (HTB qdisc on both ends of its veth: upload and "
-         "download).", choices=["unlimited", "100mbit", "1gbit", "10gbit"])
+         "download): `RATE` for every node, or `RATE,nK=RATE,...` with per-node overrides (e.g. "
+         "`1gbit,n1=unlimited`); RATE is one of `unlimited`, `100mbit`, `1gbit`, `10gbit`.")
 register("EDDIS_DEV_CLUSTER_NODES", "int", 2,
          "Nodes of the local cluster: n1 a100, n2 v100, then n3 h100, n4 a40, n5 l40s, n6 t4, "
          "n7 p100, n8 a10, each its own partition with 2 fake GPUs.", choices=range(2, 9))

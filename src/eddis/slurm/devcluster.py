@@ -3,7 +3,10 @@
 The script records its cluster in the state directory (``EDDIS_DEV_CLUSTER_DIR``):
 ``cluster.env`` (``NET``, ``NODES``, ``LINK``, ``SUBNET``, ``BRIDGE``) and ``nodes``,
 one line per node: name, host name, address, GPU type, bridge-side veth, network
-namespace (``-`` for the last two in loopback mode).
+namespace, link rate (``-`` for the last three in loopback mode; files of older
+versions of the script have no rate column). ``LINK`` is ``EDDIS_DEV_CLUSTER_LINK``
+in its canonical form: the default rate, then ``nK=RATE`` for each node whose link
+differs (``1gbit,n1=unlimited``).
 
 :func:`traffic` reads the interface statistics of each node's bridge-side veth
 (readable by anyone, from the root namespace and from inside a node, whatever the
@@ -34,6 +37,7 @@ class Node:
     gpu_type: str
     veth: Optional[str]  # bridge-side interface in the root namespace (netns mode)
     netns: Optional[str]
+    link: Optional[str] = None  # its link rate: unlimited, 100mbit, 1gbit, 10gbit (netns mode)
 
 
 def state_dir(path=None):
@@ -64,12 +68,23 @@ def nodes(path=None) -> List[Node]:
         raise ConfigError(f"no dev cluster at {table.parent} ({table.name} is missing): start it with "
                           "scripts/eddis-dev-cluster up") from None
     found = []
+    old_link = None  # a nodes file without the rate column: every link has the recorded LINK
     for line in lines:
         fields = line.split()
-        if len(fields) != 6:
+        if len(fields) == 6 and fields[4] != "-":
+            if old_link is None:
+                try:
+                    old_link = config(path).get("LINK", "unlimited").split(",")[0] or "unlimited"
+                except ConfigError:
+                    old_link = ""
+            fields.append(old_link or "-")
+        elif len(fields) == 6:
+            fields.append("-")
+        if len(fields) != 7:
             continue
-        name, host, addr, gpu, veth, ns = fields
-        found.append(Node(name, host, addr, gpu, None if veth == "-" else veth, None if ns == "-" else ns))
+        name, host, addr, gpu = fields[:4]
+        veth, ns, link = (None if f == "-" else f for f in fields[4:])
+        found.append(Node(name, host, addr, gpu, veth, ns, link))
     return found
 
 
