@@ -20,6 +20,22 @@ memcpy on the same-node path).
 
     PYTHONPATH=src python bench/smb_bandwidth.py [--transports ucx-tcp,same-node]
         [--sizes 4K,64K,1M,16M,64M] [--bytes-per-size 256M] [--markdown]
+
+Cluster mode (--cluster, as root, under flock /tmp/eddis-bench.lock): SMB pooling on
+many hosts. A private netns cluster of scripts/eddis-dev-cluster (--cluster-dir, own
+ports) of 5 nodes: n1, the client's node, with an unlimited link, and n2..n5, each an
+smb-server's node, with links limited to --link (EDDIS_DEV_CLUSTER_LINK=1gbit,n1=unlimited).
+For each server count N of --server-counts (1, 2, 4) one Slurm job starts one
+smb-server on each of n2..n(N+1) (srun steps) and ONE client process on n1, which
+stripes one pool over the N servers (none of them on its host, so nothing is mapped)
+and times --cluster-size transfers (pool.write: put, pool.read: get), --cluster-repeat
+of each, interleaved. It prints the aggregate GB/s (best and median), the ratio to one
+server, the target 0.85 x N, the link ceiling, how busy the machine's CPUs were and the
+bytes that crossed each node's link (devcluster.traffic() around every transfer).
+
+    sudo flock /tmp/eddis-bench.lock .venv/bin/python bench/smb_bandwidth.py --cluster
+        [--link 1gbit] [--server-counts 1,2,4] [--cluster-size 64M] [--cluster-repeat 8]
+        [--keep-cluster] [--json out.json] [--markdown]
 """
 import argparse
 import ctypes
@@ -30,6 +46,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -250,6 +267,328 @@ def smb_table(transport, servers_count, sizes, bytes_per_size, window, repeat):
 
 
 # ---------------------------------------------------------------------------
+# cluster mode: one client on n1 striping one pool over smb-servers on other hosts
+# ---------------------------------------------------------------------------
+
+REPO = SRC.parent
+DEV_CLUSTER = REPO / "scripts" / "eddis-dev-cluster"
+CLUSTER_UP_TIMEOUT_S = 300
+CLUSTER_JOB_TIMEOUT_S = 900
+SERVER_WAIT_S = 120
+# TCP payload per byte on the wire at MTU 1500 (1448-byte segments in 1514-byte frames):
+# what a shaped link of rate R carries at most, R / 8 * this, in bytes/s.
+PAYLOAD_PER_WIRE_BYTE = 1448 / 1514
+LINK_BITS = {"100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9, "unlimited": None}
+CPU_BOUND = 0.85  # the machine's cores this busy below the links' ceiling: the CPUs cap the figure
+
+
+def cpu_times():
+    """(busy, total) jiffies of all CPUs of the machine (every node shares them)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])
+    return total - idle, total
+
+
+def cluster_client(args):
+    """Runs on n1 inside the Slurm job; prints one RESULT line of JSON."""
+    from eddis.slurm import devcluster
+    from eddis.smb import Client
+
+    size = parse_size(args.cluster_size)
+    expected_nodes = args.server_nodes.split(",")
+    result = {"servers": args.servers, "size": size, "client_node": os.environ.get("SLURMD_NODENAME"),
+              "client_host": socket.gethostname(), "runs": []}
+    with Client(args.run_dir, expected_servers=args.servers, timeout=120) as client:
+        hosts = [client.servers[i]["hostname"] for i in range(client.num_servers)]
+        if sorted(hosts) != sorted(expected_nodes) or result["client_node"] in hosts:
+            raise SystemExit(f"servers on {hosts}, expected {expected_nodes}, the client on "
+                             f"{result['client_node']}")
+        mapped = [i for i in range(client.num_servers) if client.is_local(i)]
+        if mapped:
+            raise SystemExit(f"the client mapped servers {mapped}: they are on other hosts")
+        result["server_nodes"] = hosts
+        pool = client.pool("bench-cluster-stripe", size, dtype="uint8",
+                           servers=list(range(client.num_servers)))
+        result["stripes"] = {hosts[seg.server]: seg.stop - seg.start for seg in pool.segments}
+        src = np.full(size, 7, np.uint8)
+        out = np.zeros(size, np.uint8)
+        pool.write(src)  # warm: registration, connections, the servers' pages
+        pool.read(out)
+        for rep in range(args.cluster_repeat):
+            for op in ("put", "get"):
+                if op == "get":
+                    out[:] = 0
+                net0, cpu0 = devcluster.traffic(args.cluster_dir), cpu_times()
+                t0 = time.perf_counter()
+                if op == "put":
+                    pool.write(src)
+                else:
+                    pool.read(out)
+                seconds = time.perf_counter() - t0
+                cpu1, net1 = cpu_times(), devcluster.traffic(args.cluster_dir)
+                if op == "get" and not (out == 7).all():
+                    raise SystemExit(f"get {rep}: read back wrong data")
+                result["runs"].append({
+                    "op": op, "rep": rep, "seconds": seconds, "gbs": size / seconds / 1e9,
+                    "cpu_busy": (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]),
+                    "bytes": devcluster.difference(net0, net1)})
+        pool.free()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def cluster_env(args, link, nodes):
+    env = dict(os.environ)
+    for key in [k for k in env if k.startswith(("SLURM_JOB", "SLURM_STEP", "SLURM_PROCID", "EDDIS_RUN_DIR",
+                                                "EDDIS_HOSTNAME", "UCX_TLS", "SMB_LOCAL_MAP"))]:
+        del env[key]
+    env.update({"EDDIS_DEV_CLUSTER_DIR": args.cluster_dir, "EDDIS_DEV_CLUSTER_NET": "netns",
+                "EDDIS_DEV_CLUSTER_LINK": link, "EDDIS_DEV_CLUSTER_NODES": str(nodes),
+                "EDDIS_DEV_CLUSTER_PORT": str(args.cluster_port),
+                "SLURM_CONF": str(Path(args.cluster_dir) / "slurm.conf"),
+                "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p),
+                "OMP_NUM_THREADS": "1"})
+    return env
+
+
+def cluster_job_script(args, servers, work):
+    """The Slurm job of one server count: smb-servers on n2..n(servers+1), the client on n1."""
+    nodes = ["n1"] + [f"n{i + 2}" for i in range(servers)]
+    run_dir = work / "run"
+    memory = f"{parse_size(args.cluster_size) // servers // (1 << 20) + 64}M"
+    client = [sys.executable, str(Path(__file__).resolve()), "--cluster-client", "--run-dir", str(run_dir),
+              "--servers", str(servers), "--server-nodes", ",".join(nodes[1:]),
+              "--cluster-size", args.cluster_size, "--cluster-repeat", str(args.cluster_repeat),
+              "--cluster-dir", args.cluster_dir]
+    return f"""#!/bin/bash
+#SBATCH --job-name=smbbw-{servers}
+#SBATCH --nodes={len(nodes)}
+#SBATCH --nodelist={','.join(nodes)}
+#SBATCH --ntasks-per-node=1
+#SBATCH --time=00:20:00
+#SBATCH --output={work / 'job.out'}
+# Written by bench/smb_bandwidth.py --cluster: one smb-server on each server node, one
+# client on n1 (the job script of eddis.slurm.script would put a server on n1 too).
+set -uo pipefail
+export EDDIS_RUN_DIR={run_dir}
+eddis-train --create-run-dir "$EDDIS_RUN_DIR" >/dev/null || exit 1
+pids=()
+for ((i = 0; i < {servers}; i++)); do
+    srun --job-name=smb-server --overlap -w n$((i + 2)) -N1 -n1 --gres=none --kill-on-bad-exit=1 \\
+        smb-server --run-dir "$EDDIS_RUN_DIR" --index $i --memory {memory} --hugepages off &
+    pids+=($!)
+done
+# SIGTERM through Slurm (srun answers a SIGTERM of its own with SIGKILL, which would leave
+# the servers' shared memory behind), then a bounded wait, then whatever is left: KILL.
+stop_servers() {{
+    local steps deadline=$((SECONDS + 30)) pid
+    steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null | awk '$2 == "smb-server" {{print $1}}')
+    [ -z "$steps" ] || scancel --signal=TERM $steps 2>/dev/null
+    for pid in "${{pids[@]}}"; do
+        while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    done
+    [ -z "$steps" ] || scancel $steps 2>/dev/null
+    kill -9 "${{pids[@]}}" 2>/dev/null
+    wait "${{pids[@]}}" 2>/dev/null
+}}
+watch=()
+for pid in "${{pids[@]}}"; do watch+=(--watch-pid "$pid"); done
+if ! eddis-train --wait-servers {servers} --timeout {SERVER_WAIT_S} "${{watch[@]}}"; then
+    echo "smb_bandwidth: the smb-servers did not all publish within {SERVER_WAIT_S} s" >&2
+    stop_servers
+    exit 1
+fi
+timeout {CLUSTER_JOB_TIMEOUT_S - 120} srun --job-name=smb-client --overlap -w n1 -N1 -n1 --gres=none \\
+    {' '.join(client)}
+rc=$?
+stop_servers
+exit $rc
+"""
+
+
+def run_cluster_job(args, env, servers):
+    work = Path(tempfile.mkdtemp(prefix=f"eddis-smbbw-{servers}-", dir="/tmp"))
+    os.chmod(work, 0o755)
+    script = work / "job.sh"
+    script.write_text(cluster_job_script(args, servers, work))
+    submit = subprocess.run(["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True,
+                            timeout=60)
+    if submit.returncode != 0:
+        raise RuntimeError(f"sbatch failed: {submit.stderr}")
+    job = submit.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + CLUSTER_JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True,
+                               text=True, timeout=30).stdout.strip()
+        if not state:
+            break
+        time.sleep(0.5)
+    else:
+        subprocess.run(["scancel", job], env=env, timeout=30)
+        print(f"job {job} ran past {CLUSTER_JOB_TIMEOUT_S} s and was cancelled", file=sys.stderr)
+    output = (work / "job.out").read_text() if (work / "job.out").exists() else ""
+    found = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    if not found:
+        raise RuntimeError(f"job {job} ({servers} servers) gave no result; its script and output are in "
+                           f"{work}; the end of its output:\n" + "\n".join(output.splitlines()[-30:]))
+    result = json.loads(found[-1][len("RESULT "):])
+    result["job"] = job
+    if args.keep_cluster:
+        print(f"job {job}: script and output kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def summarize(result, link):
+    """Best and median GB/s per op, CPU busy fraction, bytes per node per op (summed over runs)."""
+    med = statistics.median
+    out = {"servers": result["servers"], "server_nodes": result["server_nodes"], "job": result["job"],
+           "stripes": result["stripes"]}
+    for op in ("put", "get"):
+        runs = [r for r in result["runs"] if r["op"] == op]
+        out[op] = {"best": max(r["gbs"] for r in runs), "median": med(r["gbs"] for r in runs),
+                   "runs": [r["gbs"] for r in runs], "cpu_busy": med(r["cpu_busy"] for r in runs)}
+        moved = {}
+        for r in runs:
+            for node, d in r["bytes"].items():
+                m = moved.setdefault(node, {"tx": 0, "rx": 0})
+                m["tx"] += d["tx"]
+                m["rx"] += d["rx"]
+        out[op]["bytes"] = moved
+        out[op]["payload"] = result["size"] * len(runs)
+    bits = LINK_BITS[link]
+    out["ceiling_gbs"] = None if bits is None else result["servers"] * bits / 8 * PAYLOAD_PER_WIRE_BYTE / 1e9
+    return out
+
+
+def limit_of(row, op, one):
+    """What held this figure back: the links (>= 0.9 of their ceiling), the CPUs (busy), or
+    '-' where it reached 0.85 x N of one server's figure."""
+    fig = row[op]
+    if row["ceiling_gbs"] and fig["best"] >= 0.9 * row["ceiling_gbs"]:
+        return "links"
+    if fig["cpu_busy"] >= CPU_BOUND:
+        return f"CPUs ({100 * fig['cpu_busy']:.0f}% busy)"
+    return "-" if one and fig["best"] >= 0.85 * row["servers"] * one[op]["best"] else "?"
+
+
+def cluster_report(rows, link, markdown):
+    one = next((r for r in rows if r["servers"] == 1), None)
+    cols = ["servers", "server nodes", "put GB/s best (median)", "get GB/s best (median)",
+            "put x 1 server", "get x 1 server", "target 0.85 x N", "link ceiling GB/s", "CPUs busy put/get",
+            "limit put/get"]
+    table = []
+    for r in rows:
+        n = r["servers"]
+        cells = [str(n), ",".join(r["server_nodes"])]
+        for op in ("put", "get"):
+            cells.append(f"{r[op]['best']:.3f} ({r[op]['median']:.3f})")
+        for op in ("put", "get"):
+            cells.append(f"{r[op]['best'] / one[op]['best']:.2f} ({r[op]['median'] / one[op]['median']:.2f})"
+                         if one else "-")
+        cells.append(f"{0.85 * n:.2f}")
+        cells.append("-" if r["ceiling_gbs"] is None else f"{r['ceiling_gbs']:.3f}")
+        cells.append(f"{100 * r['put']['cpu_busy']:.0f}% / {100 * r['get']['cpu_busy']:.0f}%")
+        cells.append(f"{limit_of(r, 'put', one)} / {limit_of(r, 'get', one)}")
+        table.append(cells)
+    print()
+    print(("### " if markdown else "") + f"SMB pooling on many hosts: one client on n1 (unlimited link), "
+          f"smb-servers on n2.. ({link} links)")
+    print("aggregate GB/s (1e9 bytes/s) of one pool striped over N servers; ratios: best to best "
+          "(median to median); CPUs busy: all of the machine's cores during the transfers (median)")
+    if markdown:
+        print()
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for cells in table:
+            print("| " + " | ".join(cells) + " |")
+        print()
+    else:
+        widths = [max(len(c), *(len(t[i]) for t in table)) + 2 for i, c in enumerate(cols)]
+        print("".join(c.rjust(w) for c, w in zip(cols, widths)))
+        for cells in table:
+            print("".join(v.rjust(w) for v, w in zip(cells, widths)))
+    print()
+    print("bytes that crossed each node's link during the timed transfers (MB, headers included):")
+    for r in rows:
+        for op, direction in (("put", "rx"), ("get", "tx")):
+            moved = r[op]["bytes"]
+            client_dir = "tx" if direction == "rx" else "rx"
+            word = {"rx": "in", "tx": "out"}
+            per_server = ", ".join(f"{node} {word[direction]} {moved[node][direction] / 1e6:.1f}"
+                                   for node in r["server_nodes"])
+            idle = [node for node in sorted(moved) if node != "n1" and node not in r["server_nodes"]]
+            others = sum(moved[node]["tx"] + moved[node]["rx"] for node in idle)
+            print(f"  {r['servers']} server(s) {op}: payload {r[op]['payload'] / 1e6:.1f}; n1 "
+                  f"{word[client_dir]} {moved['n1'][client_dir] / 1e6:.1f}; {per_server}"
+                  f"{f'; the idle nodes {others / 1e6:.2f}' if idle else ''}")
+            for node in r["server_nodes"]:
+                share = r["stripes"][node] * len(r[op]["runs"])
+                if moved[node][direction] < share:
+                    print(f"    WARNING: {node} moved {moved[node][direction]} bytes, less than its stripes "
+                          f"({share}): part of the traffic did not cross its link")
+    cpu_bound = sorted({r["servers"] for r in rows for op in ("put", "get")
+                        if limit_of(r, op, one).startswith("CPUs")})
+    if cpu_bound:
+        print(f"note: with {', '.join(map(str, cpu_bound))} server(s) the machine's {os.cpu_count()} CPUs "
+              f"were >= {100 * CPU_BOUND:.0f}% busy below the links' ceiling: there the CPUs, not the links, "
+              "cap the aggregate (every node, the client's included, runs on the same cores)")
+    sys.stdout.flush()
+
+
+def cluster_main(args):
+    counts = sorted({int(c) for c in args.server_counts.split(",")})
+    if not counts or counts[0] < 1 or counts[-1] > 7:
+        sys.exit("smb_bandwidth.py: --server-counts takes counts from 1 to 7 (the client's node n1 is "
+                 "the 8th)")
+    if args.link not in LINK_BITS:
+        sys.exit(f"smb_bandwidth.py: --link {args.link!r} is not one of {', '.join(LINK_BITS)}")
+    if os.geteuid() != 0:
+        sys.exit("smb_bandwidth.py --cluster needs root (scripts/eddis-dev-cluster builds namespaces and links)")
+    nodes = max(2, counts[-1] + 1)
+    link = f"{args.link},n1=unlimited"
+    env = cluster_env(args, link, nodes)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"SMB pooling on many hosts, {started}: {nodes}-node netns cluster at {args.cluster_dir} "
+          f"(EDDIS_DEV_CLUSTER_LINK={link}), server counts {counts}, "
+          f"{size_label(parse_size(args.cluster_size))} x {args.cluster_repeat} per op, "
+          f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    rows = []
+    try:
+        up = subprocess.run([str(DEV_CLUSTER), "up"], env=env, capture_output=True, text=True,
+                            timeout=CLUSTER_UP_TIMEOUT_S)
+        if up.returncode != 0:
+            sys.exit(f"smb_bandwidth.py: the cluster did not come up:\n{up.stdout}\n{up.stderr}")
+        print("\n".join(line for line in up.stdout.splitlines() if line.startswith("  ")), flush=True)
+        for n in counts:
+            result = run_cluster_job(args, env, n)
+            row = summarize(result, args.link)
+            rows.append(row)
+            print(f"-- {n} server(s) on {','.join(row['server_nodes'])} (job {row['job']}): put "
+                  f"{', '.join(f'{x:.3f}' for x in row['put']['runs'])} GB/s; get "
+                  f"{', '.join(f'{x:.3f}' for x in row['get']['runs'])} GB/s", flush=True)
+    finally:
+        if not args.keep_cluster:
+            down = subprocess.run([str(DEV_CLUSTER), "down"], env=env, capture_output=True, text=True,
+                                  timeout=CLUSTER_UP_TIMEOUT_S)
+            print(down.stdout.strip() or down.stderr.strip(), flush=True)
+        else:
+            print(f"the cluster stays up: SLURM_CONF={env['SLURM_CONF']}; take it down with "
+                  f"EDDIS_DEV_CLUSTER_DIR={args.cluster_dir} {DEV_CLUSTER} down")
+    if rows:
+        cluster_report(rows, args.link, args.markdown)
+    print(f"finished {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"started": started, "link": link, "nodes": nodes,
+                                               "size": parse_size(args.cluster_size), "rows": rows}, indent=1))
+
+
+
+# ---------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------
 
@@ -368,9 +707,31 @@ def main():
                         help="extra ucx_perftest client arguments for the bandwidth tests, "
                              "e.g. '-O 16' to cap its outstanding operations like --window")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
+    cluster = parser.add_argument_group("cluster mode (SMB pooling on many hosts)")
+    cluster.add_argument("--cluster", action="store_true",
+                         help="one client on n1 (unlimited link) striping one pool over N smb-servers on "
+                              "n2.. of a private netns dev cluster (needs root)")
+    cluster.add_argument("--link", default="1gbit", help="the server nodes' link rate (default 1gbit)")
+    cluster.add_argument("--server-counts", default="1,2,4", help="server counts N, one job each")
+    cluster.add_argument("--cluster-size", default="64M", help="bytes per timed transfer")
+    cluster.add_argument("--cluster-repeat", type=int, default=8, help="timed transfers per op and N")
+    cluster.add_argument("--cluster-dir", default="/tmp/eddis-smbbw-cluster",
+                         help="state directory of the private cluster")
+    cluster.add_argument("--cluster-port", type=int, default=19817, help="its slurmctld port (base)")
+    cluster.add_argument("--keep-cluster", action="store_true",
+                         help="leave the cluster up (and keep each job's script and output)")
+    cluster.add_argument("--json", help="also write the cluster figures to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--cluster-client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--server-nodes", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cluster_client:
+        cluster_client(args)
+        return
+    if args.cluster:
+        cluster_main(args)
+        return
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     bytes_per_size = parse_size(args.bytes_per_size)
     if args.child:
