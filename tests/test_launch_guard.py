@@ -122,3 +122,23 @@ def test_a_step_slurm_still_lists_gets_the_full_grace(tmp_path, capsys):
 def test_slurm_lists_step_cannot_ask_without_a_job_or_squeue(tmp_path):
     assert jobsteps.slurm_lists_step("eddis-train", env={"PATH": "/usr/bin:/bin"}) is None
     assert jobsteps.slurm_lists_step("eddis-train", env={"PATH": str(tmp_path), "SLURM_JOB_ID": "41"}) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_new_run_of_a_job_id_starts_without_the_last_runs_records(tmp_path):
+    # Job ids start again on a rebuilt cluster and a requeued job keeps its id: the ranks'
+    # exit records and server addresses of the earlier run would end the new one at once.
+    from eddis.smb import rundir
+
+    run_dir = jobsteps.create_run_dir(tmp_path / "1")
+    token = rundir.read_token(run_dir)
+    _launch(run_dir, [(0, None), (0, None)])
+    (run_dir / rundir.SERVERS_DIR / "0.json").write_text('{"index": 0, "host": "gone", "port": 1}')
+    again = jobsteps.create_run_dir(run_dir)
+    assert again == run_dir and rundir.read_token(run_dir) == token
+    assert not (run_dir / "launch").exists()
+    assert list((run_dir / rundir.SERVERS_DIR).iterdir()) == []
+    srun = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    # no records: nothing says the ranks have exited, so the guard leaves srun to return
+    assert jobsteps.guard_trainer_step(run_dir, srun.pid, grace=0.1, poll=0.05) == 0
+    assert srun.wait(timeout=10) == 0

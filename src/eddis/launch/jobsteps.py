@@ -4,6 +4,7 @@ The run directory and the server files belong to :mod:`eddis.smb.rundir` (team
 contract); these helpers only call it and turn its errors into clear exits.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from .. import settings
 from ..errors import SMBTimeoutError
-from .report import describe_exit, format_report, launches, read_records, root_cause
+from .report import LAUNCH_DIR, describe_exit, format_report, launches, read_records, root_cause
 
 
 def run_dir():
@@ -26,9 +27,17 @@ def run_dir():
 
 
 def create_run_dir(path):
-    from ..smb.rundir import create_run_dir as create
+    """The job's run directory, made ready for a new run: job ids start again when a
+    cluster is rebuilt, and a requeued job keeps its id, so what an earlier run left
+    there (its ranks' exit records, its servers' addresses) must not be read as this
+    run's."""
+    from ..smb.rundir import SERVERS_DIR, create_run_dir as create
 
-    return Path(create(Path(path).expanduser().resolve()))
+    path = Path(create(Path(path).expanduser().resolve()))
+    shutil.rmtree(path / LAUNCH_DIR, ignore_errors=True)
+    for stale in (path / SERVERS_DIR).glob("*.json"):
+        stale.unlink(missing_ok=True)
+    return path
 
 
 def process_alive(pid):
