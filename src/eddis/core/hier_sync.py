@@ -71,8 +71,7 @@ class NodeLayout:
 
     @classmethod
     def gather(cls, client, timeout):
-        mapped = [s for s in range(client.num_servers) if client.is_local(s)]
-        everyone = collectives.allgather_object((runtime.hostname(), mapped), timeout=timeout,
+        everyone = collectives.allgather_object((runtime.hostname(), client.mapped_servers()), timeout=timeout,
                                                 what="mode sync: which node and server is every rank on?")
         return cls([h for h, _ in everyone], [m for _, m in everyone])
 
@@ -181,7 +180,7 @@ class HierarchicalSyncReducer(Reducer):
         if self.op == "average":
             weights = weights / node_weight if node_weight > 0 else np.zeros_like(weights)
         requests = []
-        first = self.plan.buckets[k].start
+        first = bucket.start
         for lo, hi in state["pieces"]:
             self._node_sum(k, lo, hi, weights)
             requests.append(self.inter_result[k].reduce_nb(

@@ -129,8 +129,8 @@ class GroupSyncReducer(Reducer):
     def _group_servers(client, comm):
         """The servers on the group's own nodes (collective over the group): its every-step
         reduction then stays off the network between groups; every server when none is."""
-        mapped = [s for s in range(client.num_servers) if client.is_local(s)]
-        everyone = collectives.allgather_object(mapped, comm=comm, what="hybrid: the group's servers")
+        everyone = collectives.allgather_object(client.mapped_servers(), comm=comm,
+                                                what="hybrid: the group's servers")
         return sorted({s for servers in everyone for s in servers}) or None
 
     def _prepare_step(self):

@@ -93,13 +93,13 @@ class SyncReducer(Reducer):
         since an in-slot rank leaves its share's sum in the slots only."""
         choice = settings.get("EDDIS_SYNC_REDUCE")
         client = self.client
-        mapped = all(client.is_local(s) for s in range(client.num_servers))
+        mapped = len(client.mapped_servers()) == client.num_servers
         in_slot = (mapped and self.codec.is_identity and self.plan.movable
                    and len(self.slots_pool.mapped_views(self.rank, 0, self.plan.total)) == 1)
         everyone = collectives.allgather_object((mapped, in_slot), timeout=self.timeout,
                                                 what="mode sync: do all ranks map every SMB server?")
         all_mapped = all(m for m, _ in everyone)
-        if choice in ("server", "hierarchical") or (choice == "auto" and not all_mapped):
+        if choice == "server" or (choice == "auto" and not all_mapped):
             return False, False
         if not all_mapped:
             far = [r for r, (m, _) in enumerate(everyone) if not m]

@@ -168,6 +168,10 @@ class Client:
         """True when server's memory is mapped into this process (same node)."""
         return bool(self.servers[server]["base"])
 
+    def mapped_servers(self):
+        """Indices of the servers whose memory is mapped into this process (this node's)."""
+        return [s for s in range(self.num_servers) if self.is_local(s)]
+
     def check_alive(self, servers, what):
         """Raise SMBConnectionError if any of these servers' connections failed.
 
