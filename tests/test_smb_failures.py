@@ -192,3 +192,48 @@ def test_client_without_servers_times_out(tmp_path, transport):
     # a published address nobody listens on: a connection error, not a hang
     with pytest.raises(SMBError):
         Client(addresses=["127.0.0.1:1"], token="x", timeout=5)
+
+
+@pytest.mark.timeout(120)
+def test_counter_values_outside_int64_are_refused(transport):
+    """Out-of-range operands once raised a bare struct.error (remote) or OverflowError (mapped)."""
+    env, hostnames = transport
+    with LocalServers(1, memory="4M", env=env, hostnames=hostnames) as servers:
+        with Client(servers.run_dir, expected_servers=1, timeout=10) as client:
+            counter = client.counter("c", initial=-2**63)
+            refused = [lambda: counter.fetch_add(2**63), lambda: counter.fetch_add(-2**63 - 1),
+                       lambda: counter.compare_swap(2**63, 0), lambda: counter.compare_swap(0, -2**64),
+                       lambda: client.counter("d", initial=2**63)]
+            for call in refused:
+                with pytest.raises(SMBValueError, match=r"signed 64-bit range -2\*\*63\.\.2\*\*63-1"):
+                    call()
+            # the edges of the range are taken, and nothing refused reached the counter
+            assert counter.read() == -2**63
+            assert counter.fetch_add(2**63 - 1) == -2**63
+            assert counter.compare_swap(-1, 2**63 - 1) == -1
+            assert counter.read() == 2**63 - 1
+
+
+@pytest.mark.timeout(120)
+def test_failed_region_create_leaves_no_region(transport):
+    """A region_create that fails after the region was allocated once left it behind: its
+    memory was lost, and the next create of that name attached to it (ignoring `initial`)."""
+    env, hostnames = transport
+    with LocalServers(1, memory="4M", env=env, hostnames=hostnames) as servers:
+        with Client(servers.run_dir, expected_servers=1, timeout=10) as client:
+            before = client.stats(0)
+            counter_request = {"op": "region_create", "name": "counter:c", "slots": 1, "length": 1,
+                               "dtype": "int64", "meta": {"kind": "counter"}, "initial": 2**63}
+            with pytest.raises(SMBValueError, match="signed 64-bit"):
+                client._control(0, counter_request, "crafted counter create")
+            # `initial` on a float region: refused by the write after the region exists
+            pool_request = {"op": "region_create", "name": "pool:f", "slots": 1, "length": 1024,
+                            "dtype": "float32", "meta": {"length": 1024, "dtype": "float32", "slots": 1},
+                            "initial": 7}
+            with pytest.raises(SMBBoundsError):
+                client._control(0, pool_request, "crafted pool create")
+            after = client.stats(0)
+            assert (after["regions"], after["free_bytes"]) == (before["regions"], before["free_bytes"])
+            assert client.counter("c", initial=5).read() == 5
+            with pytest.raises(SMBKeyError):
+                client.pool("f", 1024, create=False)

@@ -267,6 +267,18 @@ def _parse_address(address):
     return host, int(port)
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def counter_value(value, counter, argument):
+    """``value`` as an int a counter can hold (signed 64-bit), else SMBValueError naming the range."""
+    number = int(value)
+    if not INT64_MIN <= number <= INT64_MAX:
+        raise SMBValueError(f"counter {counter!r}: {argument}={number} is outside a counter's signed "
+                            f"64-bit range -2**63..2**63-1 ({INT64_MIN}..{INT64_MAX})")
+    return number
+
+
 class Counter:
     """A 64-bit counter, atomic across all clients of the job."""
 
@@ -284,7 +296,8 @@ class Counter:
         self.server = int(server)
         info, _ = client._control(self.server, {
             "op": "region_create", "name": "counter:" + name, "slots": 1, "length": 1,
-            "dtype": "int64", "meta": {"kind": "counter"}, "initial": int(initial)}, f"counter {name!r}")
+            "dtype": "int64", "meta": {"kind": "counter"},
+            "initial": counter_value(initial, name, "initial")}, f"counter {name!r}")
         self._rid = info["id"]
         base = client.servers[self.server]["base"]
         self._local = base + info["offset"] if base else 0
@@ -303,17 +316,20 @@ class Counter:
 
     def fetch_add(self, n=1):
         """Add n; returns the value before."""
+        n = counter_value(n, self.name, "fetch_add n")
         if self._local:
             self._check()
-            return self._core.local_fetch_add(self._local, int(n))
-        return self._remote(self._core.COUNTER_FETCH_ADD, int(n))
+            return self._core.local_fetch_add(self._local, n)
+        return self._remote(self._core.COUNTER_FETCH_ADD, n)
 
     def compare_swap(self, expected, desired):
         """Set to desired if it equals expected; returns the value before."""
+        expected = counter_value(expected, self.name, "compare_swap expected")
+        desired = counter_value(desired, self.name, "compare_swap desired")
         if self._local:
             self._check()
-            return self._core.local_compare_swap(self._local, int(expected), int(desired))
-        return self._remote(self._core.COUNTER_COMPARE_SWAP, int(expected), int(desired))
+            return self._core.local_compare_swap(self._local, expected, desired)
+        return self._remote(self._core.COUNTER_COMPARE_SWAP, expected, desired)
 
     def read(self):
         if self._local:

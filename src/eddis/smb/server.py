@@ -288,10 +288,18 @@ class Server:
         if region is None:
             if not q.get("create", True):
                 raise SMBKeyError(f"no region named {name!r} on server {self.index}")
+            initial = _int64(q["initial"], f"region {name!r}: initial") if "initial" in q else None
             region = self._create(name, slots, length, dtype, meta)
             created = True
-            if "initial" in q:
-                self.core.write_int64(region.rid, 0, int(q["initial"]))
+            try:
+                if initial is not None:
+                    self.core.write_int64(region.rid, 0, initial)
+                reply = dict(region.describe(), created=created)
+                return 0, json.dumps(reply).encode() + CONTROL_SEPARATOR + region.rkey
+            except BaseException:
+                # the client gets an error, so no one would ever free this region
+                self._release(region)
+                raise
         elif (region.slots, region.length, region.dtype, region.meta) != (slots, length, dtype, meta):
             raise SMBValueError(
                 f"region {name!r} exists with slots={region.slots} length={region.length} "
@@ -307,13 +315,18 @@ class Server:
         return 0, json.dumps(region.describe()).encode() + CONTROL_SEPARATOR + region.rkey
 
     def _op_region_free(self, conn, req_id, q):
-        region = self.regions.pop(str(q["name"]), None)
+        region = self.regions.get(str(q["name"]))
         if region is None:
             raise SMBKeyError(f"no region named {q['name']!r} on server {self.index}")
+        self._release(region)
+        return 0, b"{}"
+
+    def _release(self, region):
+        """Give a region's memory, UCX registration and index back."""
+        del self.regions[region.name]
         self.core.region_unregister(region.rid)
         self.allocator.release(region.offset, region.span)
         self.free_indices.append(region.index)
-        return 0, b"{}"
 
     def _create(self, name, slots, length, dtype, meta):
         nbytes = slots * length * ITEMSIZE[dtype]
@@ -451,6 +464,14 @@ def _error_reply(exc):
     else:
         status = STATUS_INVALID
     return status, exc.message.encode()
+
+
+def _int64(value, what):
+    """A request's integer that must fit a signed 64-bit counter, else SMBValueError."""
+    number = int(value)
+    if not -(1 << 63) <= number < (1 << 63):
+        raise SMBValueError(f"{what}={number} is outside the signed 64-bit range -2**63..2**63-1")
+    return number
 
 
 def _parse_size(value):
