@@ -33,4 +33,16 @@ def test_nonexistent_partition_fails_before_submitting_and_lists_partitions(slur
 @pytest.mark.timeout(120)
 def test_too_many_gpus_for_the_partition_is_refused(slurm_cluster):
     proc = eddis(slurm_cluster, "submit", "--gpus", "v100:4", "--dry-run", "train.py")
-    assert proc.returncode != 0 and "needs 2 node(s) of partition v100, which has 1" in proc.stderr
+    assert proc.returncode != 0
+    assert ("--gpus v100:4 is more than partition v100 has: 2 v100 GPUs (1 node x 2 per node); "
+            "ask for one of 1, 2") in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_far_too_many_gpus_names_the_partition_size_not_a_node_multiple(slurm_cluster):
+    """a100:99 on the one-node, two-GPU a100 partition once asked for 'a multiple of 50 GPUs'."""
+    proc = eddis(slurm_cluster, "submit", "--gpus", "a100:99", "--dry-run", "train.py")
+    assert proc.returncode != 0
+    assert ("--gpus a100:99 is more than partition a100 has: 2 a100 GPUs (1 node x 2 per node); "
+            "ask for one of 1, 2") in proc.stderr
+    assert "multiple of" not in proc.stderr

@@ -62,6 +62,34 @@ def choose_partition(name, parts: Sequence[Partition]) -> Tuple[Partition, str]:
     return offering[0], name
 
 
+def _partition_size(part, gpu_type):
+    """``2 a100 GPUs (1 node x 2 per node)``: what a partition can give of one GPU type."""
+    per_node = part.gpus_per_node[gpu_type]
+    return (f"{part.nodes * per_node} {gpu_type} GPUs ({part.nodes} node{'s' if part.nodes != 1 else ''} "
+            f"x {per_node} per node)")
+
+
+def _askable(node_count, per_node_max, nodes=None):
+    """The GPU counts a ``--gpus`` entry may ask for: the same number on each node used, on
+    ``nodes`` nodes when the partition has that many, else on as few as hold them (what
+    :func:`plan_components` picks)."""
+    if nodes and nodes <= node_count:
+        counts = [nodes * g for g in range(1, per_node_max + 1)]
+    else:
+        counts = [c for c in range(1, node_count * per_node_max + 1)
+                  if c % math.ceil(c / per_node_max) == 0]
+    runs = []  # consecutive counts as a-b, so a large partition's list stays short
+    for c in counts:
+        if runs and runs[-1][1] == c - 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    words = [f"{a}" if a == b else f"{a}-{b}" if b > a + 1 else f"{a}, {b}" for a, b in runs]
+    if len(words) > 12:
+        words = words[:10] + ["...", words[-1]]
+    return ", ".join(words)
+
+
 def plan_components(gpus: Sequence[Tuple[str, int]], parts: Sequence[Partition],
                     nodes: Optional[Dict[str, int]] = None, default_nodes: Optional[int] = None) -> List[JobComponent]:
     """One JobComponent per requested GPU type: nodes, one rank per GPU."""
@@ -73,20 +101,24 @@ def plan_components(gpus: Sequence[Tuple[str, int]], parts: Sequence[Partition],
             raise ConfigError(f"--gpus: two entries map to partition {part.name}; give the total once")
         used.add(part.name)
         per_node_max = part.gpus_per_node[gpu_type]
-        wanted_nodes = (nodes or {}).get(name, default_nodes)
-        if wanted_nodes is None:
-            wanted_nodes = math.ceil(count / per_node_max)
+        explicit_nodes = (nodes or {}).get(name, default_nodes)
+        size = _partition_size(part, gpu_type)
+        if count > part.nodes * per_node_max:
+            raise ConfigError(f"--gpus {name}:{count} is more than partition {part.name} has: {size}; "
+                              f"ask for one of {_askable(part.nodes, per_node_max, explicit_nodes)}")
+        wanted_nodes = explicit_nodes or math.ceil(count / per_node_max)
+        if wanted_nodes > part.nodes:
+            raise ConfigError(f"--gpus {name}:{count} needs {wanted_nodes} node(s) of partition {part.name}, "
+                              f"which has {part.nodes}. Partitions: {_listing(parts)}")
         if count % wanted_nodes:
-            raise ConfigError(f"--gpus {name}:{count} over {wanted_nodes} node(s) is not a whole number per node; "
-                              f"ask for a multiple of {wanted_nodes} GPUs or other --nodes")
+            raise ConfigError(f"--gpus {name}:{count} over {wanted_nodes} node(s) is not a whole number per node "
+                              f"(partition {part.name} has {size}); ask for one of "
+                              f"{_askable(part.nodes, per_node_max, explicit_nodes)} or other --nodes")
         per_node = count // wanted_nodes
         if per_node > per_node_max:
             raise ConfigError(f"--gpus {name}:{count} on {wanted_nodes} node(s) needs {per_node} GPUs per node, "
                               f"but partition {part.name} has {per_node_max} {gpu_type} per node; "
                               f"use --nodes {math.ceil(count / per_node_max)} or fewer GPUs")
-        if wanted_nodes > part.nodes:
-            raise ConfigError(f"--gpus {name}:{count} needs {wanted_nodes} node(s) of partition {part.name}, "
-                              f"which has {part.nodes}. Partitions: {_listing(parts)}")
         components.append(JobComponent(part.name, nodes=wanted_nodes, tasks_per_node=per_node,
                                        gpu_type=gpu_type, gpus_per_node=per_node))
     return components
