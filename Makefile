@@ -23,7 +23,7 @@ APT_PACKAGES := build-essential pkg-config python3-dev python3-venv \
 	libucx-dev ucx-utils libibverbs-dev librdmacm-dev rdma-core ibverbs-utils lmod \
 	iproute2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-NATIVE_SOURCES := setup.py setup.cfg $(wildcard cython/*.pyx cython/*.pxd cython/*.h)
+NATIVE_SOURCES := setup.py setup.cfg $(wildcard cython/*.pyx cython/*.pxi cython/*.pxd cython/*.h)
 
 .PHONY: test demo setup system-packages cluster cluster-down build clean-build help hugepages
 

@@ -24,6 +24,7 @@ cimport libucp as ucp
 from libucp cimport ucs_status_t, ucs_status_ptr_t
 cimport smb_vecops as vec
 cimport smb_vecpool as vp
+cimport smb_sock as sk
 
 import errno as _errno
 import os as _os
@@ -133,6 +134,8 @@ cpdef enum SmbOp:
     OP_COUNTER = 2
     OP_VECOP = 3
     OP_CONTROL = 4
+    OP_PUT = 5             # socket transport: data into a region, checked by the server
+    OP_GET = 6             # socket transport: data out of a region, checked by the server
 
 cpdef enum CounterOp:
     COUNTER_FETCH_ADD = 0
@@ -159,6 +162,39 @@ cdef packed struct smb_hdr_t:
     uint32_t length        # payload bytes after the header
     uint32_t reserved
     uint64_t req_id
+
+cdef packed struct put_desc_t:     # OP_PUT payload head; the data follows
+    uint32_t region
+    uint32_t reserved
+    uint64_t offset        # bytes from the region's start
+
+cdef packed struct get_desc_t:     # OP_GET payload; the reply carries nbytes of data
+    uint32_t region
+    uint32_t reserved
+    uint64_t offset
+    uint64_t nbytes
+
+# receive phases of a socket connection
+DEF RX_HEADER = 0
+DEF RX_BODY = 1
+DEF RX_DESC = 2
+DEF RX_DATA = 3
+DEF SOCK_MAX_BODY = 64 << 20       # largest request other than a put (control, vector ops)
+DEF SOCK_BUDGET = 4 << 20          # bytes one connection may move per pass of the loop
+DEF SOCK_SCRATCH = 65536
+
+cdef struct sock_rx_t:
+    int phase
+    smb_hdr_t hdr
+    size_t got             # bytes of the header or descriptor read so far
+    put_desc_t desc
+    char *body             # a request's payload (owned)
+    char *dest             # where incoming data lands (NULL: discarded)
+    size_t remaining
+    uint32_t region        # server: the put's region, re-checked while data arrives
+    int status             # server: the put's outcome
+    const char *error
+    int slot               # client: reply slot being filled, or -1
 
 cdef packed struct counter_req_t:
     uint32_t region
@@ -261,6 +297,9 @@ cdef struct server_conn_t:
     void *server            # back pointer for the error callback
     int index
     double opened           # when the connection arrived (HELLO deadline)
+    int fd                  # socket transport: the proven peer's socket (-1: a UCX endpoint)
+    sock_rx_t rx
+    sk.smb_txq_t txq
 
 cdef struct region_t:
     int valid
@@ -295,6 +334,10 @@ cdef struct server_t:
     double hello_timeout    # seconds a new connection has to authenticate
     vp.smb_vecpool_t *vecpool   # reduction threads (NULL before start: the caller alone)
     int reduce_threads
+    int adopt_fds[2]        # socket transport: proven sockets handed over by the handshake
+    sk.pollfd *pfds
+    int *pfd_conns
+    char *scratch           # sink for data of a refused put
 
 
 cdef void _free_cb(void *request, ucs_status_t status, void *user_data) noexcept nogil:
@@ -321,6 +364,8 @@ cdef int server_send_reply(server_t *st, int ci, uint64_t req_id, int status,
     h.req_id = req_id
     if plen:
         memcpy(buf + sizeof(smb_hdr_t), payload, plen)
+    if c.fd >= 0:
+        return sk.smb_txq_push(&c.txq, buf, total, NULL, 0)
     cdef ucp.ucp_request_param_t param
     param.op_attr_mask = (ucp.UCP_OP_ATTR_FIELD_CALLBACK | ucp.UCP_OP_ATTR_FIELD_USER_DATA
                           | ucp.UCP_OP_ATTR_FIELD_FLAGS)
@@ -384,6 +429,7 @@ cdef void _server_conn_request(ucp.ucp_conn_request_h request, void *arg) noexce
     params.err_handler.arg = c
     c.server = st
     c.index = slot
+    c.fd = -1
     c.close_req = NULL
     c.opened = smb_now()
     c.state = CONN_OPEN
@@ -612,6 +658,13 @@ cdef ucs_status_t _server_am_request(void *arg, const void *header, size_t heade
             c.state = CONN_REJECT
             st.pending_close = 1
         return ucp.UCS_OK
+    dispatch_request(st, ci, &h, payload, plen)
+    return ucp.UCS_OK
+
+
+cdef void dispatch_request(server_t *st, int ci, const smb_hdr_t *h, const char *payload,
+                           size_t plen) noexcept nogil:
+    """Run one request of a proven connection (either transport)."""
     if h.op == OP_COUNTER:
         handle_counter(st, ci, h.req_id, payload, plen)
     elif h.op == OP_VECOP:
@@ -620,9 +673,59 @@ cdef ucs_status_t _server_am_request(void *arg, const void *header, size_t heade
         handle_control(st, ci, h.req_id, payload, plen)
     elif h.op == OP_HELLO:
         server_send_reply(st, ci, h.req_id, 0, st.hello_reply, st.hello_reply_len)
+    elif h.op == OP_GET and st.conns[ci].fd >= 0:
+        handle_get(st, ci, h.req_id, payload, plen)
     else:
         server_reply_error(st, ci, h.req_id, ucp.UCS_ERR_INVALID_PARAM, b"unknown request op")
-    return ucp.UCS_OK
+
+
+cdef region_t *checked_span(server_t *st, uint32_t rid, uint64_t offset, uint64_t nbytes,
+                            int *status, const char **error) noexcept nogil:
+    """The region a data request addresses, or NULL with the refusal: a region that
+    was freed (its generation moved on) is gone, never the region now in its place."""
+    cdef region_t *r = get_region(st, rid)
+    if r == NULL:
+        status[0] = ucp.UCS_ERR_NO_ELEM
+        error[0] = b"no such region: it was freed (a stale pool handle?); look the pool up again"
+        return NULL
+    if offset > r.nbytes or nbytes > r.nbytes - offset:
+        status[0] = ucp.UCS_ERR_OUT_OF_RANGE
+        error[0] = b"data request outside the region"
+        return NULL
+    return r
+
+
+cdef void handle_get(server_t *st, int ci, uint64_t req_id, const char *payload,
+                     size_t plen) noexcept nogil:
+    cdef get_desc_t q
+    cdef int status = 0
+    cdef const char *error = NULL
+    cdef region_t *r
+    cdef char *head
+    cdef smb_hdr_t *h
+    if plen != sizeof(get_desc_t):
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"get: malformed request")
+        return
+    memcpy(&q, payload, sizeof(q))
+    r = checked_span(st, q.region, q.offset, q.nbytes, &status, &error)
+    if r == NULL:
+        server_reply_error(st, ci, req_id, status, error)
+        return
+    if q.nbytes >> 32:
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"get: at most 4 GiB per request")
+        return
+    head = <char*>malloc(sizeof(smb_hdr_t))
+    if head == NULL:
+        return
+    h = <smb_hdr_t*>head
+    h.magic = SMB_MAGIC
+    h.op = 0
+    h.status = 0
+    h.length = <uint32_t>q.nbytes
+    h.reserved = 0
+    h.req_id = req_id
+    # the arena itself is the reply's tail: no copy
+    sk.smb_txq_push(&st.conns[ci].txq, head, sizeof(smb_hdr_t), st.arena + r.offset + q.offset, q.nbytes)
 
 
 cdef void drop_silent_conns(server_t *st, double now) noexcept nogil:
@@ -660,6 +763,202 @@ cdef void server_loop(server_t *st) noexcept nogil:
             smb_poll_fd(st.efd, 10 if st.pending_close else 100)
 
 
+# ------------------------------------------------------ server: socket transport
+# A socket reaches this loop only after the handshake (eddis.smb.handshake) proved
+# the job's token on it, so every byte below comes from a peer that knows it; the
+# checks still guard the server against a confused client.
+
+cdef void sock_close_conn(server_t *st, int ci) noexcept nogil:
+    cdef server_conn_t *c = &st.conns[ci]
+    close(c.fd)
+    c.fd = -1
+    free(c.rx.body)
+    c.rx.body = NULL
+    sk.smb_txq_clear(&c.txq)
+    c.state = CONN_FREE
+    c.gen += 1
+
+
+cdef void sock_adopt(server_t *st) noexcept nogil:
+    """Take the proven sockets the handshake thread wrote into the pipe."""
+    cdef int fd, i, slot
+    cdef server_conn_t *c
+    while sk.read(st.adopt_fds[0], &fd, sizeof(fd)) == sizeof(fd):
+        slot = -1
+        for i in range(MAX_CONNS):
+            if st.conns[i].state == CONN_FREE:
+                slot = i
+                break
+        if slot < 0 or st.stop or sk.smb_sock_prepare(fd) != 0:
+            close(fd)
+            st.refused += 1
+            continue
+        c = &st.conns[slot]
+        memset(&c.rx, 0, sizeof(c.rx))
+        c.txq.first = NULL
+        c.txq.last = NULL
+        c.fd = fd
+        c.ep = NULL
+        c.server = st
+        c.index = slot
+        c.opened = smb_now()
+        c.state = CONN_AUTH
+        if slot + 1 > st.conn_hi:
+            st.conn_hi = slot + 1
+
+
+cdef void sock_finish_put(server_t *st, int ci) noexcept nogil:
+    cdef sock_rx_t *rx = &st.conns[ci].rx
+    if rx.status == 0:
+        server_send_reply(st, ci, rx.hdr.req_id, 0, NULL, 0)
+    else:
+        server_reply_error(st, ci, rx.hdr.req_id, rx.status, rx.error)
+    rx.phase = RX_HEADER
+    rx.got = 0
+
+
+cdef long sock_server_rx(server_t *st, int ci) noexcept nogil:
+    """Read and run what connection ci sent; bytes taken, or -1 to close it."""
+    cdef server_conn_t *c = &st.conns[ci]
+    cdef sock_rx_t *rx = &c.rx
+    cdef long n, total = 0
+    cdef region_t *r
+    cdef size_t want
+    while total < SOCK_BUDGET and c.state == CONN_AUTH:
+        if rx.phase == RX_HEADER:
+            n = sk.smb_sock_recv(c.fd, (<char*>&rx.hdr) + rx.got, sizeof(smb_hdr_t) - rx.got)
+            if n <= 0:
+                return n if n < 0 else total
+            total += n
+            rx.got += n
+            if rx.got < sizeof(smb_hdr_t):
+                continue
+            rx.got = 0
+            if rx.hdr.magic != SMB_MAGIC:
+                return -1
+            st.requests += 1
+            if rx.hdr.op == OP_PUT:
+                if rx.hdr.length < sizeof(put_desc_t):
+                    return -1
+                rx.phase = RX_DESC
+            else:
+                if rx.hdr.length > SOCK_MAX_BODY:
+                    return -1
+                rx.body = <char*>malloc(rx.hdr.length + 1)
+                if rx.body == NULL:
+                    return -1
+                rx.phase = RX_BODY
+        elif rx.phase == RX_BODY:
+            if rx.got < rx.hdr.length:
+                n = sk.smb_sock_recv(c.fd, rx.body + rx.got, rx.hdr.length - rx.got)
+                if n <= 0:
+                    return n if n < 0 else total
+                total += n
+                rx.got += n
+                if rx.got < rx.hdr.length:
+                    continue
+            dispatch_request(st, ci, &rx.hdr, rx.body, rx.hdr.length)
+            free(rx.body)
+            rx.body = NULL
+            rx.phase = RX_HEADER
+            rx.got = 0
+        elif rx.phase == RX_DESC:
+            n = sk.smb_sock_recv(c.fd, (<char*>&rx.desc) + rx.got, sizeof(put_desc_t) - rx.got)
+            if n <= 0:
+                return n if n < 0 else total
+            total += n
+            rx.got += n
+            if rx.got < sizeof(put_desc_t):
+                continue
+            rx.got = 0
+            rx.remaining = rx.hdr.length - sizeof(put_desc_t)
+            rx.region = rx.desc.region
+            rx.status = 0
+            rx.error = NULL
+            r = checked_span(st, rx.desc.region, rx.desc.offset, rx.remaining, &rx.status, &rx.error)
+            rx.dest = NULL if r == NULL else st.arena + r.offset + rx.desc.offset
+            rx.phase = RX_DATA
+            if rx.remaining == 0:
+                sock_finish_put(st, ci)
+        else:   # RX_DATA
+            if rx.dest != NULL and get_region(st, rx.region) == NULL:
+                # freed while its data streamed in: the rest must not land in a successor
+                rx.dest = NULL
+                rx.status = ucp.UCS_ERR_NO_ELEM
+                rx.error = b"the region was freed during the write"
+            want = min(rx.remaining, <size_t>(SOCK_BUDGET - total))
+            if rx.dest == NULL:
+                want = min(want, <size_t>SOCK_SCRATCH)
+            n = sk.smb_sock_recv(c.fd, rx.dest if rx.dest != NULL else st.scratch, want)
+            if n <= 0:
+                return n if n < 0 else total
+            total += n
+            rx.remaining -= n
+            if rx.dest != NULL:
+                rx.dest += n
+            if rx.remaining == 0:
+                sock_finish_put(st, ci)
+    return total
+
+
+cdef void server_loop_sock(server_t *st) noexcept nogil:
+    cdef double now, last_busy = 0
+    cdef int i, k, n, ci, timeout
+    cdef long moved
+    cdef int busy
+    cdef server_conn_t *c
+    while not st.stop:
+        st.pfds[0].fd = st.adopt_fds[0]
+        st.pfds[0].events = sk.POLLIN
+        st.pfds[0].revents = 0
+        k = 1
+        for i in range(st.conn_hi):
+            c = &st.conns[i]
+            if c.state == CONN_FREE or c.fd < 0:
+                continue
+            st.pfds[k].fd = c.fd
+            st.pfds[k].events = sk.POLLIN | (sk.POLLOUT if c.txq.first != NULL else 0)
+            st.pfds[k].revents = 0
+            st.pfd_conns[k] = i
+            k += 1
+        now = smb_now()
+        # Requests come in bursts (buckets, counters): poll without sleeping a
+        # little longer, which saves a wakeup per request of a burst.
+        timeout = 0 if now - last_busy < 50e-6 else 100
+        n = sk.poll(st.pfds, k, timeout)
+        if n <= 0:
+            continue
+        busy = 0
+        if st.pfds[0].revents:
+            sock_adopt(st)
+            busy = 1
+        for i in range(1, k):
+            if not st.pfds[i].revents:
+                continue
+            ci = st.pfd_conns[i]
+            c = &st.conns[ci]
+            moved = 0
+            if st.pfds[i].revents & (sk.POLLIN | sk.POLLHUP | sk.POLLERR | sk.POLLNVAL):
+                moved = sock_server_rx(st, ci)
+            if moved >= 0 and c.txq.first != NULL:
+                moved = sk.smb_txq_flush(c.fd, &c.txq, SOCK_BUDGET)
+            if moved < 0:
+                sock_close_conn(st, ci)
+            elif moved > 0:
+                busy = 1
+        # replies a request queued on other connections (a barrier's release)
+        for i in range(st.conn_hi):
+            c = &st.conns[i]
+            if c.state == CONN_AUTH and c.fd >= 0 and c.txq.first != NULL:
+                moved = sk.smb_txq_flush(c.fd, &c.txq, SOCK_BUDGET)
+                if moved < 0:
+                    sock_close_conn(st, i)
+                elif moved > 0:
+                    busy = 1
+        if busy:
+            last_busy = smb_now()
+
+
 cdef class ServerCore:
     """UCX state of one smb-server: arena, listener, region table, request loop."""
     cdef server_t *st
@@ -678,6 +977,8 @@ cdef class ServerCore:
         if self.st.regions == NULL:
             raise MemoryError()
         self.st.efd = -1
+        self.st.adopt_fds[0] = -1
+        self.st.adopt_fds[1] = -1
         self.shm_fd = -1
 
     def __dealloc__(self):
@@ -769,6 +1070,26 @@ cdef class ServerCore:
             close(self.shm_fd)
             self.shm_fd = -1
 
+    def _prepare(self, bytes hello_reply, handler, int reduce_threads):
+        """Reduction threads, HELLO reply and request handler: what both transports need."""
+        if reduce_threads < 1 or reduce_threads > vp.SMB_VECPOOL_MAX_THREADS:
+            raise _errors.ConfigError(
+                f"{reduce_threads} reduction threads: use 1..{vp.SMB_VECPOOL_MAX_THREADS}")
+        if self.st.vecpool == NULL:
+            err = vp.smb_vecpool_create(reduce_threads, &self.st.vecpool)
+            if err != 0:
+                raise _errors.from_errno(
+                    err, f"cannot start {reduce_threads} reduction threads: {_os.strerror(err)}; "
+                         "use fewer (SMB_REDUCE_THREADS / smb-server --reduce-threads)")
+        self.st.reduce_threads = reduce_threads
+        self.st.hello_reply = <char*>malloc(len(hello_reply) + 1)
+        if self.st.hello_reply == NULL:
+            raise MemoryError()
+        memcpy(self.st.hello_reply, <const char*>hello_reply, len(hello_reply))
+        self.st.hello_reply_len = len(hello_reply)
+        self.handler = handler
+        self.st.py_handler = <void*>handler
+
     def start(self, str host, int port, bytes token, bytes hello_reply, handler,
               double hello_timeout=30.0, int reduce_threads=1):
         """Create the reduction threads, context, worker and listener; returns the port
@@ -782,24 +1103,10 @@ cdef class ServerCore:
         cdef sockaddr_in addr
         if len(token) == 0 or len(token) > 255:
             raise _errors.SMBValueError("job token must be 1..255 bytes; recreate the run directory")
-        if reduce_threads < 1 or reduce_threads > vp.SMB_VECPOOL_MAX_THREADS:
-            raise _errors.ConfigError(
-                f"{reduce_threads} reduction threads: use 1..{vp.SMB_VECPOOL_MAX_THREADS}")
-        if self.st.vecpool == NULL:
-            err = vp.smb_vecpool_create(reduce_threads, &self.st.vecpool)
-            if err != 0:
-                raise _errors.from_errno(
-                    err, f"cannot start {reduce_threads} reduction threads: {_os.strerror(err)}; "
-                         "use fewer (SMB_REDUCE_THREADS / smb-server --reduce-threads)")
-        self.st.reduce_threads = reduce_threads
-        self.st.hello_timeout = hello_timeout
         memcpy(self.st.token, <const char*>token, len(token))
         self.st.token_len = len(token)
-        self.st.hello_reply = <char*>malloc(len(hello_reply) + 1)
-        memcpy(self.st.hello_reply, <const char*>hello_reply, len(hello_reply))
-        self.st.hello_reply_len = len(hello_reply)
-        self.handler = handler
-        self.st.py_handler = <void*>handler
+        self.st.hello_timeout = hello_timeout
+        self._prepare(hello_reply, handler, reduce_threads)
         CHKERR(ucp.ucp_config_read(NULL, NULL, &config), "ucp_config_read")
         params.field_mask = ucp.UCP_PARAM_FIELD_FEATURES
         params.features = ucp.UCP_FEATURE_RMA | ucp.UCP_FEATURE_AM | ucp.UCP_FEATURE_WAKEUP
@@ -835,9 +1142,36 @@ cdef class ServerCore:
         self.port = ntohs((<sockaddr_in*>&lattr.sockaddr).sin_port)
         return self.port
 
+    def start_sockets(self, bytes hello_reply, handler, int reduce_threads=1):
+        """Serve over the socket transport: the caller proves each peer's token
+        (eddis.smb.handshake) and hands the socket over with adopt_socket().
+        No UCX context exists, so no port but the caller's own listens."""
+        self._prepare(hello_reply, handler, reduce_threads)
+        self.st.pfds = <sk.pollfd*>calloc(MAX_CONNS + 1, sizeof(sk.pollfd))
+        self.st.pfd_conns = <int*>calloc(MAX_CONNS + 1, sizeof(int))
+        self.st.scratch = <char*>malloc(SOCK_SCRATCH)
+        if self.st.pfds == NULL or self.st.pfd_conns == NULL or self.st.scratch == NULL:
+            raise MemoryError()
+        if sk.smb_pipe_nonblocking(self.st.adopt_fds) != 0:
+            err = smb_errno()
+            raise _errors.from_errno(err, f"cannot create the socket hand-over pipe: {_os.strerror(err)}")
+        self.started = 1
+
+    def adopt_socket(self, int fd):
+        """Give a proven connection's socket to the request loop, which owns it from now on."""
+        if self.st.adopt_fds[1] < 0 or self.st.stop:
+            close(fd)
+            raise _errors.UsageError("the SMB server core is not serving sockets")
+        if sk.write(self.st.adopt_fds[1], &fd, sizeof(fd)) != sizeof(fd):
+            close(fd)
+            raise _errors.SMBConnectionError("cannot hand a connection to the request loop")
+
     def _run(self):
         with nogil:
-            server_loop(self.st)
+            if self.st.worker != NULL:
+                server_loop(self.st)
+            else:
+                server_loop_sock(self.st)
 
     def run_in_thread(self):
         self.thread = _threading.Thread(target=self._run, name="smb-server-progress", daemon=True)
@@ -856,6 +1190,13 @@ cdef class ServerCore:
         if self.thread is not None:
             self.thread.join(10)
             self.thread = None
+        for i in range(self.st.conn_hi):
+            if self.st.conns[i].state != CONN_FREE and self.st.conns[i].fd >= 0:
+                sock_close_conn(self.st, i)
+        for i in range(2):
+            if self.st.adopt_fds[i] >= 0:
+                close(self.st.adopt_fds[i])
+                self.st.adopt_fds[i] = -1
         # after the request loop: it is the only thread that hands work to the pool
         self._stop_reduce_threads()
         if self.st.listener != NULL:
@@ -870,7 +1211,8 @@ cdef class ServerCore:
                     server_close_conns(self.st, False)
         for i in range(MAX_REGIONS):
             if self.st.regions[i].valid:
-                ucp.ucp_mem_unmap(self.st.context, self.st.regions[i].memh)
+                if self.st.context != NULL:
+                    ucp.ucp_mem_unmap(self.st.context, self.st.regions[i].memh)
                 self.st.regions[i].valid = 0
         if self.st.worker != NULL:
             ucp.ucp_worker_destroy(self.st.worker)
@@ -906,16 +1248,19 @@ cdef class ServerCore:
             with nogil:
                 memset(start, 0, dirty_end - offset)
         self.touched_end = max(self.touched_end, offset + nbytes)
-        mp.field_mask = ucp.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | ucp.UCP_MEM_MAP_PARAM_FIELD_LENGTH
-        mp.address = self.st.arena + offset
-        mp.length = nbytes if nbytes else 1
-        CHKERR(ucp.ucp_mem_map(self.st.context, &mp, &r.memh), "ucp_mem_map")
-        status = ucp.ucp_rkey_pack(self.st.context, r.memh, &rkey_buf, &rkey_len)
-        if status != ucp.UCS_OK:
-            ucp.ucp_mem_unmap(self.st.context, r.memh)
-            CHKERR(status, "ucp_rkey_pack")
-        rkey = PyBytes_FromStringAndSize(<char*>rkey_buf, rkey_len)
-        ucp.ucp_rkey_buffer_release(rkey_buf)
+        rkey = b""
+        if self.st.context != NULL:
+            # UCX transport: remote peers reach the region one-sidedly through its key
+            mp.field_mask = ucp.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | ucp.UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            mp.address = self.st.arena + offset
+            mp.length = nbytes if nbytes else 1
+            CHKERR(ucp.ucp_mem_map(self.st.context, &mp, &r.memh), "ucp_mem_map")
+            status = ucp.ucp_rkey_pack(self.st.context, r.memh, &rkey_buf, &rkey_len)
+            if status != ucp.UCS_OK:
+                ucp.ucp_mem_unmap(self.st.context, r.memh)
+                CHKERR(status, "ucp_rkey_pack")
+            rkey = PyBytes_FromStringAndSize(<char*>rkey_buf, rkey_len)
+            ucp.ucp_rkey_buffer_release(rkey_buf)
         r.offset = offset
         r.nbytes = nbytes
         r.slots = slots
@@ -932,7 +1277,8 @@ cdef class ServerCore:
         if r == NULL:
             raise _errors.SMBKeyError(f"no region with id {rid}")
         r.valid = 0
-        ucp.ucp_mem_unmap(self.st.context, r.memh)
+        if self.st.context != NULL:
+            ucp.ucp_mem_unmap(self.st.context, r.memh)
 
     def write_int64(self, uint32_t rid, uint64_t index, int64_t value):
         cdef region_t *r = get_region(self.st, rid)
@@ -999,17 +1345,27 @@ cdef struct reply_slot_t:
     int status
     char *data
     size_t length
+    char *dest              # socket get: the reply's data lands here, not in `data`
+    size_t dest_len
 
 cdef struct client_conn_t:
     ucp.ucp_ep_h ep
     int failed
     int status
     int closed
+    int fd                  # socket transport (-1: a UCX endpoint)
+    sock_rx_t rx
+    sk.smb_txq_t txq
 
 cdef struct client_t:
     ucp.ucp_context_h context
-    ucp.ucp_worker_h worker
+    ucp.ucp_worker_h worker     # NULL on the socket transport
     reply_slot_t slots[REPLY_SLOTS]
+    # socket transport: posting threads and the progressing thread share the queues
+    sk.pthread_mutex_t io_lock
+    sk.pollfd pfds[MAX_CONNS]
+    int pfd_conns[MAX_CONNS]
+    char scratch[SOCK_SCRATCH]
 
 
 cdef ucs_status_t _client_am_reply(void *arg, const void *header, size_t header_length,
@@ -1050,6 +1406,120 @@ cdef void _client_ep_error(void *arg, ucp.ucp_ep_h ep, ucs_status_t status) noex
     smb_store_int(&c.failed, 1)
 
 
+# ------------------------------------------------------ client: socket transport
+cdef void client_sock_fail(client_conn_t *c, int status) noexcept nogil:
+    """The server is gone (or timed out): waits on it fail, queued frames are dropped."""
+    if not smb_load_int(&c.failed):
+        c.status = status
+        smb_store_int(&c.failed, 1)
+    sk.shutdown(c.fd, sk.SHUT_RDWR)
+    sk.smb_txq_clear(&c.txq)
+
+
+cdef long client_sock_rx(client_t *cl, client_conn_t *c) noexcept nogil:
+    """Read replies into their slots (a get's data straight into its buffer); -1: lost."""
+    cdef sock_rx_t *rx = &c.rx
+    cdef long n, total = 0
+    cdef uint32_t idx
+    cdef reply_slot_t *s
+    cdef size_t want
+    while total < SOCK_BUDGET:
+        if rx.phase == RX_HEADER:
+            n = sk.smb_sock_recv(c.fd, (<char*>&rx.hdr) + rx.got, sizeof(smb_hdr_t) - rx.got)
+            if n <= 0:
+                return n if n < 0 else total
+            total += n
+            rx.got += n
+            if rx.got < sizeof(smb_hdr_t):
+                continue
+            rx.got = 0
+            if rx.hdr.magic != SMB_MAGIC:
+                return -1
+            rx.slot = -1
+            rx.dest = NULL
+            rx.remaining = rx.hdr.length
+            idx = rx.hdr.req_id & 0xFFFF
+            if idx < REPLY_SLOTS:
+                s = &cl.slots[idx]
+                # a late reply to a request given up on finds its slot moved on: discarded
+                if s.gen == <uint32_t>(rx.hdr.req_id >> 16) and smb_cas_int(&s.state, SLOT_PENDING,
+                                                                             SLOT_FILLING):
+                    rx.slot = idx
+                    s.status = rx.hdr.status
+                    s.data = NULL
+                    s.length = 0
+                    if s.dest != NULL and rx.hdr.status == 0:
+                        if rx.hdr.length == s.dest_len:
+                            rx.dest = s.dest
+                        else:
+                            s.status = ucp.UCS_ERR_IO_ERROR
+                    elif rx.hdr.length:
+                        s.data = <char*>malloc(rx.hdr.length)
+                        if s.data == NULL:
+                            s.status = ucp.UCS_ERR_NO_MEMORY
+                        else:
+                            s.length = rx.hdr.length
+                            rx.dest = s.data
+            rx.phase = RX_DATA
+        else:
+            if rx.remaining:
+                want = min(rx.remaining, <size_t>(SOCK_BUDGET - total))
+                if rx.dest == NULL:
+                    want = min(want, <size_t>SOCK_SCRATCH)
+                n = sk.smb_sock_recv(c.fd, rx.dest if rx.dest != NULL else cl.scratch, want)
+                if n <= 0:
+                    return n if n < 0 else total
+                total += n
+                rx.remaining -= n
+                if rx.dest != NULL:
+                    rx.dest += n
+                if rx.remaining:
+                    continue
+            if rx.slot >= 0:
+                smb_store_int(&cl.slots[rx.slot].state, SLOT_DONE)
+            rx.slot = -1
+            rx.dest = NULL
+            rx.phase = RX_HEADER
+    return total
+
+
+cdef long client_sock_progress(client_t *cl, client_conn_t *conns, int nconns,
+                               int timeout_ms) noexcept nogil:
+    """One pass over the sockets; another thread already progressing them makes it a no-op."""
+    cdef int i, k = 0
+    cdef long moved, total = 0
+    cdef client_conn_t *c
+    cdef short revents
+    if sk.pthread_mutex_trylock(&cl.io_lock) != 0:
+        return 0
+    for i in range(nconns):
+        c = &conns[i]
+        if c.fd < 0 or smb_load_int(&c.failed):
+            continue
+        cl.pfds[k].fd = c.fd
+        cl.pfds[k].events = sk.POLLIN | (sk.POLLOUT if c.txq.first != NULL else 0)
+        cl.pfds[k].revents = 0
+        cl.pfd_conns[k] = i
+        k += 1
+    if k and sk.poll(cl.pfds, k, timeout_ms) > 0:
+        for i in range(k):
+            revents = cl.pfds[i].revents
+            if not revents:
+                continue
+            c = &conns[cl.pfd_conns[i]]
+            moved = 0
+            if revents & (sk.POLLIN | sk.POLLHUP | sk.POLLERR | sk.POLLNVAL):
+                moved = client_sock_rx(cl, c)
+            if moved >= 0 and c.txq.first != NULL:
+                moved = sk.smb_txq_flush(c.fd, &c.txq, SOCK_BUDGET)
+            if moved < 0:
+                client_sock_fail(c, ucp.UCS_ERR_CONNECTION_RESET)
+            else:
+                total += moved
+    sk.pthread_mutex_unlock(&cl.io_lock)
+    return total
+
+
 # wait results
 DEF WAIT_DONE = 0
 DEF WAIT_TIMEOUT = 1
@@ -1075,6 +1545,7 @@ cdef class Pending:
     cdef int cap
     cdef uint64_t *slot_ids
     cdef int *slot_conns
+    cdef char *slot_xfer           # 1: the slot is a socket put/get (a data transfer)
     cdef int nslot
     cdef int slot_cap
     cdef ClientCore core
@@ -1101,12 +1572,21 @@ cdef class Pending:
                     self.keep = None
                 ucp.ucp_request_free(self.reqs[i])   # released by UCX once it completes
         if self.core is not None:
+            if self.keep is not None and live:
+                for i in range(self.nslot):
+                    if self.slot_xfer[i] and smb_load_int(
+                            &self.core.cl.slots[self.slot_ids[i] & 0xFFFF].state) != SLOT_DONE:
+                        # a put may still be queued on its socket, borrowing the buffer
+                        _ABANDONED_BUFFERS.append(self.keep)
+                        self.keep = None
+                        break
             for i in range(self.nslot):
                 self.core.release_slot(self.slot_ids[i])
         free(self.reqs)
         free(self.req_conns)
         free(self.slot_ids)
         free(self.slot_conns)
+        free(self.slot_xfer)
 
     cdef int add_request(self, ucs_status_ptr_t p, int conn) except -1:
         if p == NULL:
@@ -1125,13 +1605,15 @@ cdef class Pending:
         self.nreq += 1
         return 0
 
-    cdef int add_slot(self, uint64_t slot_id, int conn) except -1:
+    cdef int add_slot(self, uint64_t slot_id, int conn, bint transfer=False) except -1:
         if self.nslot == self.slot_cap:
             self.slot_cap = self.slot_cap * 2 + 4
             self.slot_ids = <uint64_t*>realloc_or_raise(self.slot_ids, self.slot_cap * sizeof(uint64_t))
             self.slot_conns = <int*>realloc_or_raise(self.slot_conns, self.slot_cap * sizeof(int))
+            self.slot_xfer = <char*>realloc_or_raise(self.slot_xfer, self.slot_cap)
         self.slot_ids[self.nslot] = slot_id
         self.slot_conns[self.nslot] = conn
+        self.slot_xfer[self.nslot] = transfer
         self.nslot += 1
         return 0
 
@@ -1168,7 +1650,7 @@ cdef class Pending:
         self.core._enter()
         try:
             with nogil:
-                ucp.ucp_worker_progress(self.core.cl.worker)
+                self.core._progress(0)
                 r = self._poll()
         finally:
             self.core._leave()
@@ -1186,7 +1668,7 @@ cdef class Pending:
                 if smb_load_int(&self.core.closing):
                     result = WAIT_CLOSED
                     break
-                n = ucp.ucp_worker_progress(self.core.cl.worker)
+                n = self.core._progress(1 if idle >= 256 else 0)
                 # Even after an error, wait for the other transfers: a get still
                 # in flight would otherwise land in a buffer the caller reuses.
                 if self._poll():
@@ -1217,19 +1699,23 @@ cdef class Pending:
 
     @property
     def has_transfers(self):
-        return self.nreq > 0
+        return self.nreq > 0 or any(self.slot_xfer[i] for i in range(self.nslot))
 
     def inflight_conns(self):
         """Connections with transfers still in progress."""
-        return sorted({self.req_conns[i] for i in range(self.nreq) if self.reqs[i] != NULL
-                       and ucp.ucp_request_check_status(self.reqs[i]) == ucp.UCS_INPROGRESS})
+        conns = {self.req_conns[i] for i in range(self.nreq) if self.reqs[i] != NULL
+                 and ucp.ucp_request_check_status(self.reqs[i]) == ucp.UCS_INPROGRESS}
+        conns.update(self.slot_conns[i] for i in range(self.nslot) if self.slot_xfer[i] and smb_load_int(
+            &self.core.cl.slots[self.slot_ids[i] & 0xFFFF].state) != SLOT_DONE)
+        return sorted(conns)
 
     def slot_conns_list(self):
         return [self.slot_conns[i] for i in range(self.nslot)]
 
 
 cdef class ClientCore:
-    """One client's UCX context and worker, its endpoints and remote keys."""
+    """One client's connections to its servers: proven sockets (the default), or a UCX
+    context and worker with endpoints and remote keys (``ucx=True``)."""
     cdef client_t *cl
     cdef client_conn_t *conns
     cdef int nconns
@@ -1243,7 +1729,7 @@ cdef class ClientCore:
     cdef int active
     cdef int closing
 
-    def __cinit__(self):
+    def __cinit__(self, bint ucx=False):
         cdef ucp.ucp_config_t *config = NULL
         cdef ucp.ucp_params_t params
         cdef ucp.ucp_worker_params_t wparams
@@ -1252,10 +1738,15 @@ cdef class ClientCore:
         self.conns = <client_conn_t*>calloc(MAX_CONNS, sizeof(client_conn_t))
         if self.cl == NULL or self.conns == NULL:
             raise MemoryError()
+        for i in range(MAX_CONNS):
+            self.conns[i].fd = -1
+        sk.pthread_mutex_init(&self.cl.io_lock, NULL)
         self.free_slots = list(range(REPLY_SLOTS - 1, -1, -1))
         self.slot_lock = _threading.Lock()
         self.rkeys = {}
         self.maps = []
+        if not ucx:
+            return
         CHKERR(ucp.ucp_config_read(NULL, NULL, &config), "ucp_config_read")
         params.field_mask = ucp.UCP_PARAM_FIELD_FEATURES
         params.features = ucp.UCP_FEATURE_RMA | ucp.UCP_FEATURE_AM
@@ -1286,6 +1777,72 @@ cdef class ClientCore:
     cdef void _leave(self) noexcept:
         smb_fetch_add_int(&self.active, -1)
 
+    cdef unsigned _progress(self, int timeout_ms) noexcept nogil:
+        """Move what can move on every connection; non-zero when something did."""
+        if self.cl.worker != NULL:
+            return ucp.ucp_worker_progress(self.cl.worker)
+        return client_sock_progress(self.cl, self.conns, self.nconns, timeout_ms) > 0
+
+    @property
+    def uses_ucx(self):
+        return self.cl != NULL and self.cl.worker != NULL
+
+    def adopt_socket(self, int fd):
+        """Take a socket on which the handshake proved the token; returns its connection index."""
+        self._check_open()
+        if self.cl.worker != NULL:
+            close(fd)
+            raise _errors.UsageError("this client core speaks UCX; it takes no sockets")
+        if self.nconns >= MAX_CONNS:
+            close(fd)
+            raise _errors.SMBValueError("too many SMB servers for one client (1024)")
+        if sk.smb_sock_prepare(fd) != 0:
+            err = smb_errno()
+            close(fd)
+            raise _errors.from_errno(err, f"cannot use the server connection: {_os.strerror(err)}")
+        cdef int ci = self.nconns
+        memset(&self.conns[ci], 0, sizeof(client_conn_t))
+        self.conns[ci].fd = fd
+        self.conns[ci].rx.slot = -1
+        self.nconns += 1
+        return ci
+
+    cdef int _sock_send(self, int ci, char *head, size_t head_len, const char *data,
+                        size_t data_len) except -1:
+        """Queue a frame (head owned, data borrowed until the reply) and send what fits now."""
+        cdef client_conn_t *c = &self.conns[ci]
+        cdef int rc = 0
+        cdef long moved
+        with nogil:
+            sk.pthread_mutex_lock(&self.cl.io_lock)
+            if smb_load_int(&c.failed):
+                free(head)   # the wait on its reply reports the lost server
+            else:
+                rc = sk.smb_txq_push(&c.txq, head, head_len, data, data_len)
+                if rc == 0:
+                    moved = sk.smb_txq_flush(c.fd, &c.txq, SOCK_BUDGET)
+                    if moved < 0:
+                        client_sock_fail(c, ucp.UCS_ERR_CONNECTION_RESET)
+            sk.pthread_mutex_unlock(&self.cl.io_lock)
+        if rc != 0:
+            raise MemoryError()
+        return 0
+
+    cdef char *_data_head(self, int op, uint64_t slot_id, size_t length, const void *desc,
+                          size_t desc_len) except NULL:
+        cdef char *head = <char*>malloc(sizeof(smb_hdr_t) + desc_len)
+        if head == NULL:
+            raise MemoryError()
+        cdef smb_hdr_t *h = <smb_hdr_t*>head
+        h.magic = SMB_MAGIC
+        h.op = op
+        h.status = 0
+        h.length = <uint32_t>length
+        h.reserved = 0
+        h.req_id = slot_id
+        memcpy(head + sizeof(smb_hdr_t), desc, desc_len)
+        return head
+
     def close(self):
         """Destroy remote keys, close endpoints, release the worker and context."""
         cdef int i
@@ -1306,6 +1863,11 @@ cdef class ClientCore:
             munmap(<void*><uintptr_t>addr, size)
         self.maps = []
         for i in range(self.nconns):
+            if self.conns[i].fd >= 0:
+                sk.smb_txq_clear(&self.conns[i].txq)
+                close(self.conns[i].fd)
+                self.conns[i].fd = -1
+                self.conns[i].closed = 1
             if self.conns[i].closed:
                 continue
             self.conns[i].closed = 1
@@ -1320,8 +1882,10 @@ cdef class ClientCore:
                 if ucp.ucp_request_check_status(p) == ucp.UCS_INPROGRESS:
                     ucp.ucp_request_cancel(self.cl.worker, p)
                 ucp.ucp_request_free(p)
-        ucp.ucp_worker_destroy(self.cl.worker)
-        ucp.ucp_cleanup(self.cl.context)
+        if self.cl.worker != NULL:
+            ucp.ucp_worker_destroy(self.cl.worker)
+            ucp.ucp_cleanup(self.cl.context)
+        sk.pthread_mutex_destroy(&self.cl.io_lock)
         for i in range(REPLY_SLOTS):
             free(self.cl.slots[i].data)
         free(self.cl)
@@ -1335,8 +1899,10 @@ cdef class ClientCore:
         return 0
 
     def connect(self, str host, int port):
-        """Create an endpoint to host:port; returns its connection index."""
+        """Create a UCX endpoint to host:port; returns its connection index."""
         self._check_open()
+        if self.cl.worker == NULL:
+            raise _errors.UsageError("this client core uses sockets: connect through adopt_socket()")
         cdef ucp.ucp_ep_params_t params
         cdef sockaddr_in addr
         if self.nconns >= MAX_CONNS:
@@ -1362,10 +1928,10 @@ cdef class ClientCore:
         return ci
 
     def progress(self):
-        """Progress the worker once (lets UCX report a dead peer)."""
+        """Progress once (lets the transport report a dead peer)."""
         self._enter()
         with nogil:
-            ucp.ucp_worker_progress(self.cl.worker)
+            self._progress(0)
         self._leave()
 
     def conn_failed(self, int ci):
@@ -1378,6 +1944,11 @@ cdef class ClientCore:
         """Give up on a server (a transfer to it timed out): purge its requests."""
         cdef ucp.ucp_request_param_t param
         if self.conns == NULL or self.conns[ci].closed:
+            return
+        if self.conns[ci].fd >= 0:
+            sk.pthread_mutex_lock(&self.cl.io_lock)
+            client_sock_fail(&self.conns[ci], ucp.UCS_ERR_TIMED_OUT)
+            sk.pthread_mutex_unlock(&self.cl.io_lock)
             return
         self.conns[ci].closed = 1
         self.conns[ci].status = ucp.UCS_ERR_TIMED_OUT
@@ -1398,18 +1969,31 @@ cdef class ClientCore:
         s.gen = <uint32_t>(s.gen + 1)
         s.data = NULL
         s.length = 0
+        s.dest = NULL
+        s.dest_len = 0
         s.status = 0
         smb_store_int(&s.state, SLOT_PENDING)
         return (<uint64_t>s.gen << 16) | idx
 
     def release_slot(self, uint64_t slot_id):
         cdef int idx = slot_id & 0xFFFF
+        cdef int i
         cdef reply_slot_t *s
         if self.cl == NULL:
             return
         s = &self.cl.slots[idx]
         if s.gen != <uint32_t>(slot_id >> 16):
             return
+        if self.cl.worker == NULL:
+            # A socket reply may be half read into this slot: the rest is discarded.
+            with nogil:
+                sk.pthread_mutex_lock(&self.cl.io_lock)
+                for i in range(self.nconns):
+                    if self.conns[i].fd >= 0 and self.conns[i].rx.slot == idx:
+                        self.conns[i].rx.slot = -1
+                        self.conns[i].rx.dest = NULL
+                        smb_store_int(&s.state, SLOT_DONE)
+                sk.pthread_mutex_unlock(&self.cl.io_lock)
         # A reply may be landing right now: claim the slot or wait for it to finish.
         while not smb_cas_int(&s.state, SLOT_PENDING, SLOT_FREE):
             if smb_load_int(&s.state) == SLOT_DONE:
@@ -1420,6 +2004,7 @@ cdef class ClientCore:
         s.gen = <uint32_t>(s.gen + 1)
         free(s.data)
         s.data = NULL
+        s.dest = NULL
         with self.slot_lock:
             self.free_slots.append(idx)
 
@@ -1456,6 +2041,9 @@ cdef class ClientCore:
         param.flags = ucp.UCP_AM_SEND_FLAG_REPLY | ucp.UCP_AM_SEND_FLAG_EAGER
         param.cb.send = _free_cb
         param.user_data = buf
+        if self.conns[ci].fd >= 0:
+            self._sock_send(ci, buf, total, NULL, 0)
+            return
         cdef ucp.ucp_ep_h ep = self.conns[ci].ep
         cdef ucs_status_ptr_t p
         if self.conns[ci].failed:
@@ -1490,9 +2078,28 @@ cdef class ClientCore:
             ucp.ucp_rkey_destroy(<ucp.ucp_rkey_h><uintptr_t>handle)
 
     def post_put(self, Pending pending, int ci, uintptr_t local, size_t nbytes,
-                 uint64_t remote, uintptr_t rkey):
+                 uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey):
+        """Write nbytes at `local` to region rid at byte `offset` (socket: a checked
+        request per GiB; UCX: a one-sided put to `remote` with `rkey`)."""
         cdef ucp.ucp_request_param_t param
         cdef ucs_status_ptr_t p
+        cdef put_desc_t desc
+        cdef size_t done = 0, piece
+        cdef uint64_t slot_id
+        if self.conns[ci].fd >= 0:
+            self._check_open()
+            while True:
+                piece = min(nbytes - done, <size_t>(1 << 30))
+                slot_id = self._alloc_slot()
+                pending.add_slot(slot_id, ci, True)
+                desc.region = rid
+                desc.reserved = 0
+                desc.offset = offset + done
+                self._sock_send(ci, self._data_head(OP_PUT, slot_id, sizeof(desc) + piece, &desc, sizeof(desc)),
+                                sizeof(smb_hdr_t) + sizeof(desc), <const char*>(local + done), piece)
+                done += piece
+                if done >= nbytes:
+                    return
         self._enter()
         cdef ucp.ucp_ep_h ep = self.conns[ci].ep
         param.op_attr_mask = 0
@@ -1502,9 +2109,32 @@ cdef class ClientCore:
         pending.add_request(p, ci)
 
     def post_get(self, Pending pending, int ci, uintptr_t local, size_t nbytes,
-                 uint64_t remote, uintptr_t rkey):
+                 uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey):
+        """Read nbytes of region rid at byte `offset` into `local` (see post_put)."""
         cdef ucp.ucp_request_param_t param
         cdef ucs_status_ptr_t p
+        cdef get_desc_t desc
+        cdef size_t done = 0, piece
+        cdef uint64_t slot_id
+        cdef reply_slot_t *s
+        if self.conns[ci].fd >= 0:
+            self._check_open()
+            while True:
+                piece = min(nbytes - done, <size_t>(1 << 30))
+                slot_id = self._alloc_slot()
+                s = &self.cl.slots[slot_id & 0xFFFF]
+                s.dest = <char*>(local + done)
+                s.dest_len = piece
+                pending.add_slot(slot_id, ci, True)
+                desc.region = rid
+                desc.reserved = 0
+                desc.offset = offset + done
+                desc.nbytes = piece
+                self._sock_send(ci, self._data_head(OP_GET, slot_id, sizeof(desc), &desc, sizeof(desc)),
+                                sizeof(smb_hdr_t) + sizeof(desc), NULL, 0)
+                done += piece
+                if done >= nbytes:
+                    return
         self._enter()
         cdef ucp.ucp_ep_h ep = self.conns[ci].ep
         param.op_attr_mask = 0
@@ -1514,9 +2144,12 @@ cdef class ClientCore:
         pending.add_request(p, ci)
 
     def post_flush(self, Pending pending, int ci):
-        """Remote completion of earlier puts on ci (puts complete locally first)."""
+        """Remote completion of earlier puts on ci (puts complete locally first;
+        a socket put completes only when the server acknowledged it)."""
         cdef ucp.ucp_request_param_t param
         cdef ucs_status_ptr_t p
+        if self.conns[ci].fd >= 0:
+            return
         self._enter()
         cdef ucp.ucp_ep_h ep = self.conns[ci].ep
         param.op_attr_mask = 0

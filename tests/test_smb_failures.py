@@ -2,10 +2,11 @@
 
 Each refusal must give the documented error and leave the server serving
 others; a SIGKILLed server must give clients an error, never a hang. Both
-transports: UCX over TCP between fake nodes, and the same-node path.
+transports between fake nodes (proven sockets, and UCX over TCP), and the same-node path.
 """
 import os
 import signal
+import socket
 import time
 
 import numpy as np
@@ -19,7 +20,9 @@ from eddis.smb.protocol import COUNTER_REQUEST, VEC_REQUEST, VEC_SOURCE
 from eddis.smb.testing import LocalServers
 
 TRANSPORTS = {
-    "ucx-tcp": ({"UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"}, ["smb-node0", "smb-node1"], "client-node"),
+    "socket": ({"SMB_LOCAL_MAP": "0"}, ["smb-node0", "smb-node1"], "client-node"),
+    "ucx-tcp": ({"SMB_TRANSPORT": "ucx", "UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"}, ["smb-node0", "smb-node1"],
+                "client-node"),
     "same-node": ({"SMB_LOCAL_MAP": "1"}, None, None),
 }
 
@@ -157,21 +160,28 @@ def test_sigterm_stops_cleanly_every_time(transport):
 
 @pytest.mark.timeout(60)
 def test_silent_connection_is_dropped(tmp_path, transport):
-    """A connection that never says HELLO is closed after the server's hello_timeout."""
+    """A connection that never proves the token is closed after the server's hello_timeout."""
     from eddis.smb import Server, create_run_dir
 
     run_dir = create_run_dir(tmp_path / "run")
     server = Server(run_dir, memory=1 << 20, host="127.0.0.1", hello_timeout=0.5).start()
     try:
-        silent = _core.ClientCore()
-        conn = silent.connect("127.0.0.1", server.port)
-        deadline = time.monotonic() + 20
-        while not silent.conn_failed(conn) and time.monotonic() < deadline:
-            silent.progress()
-            time.sleep(0.01)
-        assert silent.conn_failed(conn)
-        silent.close()
-        assert server.core.stats["refused"] == 1
+        if server.transport == "ucx":
+            silent = _core.ClientCore(ucx=True)
+            conn = silent.connect("127.0.0.1", server.port)
+            deadline = time.monotonic() + 20
+            while not silent.conn_failed(conn) and time.monotonic() < deadline:
+                silent.progress()
+                time.sleep(0.01)
+            assert silent.conn_failed(conn)
+            silent.close()
+            assert server.core.stats["refused"] == 1
+        else:
+            with socket.create_connection(("127.0.0.1", server.port), timeout=20) as silent:
+                challenge = silent.recv(64)          # the challenge, then nothing until dropped
+                assert challenge.startswith(b"EDDIS-SMB/")
+                assert silent.recv(64) == b""
+            assert server.gate.stats["dropped_silent"] == 1
         with Client(run_dir, expected_servers=1, timeout=10) as client:   # still serving
             assert client.counter("x").fetch_add(1) == 0
     finally:

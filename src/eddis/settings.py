@@ -245,7 +245,16 @@ register("SMB_REDUCE_THREADS", "int", 0,
          flag="--reduce-threads")
 register("SMB_LOCAL_MAP", "bool", True,
          "Map the memory of a server on the same host directly (zero-copy). "
-         "0 forces every transfer through UCX, to test the remote path on one machine.")
+         "0 forces every transfer through the network transport, to test the remote path on one "
+         "machine.")
+register("SMB_TRANSPORT", "str", "socket",
+         "How clients reach an smb-server that is not mapped: `socket`, requests and data over one "
+         "TCP connection per server, opened only after a challenge-response proof of the job token, "
+         "every access checked by the server (the default; the only safe choice on TCP networks); "
+         "`ucx`, UCX active messages and one-sided RMA, for fabrics whose peers are all trusted "
+         "(see docs/architecture.md, threat model).", choices=("socket", "ucx"))
+register("SMB_HANDSHAKE_TIMEOUT", "float", 10.0,
+         "Seconds a new connection to an smb-server has to prove the job token before it is dropped.")
 
 # ---------------------------------------------------------------- observability (eddis.timeline)
 register("EDDIS_TIMELINE", "path", None,

@@ -1,7 +1,8 @@
 """SMB client: connections to all servers of a job, requests, synchronization objects.
 
-A :class:`Client` holds one UCX worker (thread-safe mode) and one endpoint per
-server. Every wait is bounded by ``timeout`` (default ``SMB_TIMEOUT``); a server
+A :class:`Client` holds one connection per server: a socket on which both
+sides proved the job token (SMB_TRANSPORT=socket, the default), or a UCX
+endpoint of one thread-safe worker (SMB_TRANSPORT=ucx). Every wait is bounded by ``timeout`` (default ``SMB_TIMEOUT``); a server
 that dies turns into :class:`~eddis.errors.SMBConnectionError` for the waits on
 it, never a hang.
 """
@@ -13,7 +14,7 @@ import zlib
 from .. import settings
 from ..errors import (SMBConnectionError, SMBTimeoutError, SMBValueError, UsageError,
                       from_ucs_status)
-from . import rundir
+from . import handshake, rundir
 from .protocol import (COUNTER_REPLY, COUNTER_REQUEST, decode_control, encode_control)
 from .server import local_hostname
 
@@ -103,7 +104,13 @@ class Client:
                 records = rundir.read_servers(self.run_dir) or rundir.wait_for_servers(self.run_dir, 1)
                 records = [r for i, r in enumerate(records) if r["index"] == i]
             addresses = [(r["host"], int(r["port"])) for r in records]
+            transports = {r.get("transport", "socket") for r in records}
+            if len(transports) > 1:
+                raise SMBValueError(f"the servers of {self.run_dir} mix transports {sorted(transports)}; "
+                                    "start them all with the same SMB_TRANSPORT")
+            transport = transports.pop()
         else:
+            transport = settings.get("SMB_TRANSPORT")
             addresses = [_parse_address(a) for a in addresses]
             if expected_servers is not None and len(addresses) != int(expected_servers):
                 raise SMBValueError(f"{len(addresses)} addresses given but expected_servers={expected_servers}")
@@ -114,7 +121,8 @@ class Client:
                 raise SMBValueError("explicit addresses need token= or run_dir= (to read the job token)")
             token = rundir.read_token(self.run_dir or run_dir)
         self._lock = threading.Lock()
-        self._core = _core.ClientCore()
+        self.transport = transport
+        self._core = _core.ClientCore(ucx=transport == "ucx")
         self._closed = False
         self._addresses = addresses
         self.servers = []
@@ -129,10 +137,16 @@ class Client:
     def _connect(self, token):
         from . import _core
 
-        conns = [self._core.connect(host, port) for host, port in self._addresses]
+        if self.transport == "ucx":
+            conns = [self._core.connect(host, port) for host, port in self._addresses]
+            hello = token.encode()
+        else:
+            conns = [self._core.adopt_socket(handshake.connect(host, port, token, self.timeout))
+                     for host, port in self._addresses]
+            hello = b""      # the handshake proved the token already
         pending = _core.Pending(self._core)
         for conn in conns:
-            self._core.post_request(pending, conn, _core.OP_HELLO, token.encode())
+            self._core.post_request(pending, conn, _core.OP_HELLO, hello)
         deadline = time.monotonic() + self.timeout
         if pending.wait(self.timeout) != 0 or pending.error_status:
             failed = [c for c in conns if self._core.conn_failed(c)]
@@ -230,6 +244,8 @@ class Client:
                                 lambda replies: decode_control(replies[0])).wait(timeout)
 
     def _rkey(self, server, rid, packed):
+        if self.transport != "ucx":
+            return 0      # the socket transport addresses regions by id, checked by the server
         with self._lock:
             return self._core.rkey(self.servers[server]["conn"], rid, packed)
 

@@ -235,14 +235,15 @@ class Pool:
                     _core.memcpy_nogil(mine, theirs, nbytes)
                 local.append(seg.server)
                 continue
-            theirs = seg.addr + self._offset(seg, slot, col)
+            offset = self._offset(seg, slot, col)
+            theirs = seg.addr + offset
             if pending is None:
                 pending = client._pending()
                 pending.keep = arr
             if put:
-                core.post_put(pending, seg.conn, mine, nbytes, theirs, seg.rkey)
+                core.post_put(pending, seg.conn, mine, nbytes, seg.rid, offset, theirs, seg.rkey)
             else:
-                core.post_get(pending, seg.conn, mine, nbytes, theirs, seg.rkey)
+                core.post_get(pending, seg.conn, mine, nbytes, seg.rid, offset, theirs, seg.rkey)
             remote.append(seg.conn)
         what = "write" if put else "read"
         if local:

@@ -20,7 +20,7 @@ from .. import settings
 from ..errors import (ConfigError, EddisError, SMBBoundsError, SMBKeyError, SMBMemoryError, SMBPermissionError,
                       SMBValueError)
 from .. import timeline
-from . import rundir
+from . import handshake, rundir
 from .hugepages import MODES as HUGEPAGE_MODES, arena_pages, describe as describe_pages, plan as hugepage_plan
 from .protocol import (CONTROL_SEPARATOR, DTYPES, ITEMSIZE, STATUS_BOUNDS, STATUS_INVALID,
                        STATUS_NO_ELEM, STATUS_NO_MEMORY, STATUS_REJECTED, decode_control)
@@ -31,6 +31,7 @@ MAX_REGIONS = 65536
 SMALL_ALIGN = 64
 PAGE_ALIGN = 4096
 MAX_REDUCE_THREADS = 256   # SMB_VECPOOL_MAX_THREADS of the native core
+TRANSPORTS = ("socket", "ucx")
 
 
 class ArenaAllocator:
@@ -143,7 +144,7 @@ class Server:
     """One SMB server. ``start()`` returns once its address file is published."""
 
     def __init__(self, run_dir, index=0, memory=None, host=None, port=0, token=None,
-                 hugepages=None, hello_timeout=30.0, reduce_threads=None):
+                 hugepages=None, hello_timeout=None, reduce_threads=None, transport=None):
         from . import _core
 
         self.run_dir = Path(run_dir)
@@ -154,8 +155,13 @@ class Server:
         self.host = host
         self.port = int(port or 0)
         self.token = token
-        # a connection that does not authenticate within this many seconds is closed
-        self.hello_timeout = float(hello_timeout)
+        # a connection that does not prove the token within this many seconds is closed
+        self.hello_timeout = float(settings.get("SMB_HANDSHAKE_TIMEOUT") if hello_timeout is None
+                                   else hello_timeout)
+        self.transport = settings.get("SMB_TRANSPORT") if transport is None else str(transport)
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"SMB_TRANSPORT={self.transport!r}: use one of {', '.join(TRANSPORTS)}")
+        self.gate = None
         self.hugepages = settings.get("SMB_HUGEPAGES") if hugepages is None else str(hugepages)
         # checked now, so a node without the huge pages asked for fails before it listens
         (self.page_kind, self.page_size), self._page_warning = hugepage_plan(self.hugepages, self.memory)
@@ -180,20 +186,35 @@ class Server:
         self._create_arena(shm)
         atexit.register(self._stop_at_exit)
         try:
-            listen = self.host or "0.0.0.0"
-            published = self.host if self.host and self.host != "0.0.0.0" else _published_host()
+            # the node's own address, never every interface: peers off the cluster
+            # network must not even reach the handshake
+            listen = self.host or _published_host()
+            published = listen if listen != "0.0.0.0" else _published_host()
+            if listen == "0.0.0.0":
+                log.warning("smb-server %d listens on every interface (--host 0.0.0.0); give the "
+                            "node's cluster address instead", self.index)
             hello = {"index": self.index, "hostname": local_hostname(),
                      "arena": f"/proc/{os.getpid()}/fd/{self.core.arena_fd}",
                      "arena_size": self.core.arena_size, "pid": os.getpid()}
-            self.port = self.core.start(listen, self.port, token.encode(), json.dumps(hello).encode(),
-                                        self._handle, self.hello_timeout, self.reduce_threads)
-            self.core.run_in_thread()
+            if self.transport == "ucx":
+                self.port = self.core.start(listen, self.port, token.encode(), json.dumps(hello).encode(),
+                                            self._handle, self.hello_timeout, self.reduce_threads)
+                self.core.run_in_thread()
+            else:
+                self.core.start_sockets(json.dumps(hello).encode(), self._handle, self.reduce_threads)
+                self.gate = handshake.Gate(listen, self.port, token, self.core.adopt_socket,
+                                           deadline=self.hello_timeout)
+                self.port = self.gate.port
+                self.core.run_in_thread()
+                self.gate.start()
             self.started = True
             self.info = {"index": self.index, "hostname": local_hostname(), "host": published,
                          "port": self.port, "pid": os.getpid(), "memory": self.memory,
-                         "reduce_threads": self.reduce_threads, "pages": self.page_kind}
+                         "reduce_threads": self.reduce_threads, "pages": self.page_kind,
+                         "transport": self.transport}
             rundir.publish_server(self.run_dir, self.index, self.info)
         except BaseException:
+            self._stop_gate()
             self.core.stop()
             raise
         log.info("smb-server %d serving %d bytes on %s:%d, %d reduction thread(s)", self.index,
@@ -254,10 +275,16 @@ class Server:
 
     def __exit__(self, *exc):
         self.stop()
+        self._stop_gate()
 
     @property
     def address(self):
         return f"{self.info['host']}:{self.port}" if self.info else None
+    def _stop_gate(self):
+        if self.gate is not None:
+            self.gate.stop()
+            self.gate = None
+
 
     # ------------------------------------------------------------ requests
     def _handle(self, conn, req_id, payload):
@@ -447,7 +474,8 @@ class Server:
         return status, payload
 
     def _op_stats(self, conn, req_id, q):
-        stats = dict(self.core.stats, regions=len(self.regions),
+        stats = dict(self.core.stats, regions=len(self.regions), transport=self.transport,
+                     handshake=dict(self.gate.stats) if self.gate is not None else None,
                      free_bytes=sum(n for _, n in self.allocator.free))
         return 0, json.dumps(stats).encode()
 
@@ -458,6 +486,9 @@ def _error_reply(exc):
     elif isinstance(exc, SMBBoundsError):
         status = STATUS_BOUNDS
     elif isinstance(exc, SMBMemoryError):
+        if self.gate is not None:
+            # a connection refused at the handshake is a refused request of the other transport
+            stats["refused"] += self.gate.stats["refused"]
         status = STATUS_NO_MEMORY
     elif isinstance(exc, SMBPermissionError):
         status = STATUS_REJECTED

@@ -1,0 +1,160 @@
+/* Byte moving for SMB's socket transport: a send queue of frames and
+ * non-blocking receive. Framing and dispatch live in smb_core.pyx; this file
+ * only knows file descriptors, buffers and errno. */
+#ifndef SMB_SOCK_H
+#define SMB_SOCK_H
+
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+
+/* One outgoing frame: an owned head (header and small payload) followed by
+ * an optional borrowed tail (arena memory on the server, the caller's buffer
+ * on the client) sent without a copy. */
+typedef struct smb_frame {
+    struct smb_frame *next;
+    char *head;
+    size_t head_len;
+    const char *data;
+    size_t data_len;
+    size_t sent;
+} smb_frame_t;
+
+typedef struct {
+    smb_frame_t *first;
+    smb_frame_t *last;
+} smb_txq_t;
+
+/* Takes ownership of head (freed on failure too). 0, or -1 without memory. */
+static inline int smb_txq_push(smb_txq_t *q, char *head, size_t head_len,
+                               const char *data, size_t data_len)
+{
+    smb_frame_t *f = (smb_frame_t*)calloc(1, sizeof(*f));
+    if (f == NULL) {
+        free(head);
+        return -1;
+    }
+    f->head = head;
+    f->head_len = head_len;
+    f->data = data;
+    f->data_len = data_len;
+    if (q->last != NULL) {
+        q->last->next = f;
+    } else {
+        q->first = f;
+    }
+    q->last = f;
+    return 0;
+}
+
+static inline void smb_txq_clear(smb_txq_t *q)
+{
+    smb_frame_t *f = q->first, *next;
+    while (f != NULL) {
+        next = f->next;
+        free(f->head);
+        free(f);
+        f = next;
+    }
+    q->first = q->last = NULL;
+}
+
+static inline int smb_would_block(int err)
+{
+    return err == EAGAIN || err == EWOULDBLOCK || err == EINTR;
+}
+
+/* Send queued frames until the queue is empty, the socket is full or about
+ * `budget` bytes went out (so one large frame does not starve other peers).
+ * Returns bytes sent (>= 0), or -1 when the connection failed. */
+static inline long smb_txq_flush(int fd, smb_txq_t *q, size_t budget)
+{
+    long total = 0;
+    while (q->first != NULL && (size_t)total < budget) {
+        smb_frame_t *f = q->first;
+        struct iovec iov[2];
+        struct msghdr m;
+        int n = 0;
+        size_t done = f->sent;
+        memset(&m, 0, sizeof(m));
+        if (done < f->head_len) {
+            iov[n].iov_base = f->head + done;
+            iov[n].iov_len = f->head_len - done;
+            n++;
+            done = 0;
+        } else {
+            done -= f->head_len;
+        }
+        if (done < f->data_len) {
+            size_t left = f->data_len - done;
+            size_t room = budget - (size_t)total;
+            iov[n].iov_base = (void*)(f->data + done);
+            iov[n].iov_len = left < room ? left : room;
+            n++;
+        }
+        if (n == 0) {
+            q->first = f->next;
+            if (q->first == NULL) q->last = NULL;
+            free(f->head);
+            free(f);
+            continue;
+        }
+        m.msg_iov = iov;
+        m.msg_iovlen = n;
+        ssize_t sent = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (sent < 0) {
+            if (smb_would_block(errno)) break;
+            return -1;
+        }
+        f->sent += (size_t)sent;
+        total += sent;
+        if (f->sent == f->head_len + f->data_len) {
+            q->first = f->next;
+            if (q->first == NULL) q->last = NULL;
+            free(f->head);
+            free(f);
+        } else if (sent == 0) {
+            break;
+        }
+    }
+    return total;
+}
+
+/* Non-blocking receive: bytes read (> 0), 0 when nothing is there yet,
+ * -1 when the peer closed the connection or it failed. */
+static inline long smb_sock_recv(int fd, void *buf, size_t n)
+{
+    ssize_t got = recv(fd, buf, n, MSG_DONTWAIT);
+    if (got > 0) return (long)got;
+    if (got == 0) return -1;
+    return smb_would_block(errno) ? 0 : -1;
+}
+
+static inline int smb_sock_prepare(int fd)
+{
+    int one = 1;
+    int flags = fcntl(fd, F_GETFL, 0);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) return -1;
+    /* requests are small and latency-bound; do not wait for Nagle */
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    return 0;
+}
+
+static inline int smb_pipe_nonblocking(int fds[2])
+{
+    if (pipe(fds) != 0) return -1;
+    fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL, 0) | O_NONBLOCK);
+    fcntl(fds[0], F_SETFD, FD_CLOEXEC);
+    fcntl(fds[1], F_SETFD, FD_CLOEXEC);
+    return 0;
+}
+
+#endif
