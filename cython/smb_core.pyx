@@ -55,6 +55,8 @@ cdef extern from *:
         return expected;
     }
     static inline int64_t smb_load64(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+    static inline void smb_store_u32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+    static inline uint32_t smb_load_u32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
     static inline void smb_store64(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
     static inline double smb_now(void) {
         struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -96,6 +98,8 @@ cdef extern from *:
     int64_t smb_cas64(int64_t *p, int64_t expected, int64_t desired) nogil
     int64_t smb_load64(const int64_t *p) nogil
     void smb_store64(int64_t *p, int64_t v) nogil
+    void smb_store_u32(uint32_t *p, uint32_t v) nogil
+    uint32_t smb_load_u32(const uint32_t *p) nogil
     double smb_now() nogil
     int smb_poll_fd(int fd, int ms) nogil
     void smb_pause(unsigned idle) nogil
@@ -128,6 +132,11 @@ DEF MAX_CONNS = 1024
 DEF MAX_REGIONS = 65536
 DEF REPLY_SLOTS = 8192
 DEF MAX_VEC_SOURCES = 1024
+# The arena starts with one uint32 per region slot: the generation of the region
+# living there (0: none). Same-node clients check it before touching mapped
+# memory, so a handle to a freed region never reaches its successor.
+DEF GEN_TABLE_BYTES = MAX_REGIONS * 4
+GEN_TABLE_SIZE = GEN_TABLE_BYTES
 
 cpdef enum SmbOp:
     OP_HELLO = 1
@@ -1268,7 +1277,11 @@ cdef class ServerCore:
         r.dtype = dtype
         r.itemsize = ITEMSIZES[dtype]
         r.gen = (r.gen + 1) & 0xFFFF
+        if r.gen == 0:
+            r.gen = 1          # 0 means "no region" in the arena's generation table
         r.valid = 1
+        if self.st.arena_size >= GEN_TABLE_BYTES:
+            smb_store_u32(<uint32_t*>self.st.arena + index, r.gen)
         rid = (r.gen << 16) | index
         return rid, <uintptr_t>(self.st.arena + offset), rkey
 
@@ -1277,6 +1290,8 @@ cdef class ServerCore:
         if r == NULL:
             raise _errors.SMBKeyError(f"no region with id {rid}")
         r.valid = 0
+        if self.st.arena_size >= GEN_TABLE_BYTES:
+            smb_store_u32(<uint32_t*>self.st.arena + (rid & 0xFFFF), 0)
         if self.st.context != NULL:
             ucp.ucp_mem_unmap(self.st.context, r.memh)
 
@@ -2202,6 +2217,11 @@ def local_compare_swap(uintptr_t addr, int64_t expected, int64_t desired):
 
 def local_load(uintptr_t addr):
     return smb_load64(<int64_t*>addr)
+
+
+def local_generation(uintptr_t table, uint32_t rid):
+    """The generation the mapped arena's table holds for rid's slot (0: none)."""
+    return smb_load_u32(<uint32_t*>table + (rid & 0xFFFF))
 
 
 def buffer_address(obj, bint writable):

@@ -52,8 +52,8 @@ class Gate:
         self.adopt = adopt
         self.deadline = float(deadline)
         self.max_pending = int(max_pending)
-        self.stats = {"accepted": 0, "proven": 0, "refused": 0, "dropped_silent": 0,
-                      "dropped_crowded": 0}
+        self.stats = {"accepted": 0, "proven": 0, "refused": 0, "left_unproven": 0,
+                      "dropped_silent": 0, "dropped_crowded": 0}
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, int(port)))
@@ -133,6 +133,7 @@ class Gate:
         except OSError:
             data = b""
         if not data:
+            self.stats["left_unproven"] += 1
             self._drop(sock)
             return
         got += data

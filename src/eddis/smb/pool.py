@@ -11,7 +11,7 @@ import ctypes
 
 import numpy as np
 
-from ..errors import SMBBoundsError, SMBValueError
+from ..errors import SMBBoundsError, SMBKeyError, SMBValueError
 from . import _core
 from .client import Completed, Request
 from .protocol import (DTYPES, FLOAT_DTYPES, ITEMSIZE, VEC_REQUEST, VEC_SOURCE, decode_control,
@@ -90,7 +90,7 @@ def _server_list(client, servers, name):
 class _Segment:
     """One server's part of the pool."""
 
-    __slots__ = ("index", "server", "conn", "start", "stop", "rid", "addr", "rkey", "local")
+    __slots__ = ("index", "server", "conn", "start", "stop", "rid", "addr", "rkey", "local", "table")
 
 
 class Pool:
@@ -124,6 +124,7 @@ class Pool:
             seg.start, seg.stop, seg.rid, seg.addr = start, stop, info["id"], info["addr"]
             base = client.servers[s]["base"]
             seg.local = base + info["offset"] if base else 0
+            seg.table = base    # the mapped arena's region generation table
             seg.rkey = 0 if seg.local else client._rkey(s, seg.rid, rkey)
             if seg.local:
                 # fault the region into this process once, not during the first transfers
@@ -155,6 +156,13 @@ class Pool:
             if lo < hi:
                 yield seg, lo - seg.start, hi - lo, lo - start
 
+    def _check_generation(self, seg, what):
+        """SMBKeyError where the server freed this region (a stale handle): the memory may
+        belong to another pool now, which a same-node copy must never touch."""
+        if _core.local_generation(seg.table, seg.rid) != seg.rid >> 16:
+            raise SMBKeyError(f"pool {self.name!r} {what}: server {seg.server} freed this pool (a stale "
+                              "handle; another client called free()); look the pool up again")
+
     def _offset(self, seg, slot, col):
         """Byte offset of (slot, column col) in a server's segment: slot-major."""
         return (slot * (seg.stop - seg.start) + col) * self.itemsize
@@ -171,6 +179,8 @@ class Pool:
         slot, start, count = self._range(slot, start, count)
         views = []
         for seg, col, n, _ in self._pieces(start, count):
+            if seg.local:
+                self._check_generation(seg, "mapped_views")
             if not seg.local:
                 raise SMBValueError(f"pool {self.name!r}: server {seg.server} is not mapped into this "
                                     "process (another node, or SMB_LOCAL_MAP=0); use read/write")
@@ -219,6 +229,7 @@ class Pool:
     def _transfer(self, arr, slot, start, count, put, result=None):
         """One contiguous piece per server: memcpy for mapped servers, else put/get."""
         client = self.client
+        what = "write" if put else "read"
         core = client._core
         base = _core.buffer_address(arr, not put)[0]
         itemsize = self.itemsize
@@ -228,6 +239,7 @@ class Pool:
             nbytes = n * itemsize
             mine = base + off * itemsize
             if seg.local:
+                self._check_generation(seg, what)
                 theirs = seg.local + self._offset(seg, slot, col)
                 if put:
                     _core.memcpy_nogil(theirs, mine, nbytes)
@@ -245,7 +257,6 @@ class Pool:
             else:
                 core.post_get(pending, seg.conn, mine, nbytes, seg.rid, offset, theirs, seg.rkey)
             remote.append(seg.conn)
-        what = "write" if put else "read"
         if local:
             client.check_alive(local, f"pool {self.name!r} {what}")
         if pending is None:

@@ -35,11 +35,11 @@ TRANSPORTS = ("socket", "ucx")
 
 
 class ArenaAllocator:
-    """First-fit allocator with coalescing free list over [0, size)."""
+    """First-fit allocator with coalescing free list over [base, base + size)."""
 
-    def __init__(self, size):
+    def __init__(self, size, base=0):
         self.size = size
-        self.free = [(0, size)]  # sorted (offset, length)
+        self.free = [(base, size)]  # sorted (offset, length)
 
     @staticmethod
     def _align(nbytes):
@@ -167,7 +167,9 @@ class Server:
         (self.page_kind, self.page_size), self._page_warning = hugepage_plan(self.hugepages, self.memory)
         self.reduce_threads = resolve_reduce_threads(reduce_threads)
         self.core = _core.ServerCore()
-        self.allocator = ArenaAllocator(self.memory)
+        # the arena's head is the region generation table (see the native core)
+        self.gen_table_bytes = _core.GEN_TABLE_SIZE
+        self.allocator = ArenaAllocator(self.memory, base=self.gen_table_bytes)
         self.regions = {}
         self.free_indices = list(range(MAX_REGIONS - 1, -1, -1))
         self.barriers = {}
@@ -231,7 +233,7 @@ class Server:
         if self._page_warning:
             log.warning(self._page_warning)
         try:
-            madvised = self.core.create_arena(shm, self.memory, self.page_size,
+            madvised = self.core.create_arena(shm, self.memory + self.gen_table_bytes, self.page_size,
                                               self.page_kind == "transparent")
         except MemoryError as exc:
             if self.page_kind != "hugetlb" or self.hugepages == "hugetlb":
@@ -239,7 +241,7 @@ class Server:
             # another process took the free pages between the plan and the mmap
             log.warning("SMB_HUGEPAGES=auto: the hugetlb pages ran out (%s); using normal pages", exc)
             self.page_kind, self.page_size = "off", 0
-            madvised = self.core.create_arena(shm, self.memory)
+            madvised = self.core.create_arena(shm, self.memory + self.gen_table_bytes)
         if not madvised:
             log.warning("SMB_HUGEPAGES=%s: madvise(MADV_HUGEPAGE) was refused; the arena uses "
                         "normal pages", self.hugepages)

@@ -1,0 +1,254 @@
+"""A peer without the job's token gets nothing from an smb-server, and cannot stop it serving.
+
+Real smb-server processes on loopback; the attacks are what issue 16 tried:
+tokenless reads and writes, garbage on the listening port, connections that
+hold places and say nothing, a second Unix user. Every loop is bounded in
+count and time.
+"""
+import os
+import pwd
+import random
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import python_env
+from eddis.errors import SMBKeyError, SMBPermissionError
+from eddis.smb import Client, _core, handshake
+from eddis.smb.testing import LocalServers
+
+PATTERN = np.frombuffer(b"EDDIS-SECRET-PARAMETERS!" * 4096, dtype=np.float32).copy()
+
+
+def _server_alive(servers):
+    return all(proc.poll() is None for proc in servers.procs)
+
+
+def _read_all(sock, limit=1 << 20, timeout=2.0):
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while len(data) < limit:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return data
+
+
+def _secret_pool(servers):
+    client = Client(servers.run_dir, expected_servers=len(servers.records), timeout=10)
+    pool = client.pool("weights", PATTERN.size)
+    pool.write(PATTERN)
+    return client, pool
+
+
+def _frame(op, payload, req_id=1):
+    return struct.pack("<IHhIIQ", 0x534D4231, op, 0, len(payload), 0, req_id) + payload
+
+
+@pytest.mark.timeout(120)
+def test_tokenless_get_and_put_get_nothing_and_the_server_keeps_serving():
+    with LocalServers(1, memory="16M", env={"SMB_LOCAL_MAP": "0"}) as servers:
+        client, pool = _secret_pool(servers)
+        seg = pool.segments[0]
+        port = servers.records[0]["port"]
+        get = _frame(_core.OP_GET, struct.pack("<IIQQ", seg.rid, 0, 0, PATTERN.nbytes))
+        put = _frame(_core.OP_PUT, struct.pack("<IIQ", seg.rid, 0, 0) + b"\0" * 4096)
+        tiny = _frame(_core.OP_GET, struct.pack("<IIQQ", 0, 0, 16, 4096))  # "a get at a small address"
+        answers = []
+        for attack in (get, put, tiny, get + put + tiny):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(attack)
+                answers.append(_read_all(s))
+        # each attacker saw the challenge and at most the refusal: not one byte of the pool
+        secret = PATTERN.tobytes()[:64]
+        for answer in answers:
+            assert secret not in answer
+            assert answer.startswith(handshake.PROTOCOL)
+            assert len(answer) <= handshake.CHALLENGE_BYTES + 3 + len(handshake.REFUSAL_TEXT)
+        # the pool is unchanged and the server serves on
+        np.testing.assert_array_equal(pool.read(), PATTERN)
+        stats = client.stats(0)
+        gate = stats["handshake"]
+        assert gate["proven"] == 1 and gate["refused"] + gate["left_unproven"] == 4
+        assert _server_alive(servers)
+        client.close()
+
+
+UCX_ATTACKER = """
+import sys, time
+from eddis.smb import _core
+ucx = _core.ClientCore(ucx=True)
+conn = ucx.connect("127.0.0.1", int(sys.argv[1]))
+deadline = time.monotonic() + 20
+while not ucx.conn_failed(conn) and time.monotonic() < deadline:
+    ucx.progress()
+    time.sleep(0.01)
+print("failed" if ucx.conn_failed(conn) else "connected", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_ucx_client_cannot_reach_the_memory_either():
+    """The attack of issue 16 was a UCX client doing one-sided gets without HELLO:
+    the socket transport opens no UCX port, so UCX never gets a connection."""
+    env = {"SMB_LOCAL_MAP": "0", "SMB_HANDSHAKE_TIMEOUT": "1"}
+    with LocalServers(1, memory="16M", env=env) as servers:
+        client, pool = _secret_pool(servers)
+        # in a process of its own: UCX may abort while tearing down the failed endpoint
+        attacker = subprocess.run([sys.executable, "-c", UCX_ATTACKER, str(servers.records[0]["port"])],
+                                  capture_output=True, text=True, timeout=60, env=python_env())
+        assert attacker.stdout.split()[:1] == ["failed"], attacker.stdout + attacker.stderr[-2000:]
+        np.testing.assert_array_equal(pool.read(), PATTERN)
+        assert _server_alive(servers)
+        assert client.stats(0)["handshake"]["proven"] == 1
+        client.close()
+
+
+@pytest.mark.timeout(240)
+def test_bounded_fuzz_of_the_listening_port_leaves_the_server_serving():
+    rng = random.Random(16)
+    connections, budget_s = 2000, 120
+    with LocalServers(1, memory="16M", env={"SMB_LOCAL_MAP": "0", "SMB_HANDSHAKE_TIMEOUT": "2"}) as servers:
+        client, pool = _secret_pool(servers)
+        port = servers.records[0]["port"]
+        started, sent, leaked = time.monotonic(), 0, 0
+        secret = PATTERN.tobytes()[:64]
+        for i in range(connections):
+            if time.monotonic() - started > budget_s:
+                break
+            kind = rng.choice(("random", "0xff", "zeros", "frames", "answer-then-frames"))
+            if kind == "random":
+                data = rng.randbytes(rng.randint(0, 8192))
+            elif kind == "0xff":
+                data = b"\xff" * rng.choice((1, 16, 64, 4096))
+            elif kind == "zeros":
+                data = b"\0" * rng.choice((16, 4096))
+            elif kind == "frames":
+                data = b"".join(_frame(rng.randint(0, 8), rng.randbytes(rng.randint(0, 64)))
+                                for _ in range(rng.randint(1, 8)))
+            else:
+                data = rng.randbytes(handshake.ANSWER_BYTES) + _frame(_core.OP_GET, rng.randbytes(24))
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    if rng.random() < 0.5:
+                        s.settimeout(1)
+                        s.recv(handshake.CHALLENGE_BYTES)
+                    s.sendall(data)
+                    if rng.random() < 0.2:
+                        leaked += secret in _read_all(s, timeout=0.2)
+                    sent += 1
+            except OSError:
+                pass       # the server may drop a garbage peer mid-send: that is the point
+        assert sent >= 1000, f"only {sent} fuzz connections went through in {budget_s} s"
+        assert leaked == 0
+        assert _server_alive(servers)
+        np.testing.assert_array_equal(pool.read(), PATTERN)
+        with Client(servers.run_dir, expected_servers=1, timeout=10) as fresh:
+            assert fresh.counter("after-fuzz").fetch_add(1) == 0
+        stats = client.stats(0)["handshake"]
+        assert stats["proven"] == 2
+        assert stats["accepted"] >= sent
+        client.close()
+
+
+@pytest.mark.timeout(120)
+def test_unproven_connections_cannot_lock_out_the_jobs_clients():
+    hold = handshake.DEFAULT_MAX_PENDING + 100
+    with LocalServers(1, memory="16M", env={"SMB_LOCAL_MAP": "0", "SMB_HANDSHAKE_TIMEOUT": "60"}) as servers:
+        port = servers.records[0]["port"]
+        silent = []
+        try:
+            for _ in range(hold):
+                silent.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            time.sleep(0.5)
+            # the job's own client gets in at once, while hundreds of silent peers wait
+            with Client(servers.run_dir, expected_servers=1, timeout=10) as client:
+                assert client.counter("in").fetch_add(1) == 0
+                stats = client.stats(0)["handshake"]
+            assert stats["dropped_crowded"] >= hold - handshake.DEFAULT_MAX_PENDING
+        finally:
+            for s in silent:
+                s.close()
+        assert _server_alive(servers)
+
+
+@pytest.mark.timeout(60)
+def test_a_client_with_another_token_is_refused_by_name():
+    with LocalServers(1, memory="8M") as servers:
+        port = servers.records[0]["port"]
+        with pytest.raises(SMBPermissionError, match="wrong job token"):
+            Client(addresses=[f"127.0.0.1:{port}"], token="another-jobs-token", timeout=10)
+
+
+def _other_user():
+    for name in ("nobody", "daemon"):
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            continue
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second Unix user")
+def test_a_second_unix_user_cannot_read_the_token_the_addresses_or_the_memory():
+    other = _other_user()
+    assert other is not None, "this machine has neither user nobody nor daemon"
+    # an interpreter every user may run (root's own Python may sit under /root)
+    python = "/usr/bin/python3"
+    assert os.access(python, os.X_OK), "the second-user probe needs /usr/bin/python3 (apt python3)"
+    with LocalServers(1, memory="8M") as servers:
+        record = servers.records[0]
+        client = Client(servers.run_dir, expected_servers=1, timeout=10)
+        arena = client.servers[0]["arena"]
+        token = servers.run_dir / "token"
+        address = next((servers.run_dir / "servers").iterdir())
+        probe = (
+            "import sys, socket\n"
+            "out = []\n"
+            "for path in sys.argv[1:4]:\n"
+            "    try:\n"
+            "        open(path, 'rb').read(1); out.append('read')\n"
+            "    except OSError as e:\n"
+            "        out.append(type(e).__name__)\n"
+            "s = socket.create_connection(('127.0.0.1', int(sys.argv[4])), timeout=5)\n"
+            "s.recv(44); s.sendall(b'x' * 64); s.settimeout(3)\n"
+            "reply = s.recv(4096)\n"
+            "out.append('refused' if reply[:1] == b'\\x01' else 'answered:%r' % reply[:8])\n"
+            "print(' '.join(out))\n")
+        result = subprocess.run(
+            ["setpriv", f"--reuid={other.pw_uid}", f"--regid={other.pw_gid}", "--clear-groups",
+             python, "-c", probe, str(token), str(address), arena, str(record["port"])],
+            capture_output=True, text=True, timeout=60, cwd="/")
+        client.close()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["PermissionError"] * 3 + ["refused"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local_map", ["0", "1"], ids=["remote", "same-node"])
+def test_a_stale_handle_never_writes_into_the_pool_created_after_it(local_map, monkeypatch):
+    monkeypatch.setenv("SMB_LOCAL_MAP", local_map)
+    with LocalServers(1, memory="16M", env={"SMB_LOCAL_MAP": local_map}) as servers:
+        first = Client(servers.run_dir, expected_servers=1, timeout=10)
+        second = Client(servers.run_dir, expected_servers=1, timeout=10)
+        stale = second.pool("a", 1000)
+        first.pool("a", 1000).free()
+        fresh = first.pool("b", 1000)
+        fresh.write(np.full(1000, 7, np.float32))
+        with pytest.raises(SMBKeyError, match="freed"):
+            stale.write(np.ones(1000, np.float32))
+        with pytest.raises(SMBKeyError, match="freed"):
+            stale.read()
+        np.testing.assert_array_equal(fresh.read(), np.full(1000, 7, np.float32))
+        first.close()
+        second.close()
