@@ -7,13 +7,17 @@ transports between fake nodes (proven sockets, and UCX over TCP), and the same-n
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
+from conftest import python_env
+
 from eddis.errors import (SMBBoundsError, SMBConnectionError, SMBError, SMBKeyError, SMBMemoryError,
-                          SMBPermissionError, SMBTimeoutError, SMBValueError)
+                          SMBPermissionError, SMBTimeoutError, SMBValueError, UsageError)
 from eddis.smb import Client, _core
 from eddis.smb.client import Request
 from eddis.smb.protocol import COUNTER_REQUEST, VEC_REQUEST, VEC_SOURCE
@@ -247,3 +251,104 @@ def test_failed_region_create_leaves_no_region(transport):
             assert client.counter("c", initial=5).read() == 5
             with pytest.raises(SMBKeyError):
                 client.pool("f", 1024, create=False)
+
+
+@pytest.mark.timeout(120)
+def test_freed_pool_handle_raises_usage_error(transport):
+    """After free() writes were silent no-ops, reads returned uninitialised memory and a second
+    free() succeeded; a handle to a pool that another handle freed gets the server's SMBKeyError."""
+    env, hostnames = transport
+    with LocalServers(2, memory="8M", env=env, hostnames=hostnames) as servers:
+        with Client(servers.run_dir, expected_servers=2, timeout=10) as client:
+            pool = client.pool("a", 1000, slots=2)
+            other = client.pool("other", 1000, slots=2)
+            pool.write(np.ones(1000, np.float32))
+            pool.free()
+            uses = {
+                "write": lambda: pool.write(np.zeros(1000, np.float32)),
+                "read": lambda: pool.read(),
+                "read into": lambda: pool.read(np.empty(1000, np.float32)),
+                "write_nb": lambda: pool.write_nb(np.zeros(10, np.float32)),
+                "scale": lambda: pool.scale(0, 2.0),
+                "weighted_sum": lambda: pool.weighted_sum(1, [0], [1.0]),
+                "as a source": lambda: other.weighted_sum(1, [0], [1.0], src_pool=pool),
+                "reduce_nb": lambda: pool.reduce_nb(0, 1.0, 1, 1, generation=0),
+                "layout": lambda: pool.layout(),
+                "free": lambda: pool.free(),
+            }
+            if client.is_local(0):
+                uses["mapped_views"] = lambda: pool.mapped_views()
+            for what, use in uses.items():
+                with pytest.raises(UsageError, match="pool 'a' .*was freed"):
+                    use()
+                    pytest.fail(f"{what} after free() raised nothing")
+            assert client.stats(0)["regions"] == 1 and client.stats(1)["regions"] == 1  # 'other' only
+            # a second handle of this process, or another client's, learns it from the servers
+            with Client(servers.run_dir, expected_servers=2, timeout=10) as second:
+                second_handle = second.pool("other", 1000, slots=2, create=False)
+                other.free()
+                with pytest.raises(SMBKeyError, match="no region named 'pool:other'"):
+                    second_handle.free()
+
+
+CLOSE_RACE = """
+import sys, threading, time
+import numpy as np
+from eddis.errors import UsageError
+from eddis.smb import Client
+
+client = Client(sys.argv[1], expected_servers=2, timeout=10)
+pool = client.pool("p", 1 << 20, slots=1)
+counter = client.counter("k")
+data = np.ones(1 << 20, np.float32)
+outcomes = {}
+
+def hammer(name, use):
+    try:
+        for _ in range(200000):
+            use()
+        outcomes[name] = "never closed"
+    except UsageError as exc:
+        outcomes[name] = "UsageError" if "closed" in str(exc) else repr(exc)
+    except BaseException as exc:
+        outcomes[name] = repr(exc)
+
+threads = [threading.Thread(target=hammer, args=(name, use)) for name, use in (
+    ("write", lambda: pool.write(data)), ("read", lambda: pool.read()),
+    ("fetch_add", lambda: counter.fetch_add(1)))]
+for thread in threads:
+    thread.start()
+time.sleep(0.5)
+client.close()
+for thread in threads:
+    thread.join(30)
+after = {}
+for name, use in (("write", lambda: pool.write(data)), ("read", lambda: pool.read()),
+                  ("fetch_add", lambda: counter.fetch_add(1)), ("free", lambda: pool.free()),
+                  ("pool", lambda: client.pool("q", 10)), ("close again", client.close)):
+    try:
+        use()
+        after[name] = "no error"
+    except UsageError:
+        after[name] = "UsageError"
+    except BaseException as exc:
+        after[name] = repr(exc)
+print(sorted(outcomes.items()), sorted(after.items()))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_use_of_a_closed_client_raises_usage_error_never_crashes(transport):
+    """A write through a same-node pool after Client.close() segfaulted the process (the arena
+    was unmapped under the pool). Threads that keep using the pool and a counter while another
+    closes the client, then uses after close: UsageError every time. In a child process, so a
+    crash is a failed test, not a dead test run."""
+    env, hostnames = transport
+    with LocalServers(2, memory="16M", env=env, hostnames=hostnames) as servers:
+        proc = subprocess.run([sys.executable, "-c", CLOSE_RACE, str(servers.run_dir)], env=python_env(),
+                              capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stderr[-3000:]}"
+    names = ["fetch_add", "read", "write"]
+    closed = [(name, "UsageError") for name in names]
+    later = sorted(closed + [("close again", "no error"), ("free", "UsageError"), ("pool", "UsageError")])
+    assert proc.stdout.strip() == f"{closed} {later}", proc.stdout

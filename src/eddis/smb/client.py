@@ -121,6 +121,10 @@ class Client:
                 raise SMBValueError("explicit addresses need token= or run_dir= (to read the job token)")
             token = rundir.read_token(self.run_dir or run_dir)
         self._lock = threading.Lock()
+        # Same-node accesses in progress (memcpy, atomics on the mapped arenas): close()
+        # marks the client closed, waits for them, and only then lets the core unmap.
+        self._maps_idle = threading.Condition(threading.Lock())
+        self._mapped_users = 0
         self.transport = transport
         self._core = _core.ClientCore(ucx=transport == "ucx")
         self._closed = False
@@ -206,9 +210,30 @@ class Client:
         return _core.status_text(code) if code else "unknown error"
 
     def close(self):
-        if not self._closed:
+        """Disconnect and unmap; every later use of this client or its objects raises UsageError."""
+        with self._maps_idle:
             self._closed = True
-            self._core.close()
+            busy = not self._maps_idle.wait_for(lambda: not self._mapped_users, self.timeout)
+        if busy:
+            # unmapping now would crash the copies still running into that memory
+            raise UsageError(f"close(): same-node transfers of this SMB client still run after "
+                             f"{self.timeout:g} s; the client is closed to new use, call close() "
+                             "again to release its memory")
+        self._core.close()
+
+    def _hold_maps(self, kind, name):
+        """Begin a same-node access of object `kind` `name`: UsageError once the client is
+        closed; until :meth:`_release_maps`, close() leaves the mapped memory in place."""
+        with self._maps_idle:
+            if self._closed:
+                raise UsageError(f"{kind} {name!r}: this SMB client is closed")
+            self._mapped_users += 1
+
+    def _release_maps(self):
+        with self._maps_idle:
+            self._mapped_users -= 1
+            if not self._mapped_users:
+                self._maps_idle.notify_all()
 
     def __enter__(self):
         return self
@@ -334,8 +359,12 @@ class Counter:
         """Add n; returns the value before."""
         n = counter_value(n, self.name, "fetch_add n")
         if self._local:
-            self._check()
-            return self._core.local_fetch_add(self._local, n)
+            self._client._hold_maps("counter", self.name)
+            try:
+                self._check()
+                return self._core.local_fetch_add(self._local, n)
+            finally:
+                self._client._release_maps()
         return self._remote(self._core.COUNTER_FETCH_ADD, n)
 
     def compare_swap(self, expected, desired):
@@ -343,14 +372,22 @@ class Counter:
         expected = counter_value(expected, self.name, "compare_swap expected")
         desired = counter_value(desired, self.name, "compare_swap desired")
         if self._local:
-            self._check()
-            return self._core.local_compare_swap(self._local, expected, desired)
+            self._client._hold_maps("counter", self.name)
+            try:
+                self._check()
+                return self._core.local_compare_swap(self._local, expected, desired)
+            finally:
+                self._client._release_maps()
         return self._remote(self._core.COUNTER_COMPARE_SWAP, expected, desired)
 
     def read(self):
         if self._local:
-            self._check()
-            return self._core.local_load(self._local)
+            self._client._hold_maps("counter", self.name)
+            try:
+                self._check()
+                return self._core.local_load(self._local)
+            finally:
+                self._client._release_maps()
         return self._remote(self._core.COUNTER_READ)
 
     def wait_for(self, target, timeout):

@@ -11,7 +11,7 @@ import ctypes
 
 import numpy as np
 
-from ..errors import SMBBoundsError, SMBKeyError, SMBValueError
+from ..errors import SMBBoundsError, SMBKeyError, SMBValueError, UsageError
 from . import _core
 from .client import Completed, Request
 from .protocol import (DTYPES, FLOAT_DTYPES, ITEMSIZE, VEC_REQUEST, VEC_SOURCE, decode_control,
@@ -104,6 +104,7 @@ class Pool:
             raise SMBValueError(f"pool {name!r}: length and slots must be >= 1 (got {length}, {slots})")
         self.client = client
         self.name = name
+        self._freed = False
         self.length = length
         self.dtype = dtype
         self.slots = slots
@@ -130,12 +131,19 @@ class Pool:
                 # fault the region into this process once, not during the first transfers
                 _core.prefault(seg.local, info["nbytes"])
             self.segments.append(seg)
+        self._mapped = any(seg.local for seg in self.segments)
 
     def __repr__(self):
         return (f"Pool({self.name!r}, length={self.length}, dtype={self.dtype!r}, slots={self.slots}, "
                 f"servers={self.servers})")
 
     # ------------------------------------------------------------ helpers
+    def _live(self, what):
+        """UsageError for a handle this process freed: it no longer names any memory."""
+        if self._freed:
+            raise UsageError(f"pool {self.name!r} {what}: this pool was freed (free()); attach to it "
+                             "again with client.pool() if it was created anew")
+
     def _range(self, slot, start, count):
         slot, start = int(slot), int(start)
         if not 0 <= slot < self.slots:
@@ -170,12 +178,16 @@ class Pool:
     def layout(self, start=0, count=None):
         """[(start, count, mapped)] of the elements [start, start+count): one entry per server
         piece, ``mapped`` when that server's memory is mapped into this process."""
+        self._live("layout")
         _, start, count = self._range(0, start, count)
         return [(start + off, n, bool(seg.local)) for seg, _, n, off in self._pieces(start, count)]
 
     def mapped_views(self, slot=0, start=0, count=None):
         """numpy views of elements [start, start+count) of slot, one per server piece, straight
-        into the memory of servers mapped into this process (same node); no copy, no request."""
+        into the memory of servers mapped into this process (same node); no copy, no request.
+        The views are valid until this pool is freed or its client closed; never use them after."""
+        self._live("mapped_views")
+        self.client._check()
         slot, start, count = self._range(slot, start, count)
         views = []
         for seg, col, n, _ in self._pieces(start, count):
@@ -193,6 +205,7 @@ class Pool:
             return self
         if not isinstance(pool, Pool) or pool.client is not self.client:
             raise SMBValueError(f"{what} must be a Pool of the same client")
+        pool._live(f"as {what}")
         if pool.length != self.length or pool.servers != self.servers:
             raise SMBValueError(f"{what} {pool.name!r} has length {pool.length} on servers {pool.servers}, "
                                 f"not {self.length} on {self.servers}: server-side operations need "
@@ -204,15 +217,17 @@ class Pool:
     # ------------------------------------------------------------ transfers
     def write_nb(self, buf, slot=0, start=0):
         """Start writing buf into [start, start+len(buf)) of slot; returns a Request."""
+        self._live("write")
         arr = as_array(buf, self.dtype, False, self.np_dtype)
         slot, start, count = self._range(slot, start, arr.size)
-        return self._transfer(arr, slot, start, count, True)
+        return self._guarded_transfer(arr, slot, start, count, True)
 
     def write(self, buf, slot=0, start=0, timeout=None):
         self.write_nb(buf, slot, start).wait(timeout)
 
     def read_nb(self, out=None, slot=0, start=0, count=None):
         """Start reading into out (allocated when None); returns a Request whose wait() gives it."""
+        self._live("read")
         if out is None:
             slot, start, count = self._range(slot, start, count)
             out = arr = np.empty(count, dtype=self.np_dtype)
@@ -221,10 +236,22 @@ class Pool:
             if count is not None and int(count) != arr.size:
                 raise SMBValueError(f"count={count} but out holds {arr.size} elements")
             slot, start, count = self._range(slot, start, arr.size)
-        return self._transfer(arr, slot, start, count, False, out)
+        return self._guarded_transfer(arr, slot, start, count, False, out)
 
     def read(self, out=None, slot=0, start=0, count=None, timeout=None):
         return self.read_nb(out, slot, start, count).wait(timeout)
+
+    def _guarded_transfer(self, *args):
+        """_transfer, holding the client's mappings when part of the pool is mapped: a close()
+        from another thread waits for the copies instead of unmapping the memory under them."""
+        if not self._mapped:
+            return self._transfer(*args)
+        client = self.client
+        client._hold_maps("pool", self.name)
+        try:
+            return self._transfer(*args)
+        finally:
+            client._release_maps()
 
     def _transfer(self, arr, slot, start, count, put, result=None):
         """One contiguous piece per server: memcpy for mapped servers, else put/get."""
@@ -270,6 +297,7 @@ class Pool:
     # ------------------------------------------------------------ server-side vector ops
     def _vecop_nb(self, kind, dst_slot, sources, alpha, start, count, what):
         """sources: [(pool, slot, weight)]; one request per server holding part of the range."""
+        self._live(what)
         dst_slot, start, count = self._range(dst_slot, start, count)
         if self.dtype not in FLOAT_DTYPES:
             raise SMBValueError(f"pool {self.name!r} holds {self.dtype}; vector ops need float pools")
@@ -335,6 +363,7 @@ class Pool:
         dst = sum(w_i * slot_i) / sum(w_i) (plain sum with average=False) into
         dst_slot of this pool and completes every contributor's request."""
         src = self._other(src_pool, "src_pool")
+        self._live("reduce")
         dst_slot, start, count = self._range(dst_slot, start, count)
         if not 0 <= int(contrib_slot) < src.slots:
             raise SMBBoundsError(f"pool {src.name!r}: slot {contrib_slot} outside 0..{src.slots - 1}")
@@ -350,12 +379,17 @@ class Pool:
         return self.client._control_nb(calls, f"pool {self.name!r} reduce generation {generation}")
 
     def free(self):
-        """Release the pool's memory on every server."""
+        """Release the pool's memory on every server; the handle is unusable afterwards."""
+        self._live("free")
         client = self.client
-        for seg in self.segments:
+        client._check()
+        # Marked first: even if a server refuses (another client freed it already), the
+        # others have released their part, so this handle names no memory any more.
+        segments, self.segments = self.segments, []
+        self._freed = True
+        for seg in segments:
             if not seg.local:
                 with client._lock:
                     client._core.forget_rkey(seg.conn, seg.rid)
         client._control_nb([(seg.server, {"op": "region_free", "name": "pool:" + self.name})
-                            for seg in self.segments], f"pool {self.name!r} free").wait()
-        self.segments = []
+                            for seg in segments], f"pool {self.name!r} free").wait()
