@@ -252,3 +252,17 @@ def test_a_stale_handle_never_writes_into_the_pool_created_after_it(local_map, m
         np.testing.assert_array_equal(fresh.read(), np.full(1000, 7, np.float32))
         first.close()
         second.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_finished_local_run_leaves_no_token_behind(tmp_path):
+    run_dir = tmp_path / "run"
+    script = tmp_path / "train.py"
+    script.write_text("import sys; print('trained'); sys.exit(0)\n")
+    result = subprocess.run([sys.executable, "-m", "eddis.launch.train", "--local", "-n", "1", str(script)],
+                            env=python_env({"EDDIS_RUN_DIR": str(run_dir), "SMB_MEMORY": "8M"}),
+                            capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained" in result.stdout + result.stderr and (run_dir / "launch").is_dir()   # it ran here
+    assert not (run_dir / "token").exists()
+    assert not list(run_dir.glob("servers/*.json"))

@@ -17,6 +17,7 @@ import time
 
 from .. import settings
 from ..errors import ConfigError
+from ..smb import rundir
 from . import jobsteps
 from .report import LAUNCH_DIR, STOP_FILE, format_report, request_stop, root_cause
 
@@ -125,6 +126,8 @@ def run_local(argv, ranks=1, memory=None):
         _stop(mpirun, signal.SIGTERM, timeout=settings.get("EDDIS_STOP_GRACE") + 10)
         _stop(server)
         stop_file.unlink(missing_ok=True)
+        if server is None or server.poll() is not None:
+            rundir.retire_run_dir(run_dir)   # the token must not outlive the job
         for s, handler in previous.items():
             signal.signal(s, handler)
 

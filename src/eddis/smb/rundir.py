@@ -48,6 +48,21 @@ def create_run_dir(path):
     return path
 
 
+def retire_run_dir(path):
+    """At the end of a job: delete its secret (the token) and the address files, which
+    name ports that are gone; keep what the job wrote for its user (profile, timeline,
+    records) and remove the directory only if nothing else is left in it."""
+    path = Path(path)
+    (path / TOKEN_FILE).unlink(missing_ok=True)
+    for record in (path / SERVERS_DIR).glob("*.json"):
+        record.unlink(missing_ok=True)
+    for empty in (path / SERVERS_DIR, path):
+        try:
+            empty.rmdir()
+        except OSError:
+            break       # not empty (or already gone): the user's outputs stay
+
+
 def read_token(path):
     """The job token of a run directory (or of a token file given directly)."""
     path = Path(path)
