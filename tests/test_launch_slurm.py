@@ -142,11 +142,12 @@ def test_scancel_leaves_nothing_behind(slurm_cluster, job_env, tmp_path):
 @pytest.mark.timeout(300)
 def test_servers_that_cannot_start_fail_the_job_clearly(slurm_cluster, job_env, tmp_path):
     out = tmp_path / "job.out"
-    job_id = sbatch(slurm_cluster, dict(job_env, SMB_MEMORY="plenty"), out, TRAINER, "--steps", "1")
+    # a value that parses (the job script's first check lets it through) and the server refuses
+    job_id = sbatch(slurm_cluster, dict(job_env, SMB_REDUCE_THREADS="999"), out, TRAINER, "--steps", "1")
     state, code = wait_job_end(slurm_cluster, job_id, 120, out)
     text = out.read_text()
     assert state == "FAILED", text
-    assert "SMB_MEMORY='plenty' is not a valid size" in text
+    assert "SMB_REDUCE_THREADS=999 is not a thread count" in text, text
     assert re.search(r"the smb-server step \(pid [\d, ]+\) ended before all 2 servers published", text), text
     assert "eddis-train: rank" not in text  # no trainer was started
     assert_job_left_nothing(job_env["EDDIS_RUN_DIR"], job_id)

@@ -283,6 +283,10 @@ register("EDDIS_STEP_END_GRACE", "float", 30.0,
          "Seconds the job script waits for the trainers' srun to return after every rank recorded "
          "its exit (3 s once Slurm lists the step no more); then it ends srun and takes the job status "
          "from the ranks' exit records.")
+register("EDDIS_LIVENESS_TIMEOUT", "float", 30.0,
+         "Seconds a trainer or smb-server may go without a heartbeat to its eddis-train supervisor "
+         "(or stay stopped, e.g. by SIGSTOP) before it counts as hung: its Python stack is dumped, it "
+         "is killed and named as the job's root cause. Independent of EDDIS_COMM_TIMEOUT; 0: off.")
 register("EDDIS_GPU_TYPE", "str", None,
          "GPU generation of the ranks (e.g. a100); eddis-train sets it per rank from the "
          "node's GRES or partition, `cpu` when no GPU is bound. Set it to override.")

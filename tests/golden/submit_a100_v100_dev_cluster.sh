@@ -26,6 +26,9 @@ export EDDIS_MODE=sync
 export EDDIS_RUN_DIR=${EDDIS_RUN_DIR:-$HOME/.eddis/run/$SLURM_JOB_ID}
 SERVER_WAIT=120  # seconds for every smb-server to publish its address
 
+# A misspelt setting or a missing script: say so once, before any server starts.
+eddis-train --check -- "${TRAIN[@]}" || exit 2
+
 components=${SLURM_HET_SIZE:-1}
 if [ "$components" -gt 1 ]; then
     job_ids=$(for ((g = 0; g < components; g++)); do v=SLURM_JOB_ID_HET_GROUP_$g; echo -n "${!v},"; done)
@@ -91,6 +94,7 @@ fewest_cpus() {
 # One smb-server per node of every component: a background step beside the trainers.
 # It may use every CPU the job holds on its node (it overlaps the trainers): its
 # reduction threads (SMB_REDUCE_THREADS) would share one bound CPU otherwise.
+# eddis-train --smb-server runs it under a supervisor that names it if it dies or hangs.
 servers=0
 for ((g = 0; g < components; g++)); do
     if [ "$components" -gt 1 ]; then het=(--het-group=$g); nodes_var=SLURM_JOB_NUM_NODES_HET_GROUP_$g
@@ -99,7 +103,7 @@ for ((g = 0; g < components; g++)); do
     nodes=${!nodes_var}
     srun "${het[@]}" --job-name=smb-server --overlap --nodes="$nodes" --ntasks="$nodes" \
         --ntasks-per-node=1 --cpus-per-task="$(fewest_cpus "${!cpus_var:-1}")" --gres=none --kill-on-bad-exit=1 \
-        bash -c "exec smb-server --run-dir \"\$EDDIS_RUN_DIR\" --index \$(($servers + SLURM_NODEID))" &
+        bash -c "exec eddis-train --smb-server \$(($servers + SLURM_NODEID))" &
     server_pids+=($!)
     servers=$((servers + nodes))
 done
@@ -137,7 +141,9 @@ wait "$guard_pid" 2>/dev/null
 
 stop_steps smb-server "${server_pids[@]}"
 if [ "$status" -ne 0 ]; then
-    eddis-train --report --exit-code "$status"
+    # the report on stderr, the root cause's status on stdout (srun's may be a peer's SIGKILL)
+    root_status=$(eddis-train --report --exit-code "$status")
+    [[ $root_status =~ ^[0-9]+$ ]] && status=$root_status
 fi
 echo "eddis_job: done, status $status"
 exit "$status"

@@ -1,7 +1,8 @@
 """A small real MPI trainer for the launcher tests (no SMB needed).
 
 Prints its rank environment, does an allreduce per step and can be told to
-fail: ``--fail-rank R --fail-step S --how raise|exit|hang``.
+fail: ``--fail-rank R --fail-step S --how raise|exit`` (``--fail-rank -2``: every rank
+fails alike at that step).
 """
 import argparse
 import os
@@ -35,7 +36,7 @@ def fail():
 
 
 for step in range(args.steps):
-    if rank == args.fail_rank and step == args.fail_step:
+    if args.fail_rank in (rank, -2) and step == args.fail_step:
         fail()
     total = comm.allreduce(rank + step)
     print(f"step {step} sum {total}")

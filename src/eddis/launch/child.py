@@ -7,12 +7,15 @@ traceback is printed and the streams flushed. A plain Python exit would call
 peers wait in a collective for this rank: the job would hang instead of failing.
 (``python -m mpi4py`` solves the same problem with ``MPI_Abort``; we exit instead,
 so the supervisor records this rank as the root cause rather than the abort.)
+Before the script runs, the process starts beating to its supervisor
+(:mod:`.liveness`), which names it when it stops making progress.
 """
 import os
 import runpy
 import sys
 import traceback
 
+from .liveness import start_in_child
 
 def _flush():
     for stream in (sys.stdout, sys.stderr):
@@ -38,6 +41,7 @@ def _user_frames(tb):
 
 
 def main():
+    start_in_child()
     argv = sys.argv[1:]
     if not argv:
         print("usage: python -m eddis.launch.child (SCRIPT.py | -m MODULE) [args]", file=sys.stderr)

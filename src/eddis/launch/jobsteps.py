@@ -13,7 +13,8 @@ from pathlib import Path
 
 from .. import settings
 from ..errors import SMBTimeoutError
-from .report import LAUNCH_DIR, describe_exit, format_report, launches, read_records, root_cause
+from .report import (LAUNCH_DIR, describe_exit, exit_status, format_report, launches, read_records,
+                     root_cause)
 
 
 def run_dir():
@@ -87,8 +88,12 @@ def wait_servers(path, count, timeout=None, watch_pids=()):
 
 
 def print_report(path, job_code=None):
+    """The report on stderr; on stdout the job's status, as docs/user-guide.md promises: the
+    root cause's exit status (srun's own can be a peer's SIGKILL), else ``job_code``."""
     first, failures, exits = root_cause(path)
     print(format_report(first, failures, exits, run_dir=path, job_code=job_code), file=sys.stderr, flush=True)
+    status = exit_status(first) if first is not None else (job_code if job_code is not None else 1)
+    print(status, flush=True)
     return 0 if first is not None else 1
 
 

@@ -19,7 +19,7 @@ from .. import settings
 from ..errors import ConfigError
 from ..smb import rundir
 from . import jobsteps
-from .report import LAUNCH_DIR, STOP_FILE, format_report, request_stop, root_cause
+from .report import LAUNCH_DIR, STOP_FILE, exit_status, format_report, request_stop, root_cause
 
 SERVER_STOP_SECONDS = 10.0
 _STRIPPED_PREFIXES = ("SLURM_", "SLURMD_", "PMIX_", "PMI_", "OMPI_COMM_WORLD_")
@@ -30,11 +30,10 @@ def _clean_environment():
 
 
 def server_command(run_dir, memory):
-    cmd = [sys.executable, "-c", "import sys; from eddis.smb.server import main; sys.exit(main())",
-           "--run-dir", str(run_dir), "--index", "0"]
-    if memory:
-        cmd += ["--memory", str(memory)]
-    return cmd
+    """The smb-server under its supervisor, which names it when it dies or hangs."""
+    from .serverstep import supervisor_command
+
+    return supervisor_command(run_dir, 0, memory)
 
 
 def mpirun_command(ranks, argv):
@@ -106,9 +105,9 @@ def run_local(argv, ranks=1, memory=None):
                 mpirun.send_signal(signal.SIGTERM)
                 stop_deadline = float("inf")
             if stop_deadline is None and server.poll() is not None:
-                print(f"eddis-train: error: the smb-server exited with code {server.returncode} while "
+                print(f"eddis-train: error: the smb-server ended (status {server.returncode}) while "
                       "training; stopping the ranks", file=sys.stderr, flush=True)
-                request_stop(run_dir, f"the smb-server exited with code {server.returncode}")
+                request_stop(run_dir, f"the smb-server ended (status {server.returncode})")
                 code = _wait_or_kill(mpirun, settings.get("EDDIS_STOP_GRACE") + 10)
                 code = code or 1
                 break
@@ -120,7 +119,7 @@ def run_local(argv, ranks=1, memory=None):
             print(format_report(first, failures, exits, run_dir=run_dir, job_code=code),
                   file=sys.stderr, flush=True)
             if first is not None:  # the root cause's status, not the first stopped peer's
-                code = first["code"] if first.get("signal") is None else 128 + first["signal"]
+                code = exit_status(first)
         return code
     finally:
         _stop(mpirun, signal.SIGTERM, timeout=settings.get("EDDIS_STOP_GRACE") + 10)

@@ -5,12 +5,15 @@ Layout under the run directory, one folder per launch (a Slurm step or one
 
     launch/<key>/ranks/<rank>.json     written at start: host, pids, command
     launch/<key>/exits/<rank>.json     written at the end: code, signal, why
-    launch/<key>/failures/<rank>.json  only for a rank whose trainer failed on its own
+    launch/<key>/failures/<rank>.json  only for a rank whose trainer failed on its own (or hung)
+    launch/smb-servers/started|exits|failures/<index>.json   the same for the smb-servers
     launch/stop                        written by a launcher that wants every rank to stop
 
 A rank that the launcher stopped because a peer failed is not a failure. The
-root cause is the failure recorded first; the report names its rank, host, exit
-code (or signal) and the first Python traceback that rank printed.
+root cause is the failure recorded first, except that a failed smb-server comes
+before the ranks that failed within moments of it (they failed because of it);
+the report names its rank (or server index), host, exit code (or signal, or why
+it counts as hung) and the first Python traceback (or the stack) it printed.
 """
 import json
 import os
@@ -20,6 +23,11 @@ from pathlib import Path
 
 LAUNCH_DIR = "launch"
 STOP_FILE = "stop"  # <run dir>/launch/stop: every supervisor of the run dir stops its trainer
+SERVERS_KEY = "smb-servers"  # launch/smb-servers/: the records of the smb-server supervisors
+# A rank that fails this soon before a server's failure is recorded failed because of it: the
+# error of a dead server's connection reaches a rank about as fast as the exit reaches the
+# server's supervisor, and a hung server is found only after EDDIS_LIVENESS_TIMEOUT anyway.
+SERVER_FAILURE_SLACK = 5.0
 
 
 def request_stop(run_dir, reason):
@@ -85,6 +93,33 @@ def describe_exit(code, sig):
     return f"exited with code {code}"
 
 
+def who(record):
+    """'rank 3 on host n2' or 'smb-server 1 on host n2 (pid 4711)'."""
+    if "server" in record:
+        return f"smb-server {record['server']} on host {record.get('host')} (pid {record.get('pid')})"
+    return f"rank {record.get('rank')} on host {record.get('host')}"
+
+
+def describe_failure(record):
+    """What happened to a failed rank or server, in words."""
+    if record.get("why") == "hung":
+        return f"{who(record)} hung ({record.get('hung')}) and was killed"
+    return f"{who(record)} {describe_exit(record.get('code'), record.get('signal'))}"
+
+
+def _short(record):
+    name = f"smb-server {record['server']}" if "server" in record else f"rank {record.get('rank')}"
+    what = "hung" if record.get("why") == "hung" else describe_exit(record.get("code"), record.get("signal"))
+    return f"{name}@{record.get('host')} ({what})"
+
+
+def exit_status(record):
+    """The exit status a failure record stands for (128 + signal for a signal)."""
+    if record.get("signal"):
+        return 128 + int(record["signal"])
+    return int(record.get("code") or 1)
+
+
 class LaunchRecords:
     """The record folders of one launch."""
 
@@ -121,20 +156,46 @@ def launches(run_dir):
     """Launch record folders of a run dir, oldest first."""
     root = Path(run_dir) / LAUNCH_DIR
     try:
-        keys = [p for p in root.iterdir() if p.is_dir()]  # (not the stop file)
+        keys = [p for p in root.iterdir() if p.is_dir() and p.name != SERVERS_KEY]  # (not the stop file)
     except OSError:
         return []
     return [LaunchRecords(run_dir, p.name) for p in sorted(keys, key=lambda p: p.stat().st_mtime)]
 
 
+class ServerRecords(LaunchRecords):
+    """The smb-servers' records: ``started/`` in place of ``ranks/``, which names ranks only."""
+
+    def __init__(self, run_dir):
+        super().__init__(run_dir, SERVERS_KEY)
+        self.ranks = self.root / "started"
+
+
+def server_records(run_dir):
+    return ServerRecords(run_dir)
+
+
 def root_cause(run_dir):
-    """(first failure record, all failure records, exit records) of the latest failed launch."""
-    for records in reversed(launches(run_dir)):
-        failures = read_records(records.failures)
-        if failures:
-            failures.sort(key=lambda r: r.get("time", 0.0))
-            return failures[0], failures, read_records(records.exits)
-    return None, [], []
+    """(root-cause record, all failure records, exit records) of the latest failed launch.
+
+    Failed smb-servers take part: a server failure is the root cause unless a rank
+    failed more than SERVER_FAILURE_SLACK s before it."""
+    servers = read_records(server_records(run_dir).failures)
+    every = launches(run_dir)
+    ranks, exits = [], read_records(every[-1].exits) if every else []
+    for records in reversed(every):
+        failed = read_records(records.failures)
+        if failed:
+            ranks, exits = failed, read_records(records.exits)
+            break
+    failures = sorted(servers + ranks, key=lambda r: r.get("time", 0.0))
+    if not failures:
+        return None, [], exits
+    first = failures[0]
+    if servers and "server" not in first:
+        server = min(servers, key=lambda r: r.get("time", 0.0))
+        if server["time"] - first.get("time", 0.0) <= SERVER_FAILURE_SLACK:
+            first = server
+    return first, [first] + [f for f in failures if f is not first], exits
 
 
 def format_report(first, failures, exits, run_dir=None, job_code=None):
@@ -148,20 +209,24 @@ def format_report(first, failures, exits, run_dir=None, job_code=None):
             lines.append(f"  run dir: {run_dir}")
         return "\n".join(lines)
     stamp = time.strftime("%H:%M:%S", time.localtime(first.get("time", 0)))
-    lines.append(f"eddis-train: ROOT CAUSE: rank {first['rank']} on host {first['host']} "
-                 f"{describe_exit(first.get('code'), first.get('signal'))} at {stamp}")
+    lines.append(f"eddis-train: ROOT CAUSE: {describe_failure(first)} at {stamp}")
+    name = f"smb-server {first['server']}" if "server" in first else f"rank {first.get('rank')}"
     if first.get("command"):
         lines.append(f"  command: {' '.join(first['command'])}")
+    if first.get("stack"):
+        lines.append(f"  its Python stack when it was found hung ({name}):")
+        lines.extend("    " + t for t in first["stack"].splitlines())
+    elif first.get("why") == "hung":
+        lines.append(f"  no Python stack could be had from {name} (not a Python process, or it never started)")
     if first.get("traceback"):
-        lines.append(f"  first traceback (rank {first['rank']}):")
+        lines.append(f"  first traceback ({name}):")
         lines.extend("    " + t for t in first["traceback"].splitlines())
     elif first.get("tail"):
-        lines.append(f"  last lines of rank {first['rank']}'s stderr:")
+        lines.append(f"  last lines of {name}'s stderr:")
         lines.extend("    " + t for t in first["tail"])
     later = [f for f in failures if f is not first]
     if later:
-        lines.append("  failed after it (probably as a consequence): " + ", ".join(
-            f"rank {f['rank']}@{f['host']} ({describe_exit(f.get('code'), f.get('signal'))})" for f in later))
+        lines.append("  failed after it (probably as a consequence): " + ", ".join(map(_short, later)))
     stopped = sorted(e["rank"] for e in exits if e.get("why") == "stopped")
     if stopped:
         lines.append(f"  stopped by the launcher: rank {', '.join(map(str, stopped))}")

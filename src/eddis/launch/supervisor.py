@@ -11,6 +11,11 @@ letting it wait forever in a collective. The failed rank's supervisor waits
 stragglers: a rank stopped because of a peer exits 0 for the same reason, and the
 step's status is the failed rank's. The trainer gets ``PR_SET_PDEATHSIG``, so it cannot outlive a
 supervisor killed with SIGKILL.
+
+A trainer that stops making progress (stopped, deadlocked: no heartbeat for
+``EDDIS_LIVENESS_TIMEOUT`` s, see :mod:`.liveness`) is a failure of its own: the
+supervisor dumps its Python stack, kills it and records it as hung, so that the
+rank that hangs is the one named, not a peer whose wait ran out later.
 """
 import ctypes
 import os
@@ -22,9 +27,10 @@ import threading
 import time
 
 from .. import settings
+from .liveness import LivenessWatch
 from .mpishm import MpiShm
 from .output import LinePump, TracebackCatcher
-from .report import LaunchRecords, describe_exit, launch_key, stop_requested
+from .report import LaunchRecords, describe_exit, describe_failure, launch_key, stop_requested
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.25
@@ -85,6 +91,7 @@ class Supervisor:
         self.err_lock = threading.Lock()
         self.stop_signal = None
         self.child = None
+        self.liveness = None
 
     # ------------------------------------------------------------------ output
     def say(self, text, stream="err"):
@@ -155,7 +162,10 @@ class Supervisor:
         return None
 
     def _wait_for_peers(self, timeout):
-        """After a failure: give the other ranks time to stop gracefully (bounded)."""
+        """After a failure: give the other ranks time to stop gracefully (bounded).
+
+        Our own exit record is written already: when every rank fails at once, each one
+        sees the others' and none waits for the others' wait."""
         others = set(range(self.info.size)) - {self.info.rank}
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.stop_signal is None:
@@ -174,10 +184,17 @@ class Supervisor:
         self.say("eddis-train: " + self.info.describe()
                  + (f" CUDA_VISIBLE_DEVICES={self.info.gpu}" if self.info.gpu is not None else ""), "out")
         catcher = TracebackCatcher()
+        # only the Python runner (.child) beats; other programs are watched by their state alone
+        self.liveness = LivenessWatch()
+        beats = self.command[1:3] == ["-m", "eddis.launch.child"]
+        if beats:
+            child_env.update(self.liveness.child_env())
         try:
             self.child = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, env=child_env, preexec_fn=_die_with_parent)
+                                          stderr=subprocess.PIPE, env=child_env, preexec_fn=_die_with_parent,
+                                          pass_fds=self.liveness.pass_fds if beats else ())
         except OSError as exc:
+            self.liveness.close()
             self.say(f"eddis-train: cannot start {self.command[0]}: {exc}")
             code, sig, ended = 127, None, time.time()
             self.records.fail(self.info.rank, self._record(code, sig, ended, "failed", None, [str(exc)]))
@@ -194,6 +211,8 @@ class Supervisor:
             "gpu": self.info.gpu, "size": self.info.size})
 
         why = "exited"
+        hung = stack = None
+        self.liveness.started(self.child.pid)
         exit_fd = _exit_notifier(self.child.pid)
         while True:
             if exit_fd is not None:
@@ -220,11 +239,15 @@ class Supervisor:
             peer = self._peer_failure()
             if peer is not None:
                 why = "stopped"
-                self.say(f"eddis-train: stopping: rank {peer['rank']} on {peer['host']} "
-                         f"{describe_exit(peer.get('code'), peer.get('signal'))}")
+                self.say(f"eddis-train: stopping: {describe_failure(peer)}")
                 self.stop_child()
                 break
+            hung = self.liveness.hung()
+            if hung is not None:
+                why, stack = "hung", self._end_hung_child(hung)
+                break
         ended = time.time()
+        self.liveness.close()
         if exit_fd is not None:
             os.close(exit_fd)
         # first the shared memory: on scancel a SIGKILL may follow soon
@@ -232,7 +255,7 @@ class Supervisor:
         for pump in pumps:  # drain what the trainer wrote before it ended
             pump.join(timeout=10)
 
-        rc = self.child.returncode
+        rc = self.child.returncode if self.child.returncode is not None else -signal.SIGKILL
         code, sig = (rc, None) if rc >= 0 else (None, -rc)
         if why == "exited" and sig in STOP_SIGNALS:
             # scancel and srun signal every process of the step at once: the trainer may
@@ -242,20 +265,39 @@ class Supervisor:
                 time.sleep(0.05)
             if self.stop_signal is not None:
                 why = "stopped"
-        if why == "exited" and rc != 0:
-            why = "failed"
+        if why == "hung" or (why == "exited" and rc != 0):
+            why = "hung" if why == "hung" else "failed"
             record = self._record(code, sig, ended, why, catcher.result(), list(catcher.tail))
+            if why == "hung":
+                record.update(hung=hung, stack=stack)
             self.records.fail(self.info.rank, record)
+            self.records.finish(self.info.rank, self._record(code, sig, ended, why, None, []))
             self.say(f"eddis-train: rank {self.info.rank} on {self.info.hostname} "
-                     f"{describe_exit(code, sig)}; stopping the other ranks")
+                     f"{'hung and was killed' if why == 'hung' else describe_exit(code, sig)}; "
+                     "stopping the other ranks")
             self._wait_for_peers(self.stop_grace + 10)
-        self.records.finish(self.info.rank, self._record(code, sig, ended, why, None, []))
+        else:
+            self.records.finish(self.info.rank, self._record(code, sig, ended, why, None, []))
         if why == "stopped":
             # Stopped because a peer failed: exit 0, so that srun --kill-on-bad-exit does not
             # SIGKILL the ranks still cleaning up; the failed rank exits last, with its own
             # status, which becomes the step's. Stopped by a signal (scancel): 143.
             return STOPPED_EXIT_CODE if self.stop_signal is not None else 0
         return code if sig is None else 128 + sig
+
+    def _end_hung_child(self, hung):
+        """Name the hung trainer, dump its stack, kill it; returns the stack (or None)."""
+        self.say(f"eddis-train: rank {self.info.rank} on {self.info.hostname} (trainer pid {self.child.pid}) "
+                 f"stopped making progress: {hung}; dumping its stack and killing it")
+        stack = self.liveness.stack()
+        if stack:
+            self.say("eddis-train: its Python stack:\n" + stack)
+        self._signal_child(signal.SIGKILL)
+        try:
+            self.child.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # in the kernel for good (D state): report it anyway
+            self.say(f"eddis-train: the trainer (pid {self.child.pid}) did not die of SIGKILL within 30 s")
+        return stack
 
     def _record(self, code, sig, ended, why, traceback, tail):
         return {"rank": self.info.rank, "host": self.info.hostname, "code": code, "signal": sig,

@@ -11,14 +11,20 @@ supervisor of one rank: it maps the launcher's variables onto the EDDIS_* rank
 environment, binds the rank to one GPU, runs the trainer as its child with every
 output line prefixed ``[rank@host]``, and stops the rank when a peer fails (see
 :mod:`eddis.launch.supervisor`). Helper modes used by eddis_job.sh:
-``--create-run-dir DIR``, ``--wait-servers N`` and ``--report``.
+``--check``, ``--create-run-dir DIR``, ``--smb-server I``, ``--wait-servers N``
+and ``--report``.
+
+Every mode checks the settings first (a misspelt EDDIS_/SMB_ variable is an error
+naming the closest registered one), and a launch checks that the training script
+exists, before anything is started.
 """
 import argparse
 import os
+import shutil
 import sys
 
 from .. import settings
-from ..errors import EddisError
+from ..errors import ConfigError, EddisError
 
 
 def build_parser():
@@ -44,6 +50,12 @@ def build_parser():
     p.add_argument("--run-dir", default=None, metavar="DIR",
                    help="run directory (default: EDDIS_RUN_DIR, else ~/.eddis/run/<job>)")
     helpers = p.add_argument_group("helpers for job scripts")
+    helpers.add_argument("--check", action="store_true",
+                         help="check the settings in the environment and that the training script exists, "
+                              "then exit (0: fine, 2: not, with the reason)")
+    helpers.add_argument("--smb-server", type=int, metavar="INDEX",
+                         help="run smb-server INDEX of the run dir under a supervisor that records how it "
+                              "ends and names it when it dies or hangs (EDDIS_LIVENESS_TIMEOUT)")
     helpers.add_argument("--create-run-dir", metavar="DIR", help="create DIR with its token and exit")
     helpers.add_argument("--wait-servers", type=int, metavar="N",
                          help="wait until N smb-servers have published in the run dir, then exit")
@@ -55,7 +67,8 @@ def build_parser():
                          help="return when the trainers' srun PID ends; if it has not EDDIS_STEP_END_GRACE s "
                               "after every rank recorded its exit, end it and write launch/trainers.status")
     helpers.add_argument("--report", action="store_true",
-                         help="print the root-cause report of the run dir's last failed launch")
+                         help="print the root-cause report of the run dir's last failed launch on stderr, "
+                              "and the job's status on stdout: the root cause's, else --exit-code")
     helpers.add_argument("--exit-code", type=int, default=None,
                          help="with --report: the job's exit code, for the report")
     p.add_argument("script", nargs=argparse.REMAINDER,
@@ -72,9 +85,33 @@ def main(argv=None):
         return 2
 
 
+def missing_script(script):
+    """Why the training command cannot start (a sentence), or None. Only what can be known
+    without running it: a .py file that is not there, a program that is not on PATH."""
+    if not script:
+        return None
+    first = script[0]
+    if first == "-m":
+        return None if len(script) > 1 else "-m needs a module name"
+    if first.endswith(".py") or os.sep in first:
+        if not os.path.isfile(first):
+            return f"the training script {first} does not exist (working directory {os.getcwd()})"
+        return None
+    if shutil.which(first) is None:
+        return f"the training command {first} is not a file and not on PATH"
+    return None
+
+
+def _script(args):
+    script = list(args.script)
+    return script[1:] if script and script[0] == "--" else script
+
+
 def _dispatch(args):
     from . import jobsteps
 
+    # before anything starts, once: under Slurm every later step would print it again
+    settings.check_environment()
     if args.mode is not None:
         os.environ["EDDIS_MODE"] = args.mode
     if args.timeline is not None:
@@ -83,9 +120,18 @@ def _dispatch(args):
         os.environ["EDDIS_PROFILE"] = "1"
     if args.run_dir is not None:
         os.environ["EDDIS_RUN_DIR"] = os.path.abspath(os.path.expanduser(args.run_dir))
+    if args.check:
+        problem = missing_script(_script(args))
+        if problem is not None:
+            raise ConfigError(f"{problem}; nothing was started")
+        return 0
     if args.create_run_dir:
         print(jobsteps.create_run_dir(args.create_run_dir))
         return 0
+    if args.smb_server is not None:
+        from .serverstep import serve
+
+        return serve(jobsteps.run_dir(), args.smb_server, args.memory)
     if args.guard_trainers is not None:
         return jobsteps.guard_trainer_step(jobsteps.run_dir(), args.guard_trainers)
     if args.wait_servers is not None:
@@ -93,14 +139,14 @@ def _dispatch(args):
     if args.report:
         return jobsteps.print_report(jobsteps.run_dir(), args.exit_code)
 
-    settings.check_environment()
-    script = list(args.script)
-    if script and script[0] == "--":
-        script = script[1:]
+    script = _script(args)
     if not script:
         build_parser().print_usage(sys.stderr)
         print("eddis-train: error: give the training script, e.g. eddis-train train.py", file=sys.stderr)
         return 2
+    problem = missing_script(script)
+    if problem is not None:  # before a server and every rank start only to find it
+        raise ConfigError(f"{problem}; nothing was started")
 
     from .rankenv import CachedGres, detect
     from .report import LAUNCH_DIR, launch_key

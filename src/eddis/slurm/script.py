@@ -6,14 +6,18 @@ else raises :class:`~eddis.errors.ConfigError` listing them. ``eddis submit``
 fills the options from ``--gpus`` and Slurm's partitions; ``scripts/eddis_job.sh``
 is this function's output for an a100 + v100 hetjob, for users to copy and edit.
 
-The job body, in order: create the run directory and token; start one
+The job body, in order: check the settings and the training script (once, before
+anything starts); create the run directory and token; start one
 ``smb-server`` per node of every het component as a background step
 (``srun --overlap``, named ``smb-server``); wait until all have published (a
 timeout and a dead server step both fail the job with a clear message); run
 ``srun --het-group=0,...,K-1 --mpi=pmix --kill-on-bad-exit=1 eddis-train ...``;
 stop the servers with SIGTERM (``scancel --signal=TERM`` of their steps, so they
 free their shared memory); print the root-cause report when the trainers
-failed; exit with the trainers' status.
+failed; exit with the root cause's status (else the trainers').
+
+Each server runs under ``eddis-train --smb-server I``, which names it as the root
+cause when it dies or hangs (``EDDIS_LIVENESS_TIMEOUT``) and stops the ranks.
 """
 import functools
 import inspect
@@ -80,6 +84,9 @@ if [ $# -gt 0 ]; then TRAIN=("$@"); else TRAIN=(@COMMAND@); fi
 @EXPORTS@export EDDIS_RUN_DIR=${EDDIS_RUN_DIR:-$HOME/.eddis/run/$SLURM_JOB_ID}
 SERVER_WAIT=@SERVER_WAIT@  # seconds for every smb-server to publish its address
 
+# A misspelt setting or a missing script: say so once, before any server starts.
+eddis-train --check -- "${TRAIN[@]}" || exit 2
+
 components=${SLURM_HET_SIZE:-1}
 if [ "$components" -gt 1 ]; then
     job_ids=$(for ((g = 0; g < components; g++)); do v=SLURM_JOB_ID_HET_GROUP_$g; echo -n "${!v},"; done)
@@ -145,6 +152,7 @@ fewest_cpus() {
 # One smb-server per node of every component: a background step beside the trainers.
 # It may use every CPU the job holds on its node (it overlaps the trainers): its
 # reduction threads (SMB_REDUCE_THREADS) would share one bound CPU otherwise.
+# eddis-train --smb-server runs it under a supervisor that names it if it dies or hangs.
 servers=0
 for ((g = 0; g < components; g++)); do
     if [ "$components" -gt 1 ]; then het=(--het-group=$g); nodes_var=SLURM_JOB_NUM_NODES_HET_GROUP_$g
@@ -153,7 +161,7 @@ for ((g = 0; g < components; g++)); do
     nodes=${!nodes_var}
     srun "${het[@]}" --job-name=smb-server --overlap --nodes="$nodes" --ntasks="$nodes" \
         --ntasks-per-node=1 --cpus-per-task="$(fewest_cpus "${!cpus_var:-1}")" --gres=none --kill-on-bad-exit=1 \
-        bash -c "exec smb-server --run-dir \"\$EDDIS_RUN_DIR\" --index \$(($servers + SLURM_NODEID))" &
+        bash -c "exec eddis-train --smb-server \$(($servers + SLURM_NODEID))" &
     server_pids+=($!)
     servers=$((servers + nodes))
 done
@@ -191,7 +199,9 @@ wait "$guard_pid" 2>/dev/null
 
 stop_steps smb-server "${server_pids[@]}"
 if [ "$status" -ne 0 ]; then
-    eddis-train --report --exit-code "$status"
+    # the report on stderr, the root cause's status on stdout (srun's may be a peer's SIGKILL)
+    root_status=$(eddis-train --report --exit-code "$status")
+    [[ $root_status =~ ^[0-9]+$ ]] && status=$root_status
 fi
 echo "eddis_job: done, status $status"
 exit "$status"

@@ -1,0 +1,169 @@
+"""``eddis-train --smb-server INDEX``: one smb-server, run as the child of a supervisor.
+
+Why not ``exec smb-server``: a server that dies or hangs must be named as the
+job's root cause (index, host, signal, its stack), and no one else on its node
+can know how it ended: its parent is slurmstepd (or ``eddis-train --local``).
+So the job script and ``--local`` run this supervisor, which
+
+- runs ``eddis.smb.server`` in a child process that beats to it (:mod:`.liveness`);
+- records the server's start, and its exit under ``<run dir>/launch/smb-servers/``;
+- when the server dies (anything but the stop it was asked for) or hangs (stack
+  dumped, then killed), records a failure and asks every rank of the run dir to
+  stop (``launch/stop``), so the job ends with the server as its root cause;
+- passes SIGTERM/SIGINT on to the server, and kills it when it does not stop within
+  SERVER_STOP_SECONDS (a stopped server would keep the job waiting otherwise).
+"""
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from .liveness import LivenessWatch
+from .report import describe_failure, request_stop, server_records
+
+SERVER_STOP_SECONDS = 10.0
+WATCH_SECONDS = 1.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1
+_CHILD_CODE = ("import sys; from eddis.launch.liveness import start_in_child; start_in_child(); "
+               "from eddis.smb.server import main; sys.exit(main())")
+
+
+def server_child_command(run_dir, index, memory=None):
+    cmd = [sys.executable, "-c", _CHILD_CODE, "--run-dir", str(run_dir), "--index", str(index)]
+    if memory:
+        cmd += ["--memory", str(memory)]
+    return cmd
+
+
+def supervisor_command(run_dir, index, memory=None):
+    """The command line of this supervisor, for a launcher that starts it with this Python."""
+    cmd = [sys.executable, "-m", "eddis.launch.train", "--run-dir", str(run_dir), "--smb-server", str(index)]
+    if memory:
+        cmd += ["--memory", str(memory)]
+    return cmd
+
+
+def _die_with_parent():
+    # a server must not outlive a supervisor killed with SIGKILL (srun --kill-on-bad-exit)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _hostname():
+    from ..smb.server import local_hostname
+
+    return local_hostname()
+
+
+class ServerSupervisor:
+    def __init__(self, run_dir, index, memory=None):
+        self.run_dir = str(run_dir)
+        self.index = int(index)
+        self.memory = memory
+        self.host = _hostname()
+        self.records = server_records(self.run_dir)
+        self.stop_signal = None
+        self.child = None
+
+    def _on_signal(self, signum, frame):
+        first = self.stop_signal is None
+        self.stop_signal = signum
+        if first and self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+
+    def say(self, text):
+        print(f"eddis-train: smb-server {self.index}@{self.host}: {text}", file=sys.stderr, flush=True)
+
+    def run(self):
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+        liveness = LivenessWatch()
+        env = dict(os.environ, **liveness.child_env())
+        try:
+            self.child = subprocess.Popen(server_child_command(self.run_dir, self.index, self.memory), env=env,
+                                          stdin=subprocess.DEVNULL, pass_fds=liveness.pass_fds,
+                                          preexec_fn=_die_with_parent)
+        except OSError as exc:
+            liveness.close()
+            self.say(f"cannot start the server: {exc}")
+            return 127
+        liveness.started(self.child.pid)
+        self.records.start(self.index, {"server": self.index, "host": self.host, "pid": self.child.pid,
+                                        "supervisor_pid": os.getpid(), "time": time.time()})
+        hung = stack = None
+        stop_deadline = None
+        try:
+            exit_fd = os.pidfd_open(self.child.pid)
+        except (AttributeError, OSError):
+            exit_fd = None
+        while self.child.poll() is None:
+            if exit_fd is not None:
+                try:
+                    select.select([exit_fd], [], [], WATCH_SECONDS)
+                except InterruptedError:
+                    pass
+            else:
+                time.sleep(0.25)
+            if self.child.poll() is not None:
+                break
+            if self.stop_signal is not None:
+                stop_deadline = stop_deadline or time.monotonic() + SERVER_STOP_SECONDS
+                if time.monotonic() > stop_deadline:
+                    self.say(f"did not stop within {SERVER_STOP_SECONDS:.0f} s of "
+                             f"{signal.Signals(self.stop_signal).name}; killing it")
+                    self.child.kill()
+                    self.child.wait(timeout=30)
+                    break
+                continue  # stopping as asked: its hang is not the job's failure any more
+            hung = liveness.hung()
+            if hung is not None:
+                self.say(f"(pid {self.child.pid}) stopped making progress: {hung}; dumping its stack and killing it")
+                stack = liveness.stack()
+                if stack:
+                    self.say("its Python stack:\n" + stack)
+                self.child.kill()
+                try:
+                    self.child.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.say(f"the server (pid {self.child.pid}) did not die of SIGKILL within 30 s")
+                break
+        ended = time.time()
+        if exit_fd is not None:
+            os.close(exit_fd)
+        liveness.close()
+        rc = self.child.returncode if self.child.returncode is not None else -signal.SIGKILL
+        code, sig = (rc, None) if rc >= 0 else (None, -rc)
+        if hung is None and self.stop_signal is None and (rc == 0 or sig in STOP_SIGNALS):
+            # scancel signals every process of the step at once: the server may be gone
+            # before our own handler has run. Not a failure then.
+            deadline = time.monotonic() + 1.0
+            while self.stop_signal is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        record = {"server": self.index, "host": self.host, "pid": self.child.pid, "code": code, "signal": sig,
+                  "time": ended, "why": "exited"}
+        asked_to_stop = self.stop_signal is not None and hung is None
+        if hung is not None:
+            record.update(why="hung", hung=hung, stack=stack)
+        elif not asked_to_stop and rc != 0:
+            record["why"] = "failed"
+        elif asked_to_stop:
+            record["why"] = "stopped"
+        if record["why"] in ("hung", "failed"):
+            self.records.fail(self.index, record)
+            self.say(f"{describe_failure(record)}; stopping every rank")
+            request_stop(self.run_dir, describe_failure(record))
+        self.records.finish(self.index, record)
+        if asked_to_stop:
+            return 0 if rc == 0 else 128 + self.stop_signal
+        return code if sig is None else 128 + sig
+
+
+def serve(run_dir, index, memory=None):
+    return ServerSupervisor(run_dir, index, memory).run()
+

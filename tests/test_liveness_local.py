@@ -1,0 +1,152 @@
+"""Liveness and the root cause under `eddis-train --local`: real ranks, a real smb-server, real signals.
+
+Every run sets EDDIS_COMM_TIMEOUT and SMB_TIMEOUT to 600 s: a job that ends well within
+120 s was ended by the liveness watch (EDDIS_LIVENESS_TIMEOUT=5), not by a timeout.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import REPO, python_env
+from launch_helpers import TRAINER, make_bin, processes_with_env, wait_until
+
+pytest.importorskip("eddis.smb.server", reason="the SMB server (eddis.smb.server) is not in this checkout")
+
+SMB_TRAINER = REPO / "tests" / "launch_scripts" / "smb_trainer.py"
+BOUND = 120  # seconds: far below the 600 s the job's own waits would take
+
+
+def env_for(tmp_path, **extra):
+    bin_dir = make_bin(tmp_path / "bin")
+    return python_env({"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
+                       "SMB_MEMORY": "64M", "EDDIS_LIVENESS_TIMEOUT": "5", "EDDIS_COMM_TIMEOUT": "600",
+                       "SMB_TIMEOUT": "600", **extra})
+
+
+def start(tmp_path, *args, **extra):
+    return subprocess.Popen(["eddis-train", "--local", *map(str, args)], env=env_for(tmp_path, **extra),
+                            cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc, timeout=BOUND):
+    """(exit status, stdout, stderr, seconds it took from now); kills the run on timeout."""
+    began = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the run did not end within {timeout} s\n--- stdout ---\n{out}\n--- stderr ---\n{err}")
+    return proc.returncode, out, err, time.monotonic() - began
+
+
+def launch_records(tmp_path):
+    return [p for p in (tmp_path / "run" / "launch").iterdir() if p.is_dir() and p.name != "smb-servers"]
+
+
+def started_ranks(tmp_path, ranks):
+    def all_started():
+        found = {}
+        for launch in launch_records(tmp_path) if (tmp_path / "run" / "launch").exists() else []:
+            for path in (launch / "ranks").glob("*.json"):
+                record = json.loads(path.read_text())
+                found[record["rank"]] = record
+        return found if len(found) == ranks else None
+    return wait_until(all_started, 60, what=f"{ranks} ranks to start")
+
+
+def server_record(tmp_path):
+    path = tmp_path / "run" / "servers" / "0.json"
+    wait_until(path.exists, 60, what="the smb-server to publish")
+    return json.loads(path.read_text())
+
+
+def assert_nothing_left(tmp_path):
+    assert wait_until(lambda: processes_with_env("EDDIS_RUN_DIR", str(tmp_path / "run")) == [] or None, 15,
+                      what="the run's processes to exit") is True
+
+
+@pytest.mark.timeout(180)
+def test_stopped_rank_is_named_within_seconds(tmp_path):
+    proc = start(tmp_path, "-n", "2", TRAINER, "--steps", "3000", "--step-seconds", "0.05")
+    ranks = started_ranks(tmp_path, 2)
+    time.sleep(2)  # into the training loop, with heartbeats flowing
+    os.kill(ranks[1]["trainer_pid"], signal.SIGSTOP)
+    code, out, err, took = finish(proc)
+    assert took < BOUND
+    assert code == 137, err  # the hung rank was killed: its status is the job's
+    report = err[err.index("ROOT CAUSE"):]
+    assert re.search(r"ROOT CAUSE: rank 1 on host \S+ hung \(.*stopped by a signal \(SIGSTOP", report), report
+    # its stack, fetched from the stopped process before it was killed
+    assert "its Python stack when it was found hung (rank 1)" in report and "mpi_trainer.py" in report
+    assert "stopped by the launcher: rank 0" in report
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_stopped_server_is_named_not_a_rank(tmp_path):
+    proc = start(tmp_path, "-n", "2", SMB_TRAINER, "--steps", "3000")
+    started_ranks(tmp_path, 2)
+    server = server_record(tmp_path)
+    time.sleep(3)
+    os.kill(server["pid"], signal.SIGSTOP)
+    code, out, err, took = finish(proc)
+    assert took < BOUND
+    assert code == 137, err
+    report = err[err.index("ROOT CAUSE"):]
+    assert re.search(rf"ROOT CAUSE: smb-server 0 on host \S+ \(pid {server['pid']}\) hung", report), report
+    assert "its Python stack when it was found hung (smb-server 0)" in report
+    assert "ROOT CAUSE: rank" not in err
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_killed_server_is_the_root_cause_with_its_signal(tmp_path):
+    proc = start(tmp_path, "-n", "2", SMB_TRAINER, "--steps", "3000")
+    started_ranks(tmp_path, 2)
+    server = server_record(tmp_path)
+    time.sleep(3)
+    os.kill(server["pid"], signal.SIGKILL)
+    code, out, err, took = finish(proc)
+    assert code == 137, err
+    assert re.search(rf"ROOT CAUSE: smb-server 0 on host \S+ \(pid {server['pid']}\) was killed by signal 9 "
+                     r"\(SIGKILL\)", err), err
+    assert "ROOT CAUSE: rank" not in err
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_every_rank_failing_at_once_ends_within_seconds(tmp_path):
+    # The old wait for the peers' exit records took EDDIS_STOP_GRACE + 10 s = 70 s here.
+    proc = start(tmp_path, "-n", "2", TRAINER, "--steps", "50", "--step-seconds", "0.05", "--fail-rank", "-2",
+                 "--fail-step", "2", EDDIS_STOP_GRACE="60")
+    code, out, err, took = finish(proc)
+    assert code == 1, err  # the root cause's own status
+    assert took < 45, f"took {took:.0f} s"
+    assert re.search(r"ROOT CAUSE: rank [01] on host \S+ exited with code 1", err), err
+    assert re.search(r"failed after it \(probably as a consequence\): rank [01]@\S+ \(exited with code 1\)", err)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_misspelt_setting_is_refused_before_anything_starts(tmp_path):
+    proc = start(tmp_path, "-n", "2", TRAINER, EDDIS_MOED="sync")
+    code, out, err, took = finish(proc, timeout=30)
+    assert code == 2
+    assert err.count("unknown setting EDDIS_MOED") == 1 and "Did you mean EDDIS_MODE?" in err, err
+    assert "smb-server" not in out + err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(60)
+def test_missing_script_is_refused_before_anything_starts(tmp_path):
+    proc = start(tmp_path, "-n", "2", "no_such_train.py")
+    code, out, err, took = finish(proc, timeout=30)
+    assert code == 2
+    assert "the training script no_such_train.py does not exist" in err and "nothing was started" in err, err
+    assert "smb-server" not in out + err and not (tmp_path / "run").exists()

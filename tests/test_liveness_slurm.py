@@ -1,0 +1,156 @@
+"""Liveness and the root cause of real Slurm jobs on the dev cluster (hetjob: n1 a100 + n2 v100).
+
+The ranks wait 600 s (EDDIS_COMM_TIMEOUT, SMB_TIMEOUT) for anything; a job that ends well
+within 120 s after a SIGSTOP was ended by the liveness watch (EDDIS_LIVENESS_TIMEOUT=5).
+"""
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from launch_helpers import TRAINER, make_bin, processes_with_env, wait_job_end, wait_until
+
+pytest.importorskip("eddis.smb.server", reason="the SMB server (eddis.smb.server) is not in this checkout")
+
+JOB_SCRIPT = REPO / "scripts" / "eddis_job.sh"
+SMB_TRAINER = REPO / "tests" / "launch_scripts" / "smb_trainer.py"
+BOUND = 120
+
+
+@pytest.fixture
+def job_env(slurm_cluster, tmp_path):
+    bin_dir = make_bin(tmp_path / "bin")
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
+            "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1", "EDDIS_LIVENESS_TIMEOUT": "5",
+            "EDDIS_COMM_TIMEOUT": "600", "SMB_TIMEOUT": "600"}
+
+
+def sbatch(cluster, env, out, *args):
+    proc = cluster.run(["sbatch", "--parsable", f"--output={out}", JOB_SCRIPT, *map(str, args)], env=env,
+                       timeout=60, cwd=str(REPO))
+    return proc.stdout.strip().split(";")[0]
+
+
+def rank_records(run_dir, ranks=4):
+    def started():
+        found = {}
+        for path in Path(run_dir).glob("launch/*/ranks/*.json"):
+            record = json.loads(path.read_text())
+            if "rank" in record:
+                found[record["rank"]] = record
+        return found if len(found) == ranks else None
+    return wait_until(started, 90, interval=0.5, what=f"{ranks} ranks to start")
+
+
+def stepping(out, ranks=4):
+    text = out.read_text() if out.exists() else ""
+    return all(re.search(rf"^\[{r}@\S+\] step 2 ", text, re.M) for r in range(ranks))
+
+
+def assert_no_processes_left(run_dir):
+    assert wait_until(lambda: processes_with_env("EDDIS_RUN_DIR", str(run_dir)) == [] or None, 30,
+                      what="the job's processes to exit") is True
+
+
+@pytest.mark.timeout(240)
+def test_stopped_rank_is_named_and_ends_the_job(slurm_cluster, job_env, tmp_path):
+    out = tmp_path / "job.out"
+    job_id = sbatch(slurm_cluster, job_env, out, TRAINER, "--steps", "3000", "--step-seconds", "0.1")
+    ranks = rank_records(job_env["EDDIS_RUN_DIR"])
+    wait_until(lambda: stepping(out), 90, interval=0.5, what="all ranks to be training")
+    stopped_at = time.monotonic()
+    os.kill(ranks[2]["trainer_pid"], signal.SIGSTOP)
+    state, code = wait_job_end(slurm_cluster, job_id, BOUND, out)
+    took = time.monotonic() - stopped_at
+    text = out.read_text()
+    assert state == "FAILED" and code == "137:0", (state, code, text)
+    assert re.search(r"ROOT CAUSE: rank 2 on host n2 hung \(.*stopped by a signal \(SIGSTOP", text), text
+    assert "its Python stack when it was found hung (rank 2)" in text and "mpi_trainer.py" in text
+    assert text.count("ROOT CAUSE") == 1 and "eddis_job: done, status 137" in text
+    assert took < BOUND
+    assert_no_processes_left(job_env["EDDIS_RUN_DIR"])
+
+
+@pytest.mark.timeout(240)
+def test_stopped_server_is_named_and_ends_the_job(slurm_cluster, job_env, tmp_path):
+    out = tmp_path / "job.out"
+    job_id = sbatch(slurm_cluster, job_env, out, SMB_TRAINER, "--steps", "3000")
+    run_dir = Path(job_env["EDDIS_RUN_DIR"])
+    rank_records(run_dir)
+    wait_until(lambda: stepping(out), 90, interval=0.5, what="all ranks to be training")
+    server = json.loads((run_dir / "servers" / "1.json").read_text())
+    os.kill(server["pid"], signal.SIGSTOP)
+    state, code = wait_job_end(slurm_cluster, job_id, BOUND, out)
+    text = out.read_text()
+    assert state == "FAILED" and code == "137:0", (state, code, text)
+    assert re.search(rf"ROOT CAUSE: smb-server 1 on host n2 \(pid {server['pid']}\) hung", text), text
+    assert "its Python stack when it was found hung (smb-server 1)" in text
+    assert "ROOT CAUSE: rank" not in text
+    assert_no_processes_left(run_dir)
+
+
+@pytest.mark.timeout(240)
+def test_killed_server_is_the_root_cause_with_index_host_and_signal(slurm_cluster, job_env, tmp_path):
+    out = tmp_path / "job.out"
+    job_id = sbatch(slurm_cluster, job_env, out, SMB_TRAINER, "--steps", "3000")
+    run_dir = Path(job_env["EDDIS_RUN_DIR"])
+    rank_records(run_dir)
+    wait_until(lambda: stepping(out), 90, interval=0.5, what="all ranks to be training")
+    server = json.loads((run_dir / "servers" / "1.json").read_text())
+    os.kill(server["pid"], signal.SIGKILL)
+    state, code = wait_job_end(slurm_cluster, job_id, BOUND, out)
+    text = out.read_text()
+    assert state == "FAILED" and code == "137:0", (state, code, text)
+    assert re.search(rf"ROOT CAUSE: smb-server 1 on host n2 \(pid {server['pid']}\) was killed by signal 9 "
+                     r"\(SIGKILL\)", text), text
+    assert "ROOT CAUSE: rank" not in text
+    assert_no_processes_left(run_dir)
+    from eddis.smb.server import arena_name
+
+    killed_arena = "/dev/shm" + arena_name(run_dir, 1)
+    if os.path.exists(killed_arena):  # ours to tidy (a SIGKILLed server cannot)
+        os.unlink(killed_arena)
+
+
+@pytest.mark.timeout(240)
+def test_every_rank_failing_at_once_reports_and_keeps_their_status(slurm_cluster, job_env, tmp_path):
+    out = tmp_path / "job.out"
+    # The old wait for the peers' exit records: EDDIS_STOP_GRACE + 10 s = 70 s, then PMIx killed them.
+    env = dict(job_env, EDDIS_STOP_GRACE="60")
+    began = time.monotonic()
+    job_id = sbatch(slurm_cluster, env, out, TRAINER, "--steps", "50", "--fail-rank", "-2", "--fail-step", "2")
+    state, code = wait_job_end(slurm_cluster, job_id, BOUND, out)
+    took = time.monotonic() - began
+    text = out.read_text()
+    assert state == "FAILED" and code == "1:0", (state, code, text)
+    assert re.search(r"ROOT CAUSE: rank [0-3] on host n[12] exited with code 1", text), text
+    assert "RuntimeError: injected failure" in text and "eddis_job: done, status 1" in text
+    assert took < 60, f"took {took:.0f} s"
+    assert_no_processes_left(job_env["EDDIS_RUN_DIR"])
+
+
+@pytest.mark.timeout(120)
+def test_misspelt_setting_is_refused_once_before_the_servers(slurm_cluster, job_env, tmp_path):
+    out = tmp_path / "job.out"
+    job_id = sbatch(slurm_cluster, dict(job_env, EDDIS_MOED="sync"), out, TRAINER)
+    state, code = wait_job_end(slurm_cluster, job_id, 60, out)
+    text = out.read_text()
+    assert state == "FAILED" and code == "2:0", (state, code, text)
+    assert text.count("unknown setting EDDIS_MOED") == 1 and "Did you mean EDDIS_MODE?" in text, text
+    assert "smb-server" not in text and "ROOT CAUSE" not in text and "eddis_job: job" not in text
+
+
+@pytest.mark.timeout(120)
+def test_missing_script_is_refused_before_the_servers(slurm_cluster, job_env, tmp_path):
+    out = tmp_path / "job.out"
+    job_id = sbatch(slurm_cluster, job_env, out, "no_such_train.py", "--epochs", "1")
+    state, code = wait_job_end(slurm_cluster, job_id, 60, out)
+    text = out.read_text()
+    assert state == "FAILED" and code == "2:0", (state, code, text)
+    assert text.count("the training script no_such_train.py does not exist") == 1, text
+    assert "smb-server" not in text and "eddis-train: rank" not in text
