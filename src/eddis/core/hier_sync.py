@@ -160,10 +160,13 @@ class HierarchicalSyncReducer(Reducer):
         try:
             counter.wait_for(target, self.timeout)
         except SMBTimeoutError as exc:
+            from .smb_sync import arrivals
+
             raise SMBTimeoutError(
-                f"step {self.step}: {what}: not every rank of node {self.layout.nodes[self.node]} "
-                f"(ranks {self.members}) arrived within {self.timeout:g} s (one failed or is far "
-                "slower; raise EDDIS_COMM_TIMEOUT if it is slow)", exc.code) from exc
+                f"step {self.step}: {what}: within {self.timeout:g} s only "
+                f"{arrivals(self.client, counter, target, list(self.members))} on node "
+                f"{self.layout.nodes[self.node]} (one failed or is far slower; raise EDDIS_COMM_TIMEOUT if it "
+                "is slow)", exc.code) from exc
 
     def _submit(self, k):
         bucket = self.plan.buckets[k]
@@ -220,8 +223,8 @@ class HierarchicalSyncReducer(Reducer):
             except SMBTimeoutError as exc:
                 raise SMBTimeoutError(
                     f"step {self.step}, bucket {k}: not every node contributed within {self.timeout:g} s "
-                    f"(nodes {self.layout.nodes}; one failed or is far slower; raise EDDIS_COMM_TIMEOUT "
-                    "if it is slow)", exc.code) from exc
+                    f"(nodes {self.layout.nodes}; {exc.message}; one failed or is far slower; raise "
+                    "EDDIS_COMM_TIMEOUT if it is slow)", exc.code) from exc
             self._spread(k, lo, hi)
         state["done"].fetch_add(1)
         _, done_base = state["base"]

@@ -55,6 +55,9 @@ class ReductionTimeoutError(EddisError, TimeoutError):
     """A step's reduction did not finish within EDDIS_COMM_TIMEOUT."""
 
 
+INNER_ERROR_GRACE = 1.0
+
+
 def _op_name(op):
     key = str(getattr(op, "name", op)).lower()
     if key in ("average", "mean", "avg"):
@@ -198,12 +201,16 @@ class Reducer:
             while not all(self._done) and self._error is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    # the comm threads' own waits end at about the same time, and their error
+                    # says whom they waited for: give it a moment to arrive
+                    self._cond.wait(INNER_ERROR_GRACE)
+                    inner = f" ({self._error})" if isinstance(self._error, TimeoutError) else ""
                     not_ready = [k for k in range(self.num_buckets) if not self._ready[k]]
                     unfinished = [k for k in range(self.num_buckets) if self._ready[k] and not self._done[k]]
                     raise ReductionTimeoutError(
                         f"step {self.step}: gradient reduction ({self.mode}) did not finish within "
                         f"{timeout:g} s; buckets not marked ready here: {not_ready or 'none'}, "
-                        f"ready but not reduced (waiting for other ranks): {unfinished or 'none'}. "
+                        f"ready but not reduced (waiting for other ranks): {unfinished or 'none'}{inner}. "
                         "Another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is slow.")
                 self._cond.wait(remaining)
             self._check_usable()

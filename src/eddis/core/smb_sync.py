@@ -147,9 +147,9 @@ class SyncReducer(Reducer):
             counter.wait_for(target, self.timeout)
         except SMBTimeoutError as exc:
             raise SMBTimeoutError(
-                f"step {self.step}: {what}: not every rank arrived within {self.timeout:g} s "
-                "(another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is slow)",
-                exc.code) from exc
+                f"step {self.step}: {what}: within {self.timeout:g} s only "
+                f"{arrivals(self.client, counter, target, list(range(self.size)))} (another rank failed or is "
+                "far slower; raise EDDIS_COMM_TIMEOUT if it is slow)", exc.code) from exc
 
     def _prepare_step(self):
         if self._by_ranks is not None:
@@ -211,8 +211,8 @@ class SyncReducer(Reducer):
         except SMBTimeoutError as exc:
             raise SMBTimeoutError(
                 f"step {self.step}, bucket {k}: not every rank contributed within {self.timeout:g} s "
-                "(another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is slow)",
-                exc.code) from exc
+                f"({exc.message}; another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is "
+                "slow)", exc.code) from exc
         self._read_result(k)
 
     def _read_result(self, k):
@@ -243,6 +243,25 @@ class SyncReducer(Reducer):
                     self._weights_pool.free()
         except Exception as exc:  # the server frees everything when it stops anyway
             log.warning("could not free the sync pools %s: %s", self.pool_name, exc)
+
+
+def server_name(client, index):
+    host = client.servers[index].get("hostname") if index < client.num_servers else None
+    return f"smb-server {index}@{host}" if host else f"smb-server {index}"
+
+
+def arrivals(client, counter, target, ranks):
+    """Who a timed-out arrival counter was waiting for, from its value: 'k of the n ranks
+    [...] arrived (counter on smb-server s@host): n - k missing'. The counter counts, it
+    does not say who, so the ranks are those that take part."""
+    where = server_name(client, counter.server)
+    try:
+        value = counter.read()
+    except Exception:  # noqa: BLE001 - the server is gone: that is the answer
+        return f"the arrival counter on {where} cannot be read any more (that server died?); ranks {ranks}"
+    arrived = len(ranks) - max(0, target - value)
+    return (f"{arrived} of the {len(ranks)} ranks {ranks} arrived (counter on {where}), "
+            f"{len(ranks) - arrived} missing")
 
 
 def make_sync_reducer(plan, compression="none", op="average", timeout=None, name="grads"):
