@@ -148,6 +148,8 @@ def test_bounded_fuzz_of_the_listening_port_leaves_the_server_serving():
                     sent += 1
             except OSError:
                 pass       # the server may drop a garbage peer mid-send: that is the point
+        elapsed = time.monotonic() - started
+        print(f"fuzz: {sent} connections in {elapsed:.1f} s, server alive: {_server_alive(servers)}")
         assert sent >= 1000, f"only {sent} fuzz connections went through in {budget_s} s"
         assert leaked == 0
         assert _server_alive(servers)
