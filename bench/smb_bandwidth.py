@@ -2,8 +2,9 @@
 """SMB put/get bandwidth and fetch-add latency beside ucx_perftest and memcpy (a benchmark, not a test).
 
 For each transport:
-  - ucx-tcp: UCX_TLS=tcp, SMB_LOCAL_MAP=0 and distinct fake node names, standing
-    in for a server on another node;
+  - socket: SMB's default transport (proven sockets), SMB_LOCAL_MAP=0 and distinct
+    fake node names, standing in for a server on another node;
+  - ucx-tcp: the same over SMB_TRANSPORT=ucx with UCX_TLS=tcp;
   - same-node: the client maps the server's shared memory (UCX's own shared
     memory transports for ucx_perftest);
 it measures, for message sizes 4 KiB .. 64 MiB:
@@ -18,7 +19,7 @@ GB/s (1e9 bytes/s) and microseconds; ratios are SMB/ucx_perftest and
 SMB/memcpy (targets: >= 0.9 of ucx_perftest for 1 MiB and more, >= 0.8 of
 memcpy on the same-node path).
 
-    PYTHONPATH=src python bench/smb_bandwidth.py [--transports ucx-tcp,same-node]
+    PYTHONPATH=src python bench/smb_bandwidth.py [--transports socket,ucx-tcp,same-node]
         [--sizes 4K,64K,1M,16M,64M] [--bytes-per-size 256M] [--markdown]
 
 Cluster mode (--cluster, as root, under flock /tmp/eddis-bench.lock): SMB pooling on
@@ -55,8 +56,10 @@ import numpy as np
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 TRANSPORTS = {
-    "ucx-tcp": {"env": {"UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"}, "server_host": "smb-node",
-                "client_host": "client-node", "perftest_env": {"UCX_TLS": "tcp"}},
+    "socket": {"env": {"SMB_LOCAL_MAP": "0"}, "server_host": "smb-node",
+               "client_host": "client-node", "perftest_env": {"UCX_TLS": "tcp"}},
+    "ucx-tcp": {"env": {"SMB_TRANSPORT": "ucx", "UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"},
+                "server_host": "smb-node", "client_host": "client-node", "perftest_env": {"UCX_TLS": "tcp"}},
     "same-node": {"env": {"SMB_LOCAL_MAP": "1"}, "server_host": None, "client_host": None,
                   "perftest_env": {}},
 }
@@ -593,9 +596,12 @@ def cluster_main(args):
 # ---------------------------------------------------------------------------
 
 def describe(transport):
+    if transport == "socket":
+        return ("socket: SMB's proven sockets, SMB_LOCAL_MAP=0, servers on fake nodes smb-node-<i> "
+                "(stand in for other nodes); ucx_perftest over UCX_TLS=tcp")
     if transport == "ucx-tcp":
-        return ("ucx-tcp: UCX_TLS=tcp, SMB_LOCAL_MAP=0, servers on fake nodes smb-node-<i> "
-                "(stand in for other nodes)")
+        return ("ucx-tcp: SMB_TRANSPORT=ucx, UCX_TLS=tcp, SMB_LOCAL_MAP=0, servers on fake nodes "
+                "smb-node-<i> (stand in for other nodes)")
     return ("same-node: the client maps the server's shared memory; ucx_perftest on UCX's "
             "default (shared memory) transports")
 
@@ -688,8 +694,8 @@ def report(transport, smb, perf, small_ops, memcpy, sizes, markdown):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transports", default="ucx-tcp,same-node",
-                        help="comma-separated: ucx-tcp, same-node")
+    parser.add_argument("--transports", default="socket,ucx-tcp,same-node",
+                        help="comma-separated: socket, ucx-tcp, same-node")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes, e.g. 4K,1M,64M")
     parser.add_argument("--bytes-per-size", default="256M",
                         help="bytes moved per measurement (iterations = this / size)")

@@ -1,8 +1,9 @@
-"""SMB core against real smb-server processes and real UCX.
+"""SMB core against real smb-server processes, over both transports.
 
-Every test runs twice: over ``UCX_TLS=tcp`` with ``SMB_LOCAL_MAP=0`` and distinct
-fake node names (standing in for separate nodes), and on the same-node path
-(the clients map the servers' shared memory).
+Every test runs three times: with ``SMB_LOCAL_MAP=0`` and distinct fake node
+names (standing in for separate nodes) over the proven sockets (the default) and
+over UCX (``SMB_TRANSPORT=ucx``, ``UCX_TLS=tcp``), and on the same-node path (the
+clients map the servers' shared memory).
 """
 import json
 import subprocess
@@ -19,7 +20,9 @@ from eddis.smb.pool import numpy_dtype
 from eddis.smb.testing import LocalServers
 
 TRANSPORTS = {
-    "ucx-tcp": {"env": {"UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"},
+    "socket": {"env": {"SMB_LOCAL_MAP": "0"},
+               "hostnames": ["smb-node0", "smb-node1", "smb-node2"], "client_host": "client-node"},
+    "ucx-tcp": {"env": {"SMB_TRANSPORT": "ucx", "UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"},
                 "hostnames": ["smb-node0", "smb-node1", "smb-node2"], "client_host": "client-node"},
     "same-node": {"env": {"SMB_LOCAL_MAP": "1"}, "hostnames": None, "client_host": None},
 }
