@@ -1825,9 +1825,15 @@ cdef class ClientCore:
     cdef int _sock_send(self, int ci, char *head, size_t head_len, const char *data,
                         size_t data_len) except -1:
         """Queue a frame (head owned, data borrowed until the reply) and send what fits now."""
-        cdef client_conn_t *c = &self.conns[ci]
+        cdef client_conn_t *c
         cdef int rc = 0
         cdef long moved
+        try:
+            self._enter()      # close() must not free the lock under us
+        except BaseException:
+            free(head)
+            raise
+        c = &self.conns[ci]
         with nogil:
             sk.pthread_mutex_lock(&self.cl.io_lock)
             if smb_load_int(&c.failed):
@@ -1839,6 +1845,7 @@ cdef class ClientCore:
                     if moved < 0:
                         client_sock_fail(c, ucp.UCS_ERR_CONNECTION_RESET)
             sk.pthread_mutex_unlock(&self.cl.io_lock)
+        self._leave()
         if rc != 0:
             raise MemoryError()
         return 0
@@ -1961,9 +1968,12 @@ cdef class ClientCore:
         if self.conns == NULL or self.conns[ci].closed:
             return
         if self.conns[ci].fd >= 0:
-            sk.pthread_mutex_lock(&self.cl.io_lock)
-            client_sock_fail(&self.conns[ci], ucp.UCS_ERR_TIMED_OUT)
-            sk.pthread_mutex_unlock(&self.cl.io_lock)
+            self._enter()
+            with nogil:
+                sk.pthread_mutex_lock(&self.cl.io_lock)
+                client_sock_fail(&self.conns[ci], ucp.UCS_ERR_TIMED_OUT)
+                sk.pthread_mutex_unlock(&self.cl.io_lock)
+            self._leave()
             return
         self.conns[ci].closed = 1
         self.conns[ci].status = ucp.UCS_ERR_TIMED_OUT
@@ -2001,6 +2011,11 @@ cdef class ClientCore:
             return
         if self.cl.worker == NULL:
             # A socket reply may be half read into this slot: the rest is discarded.
+            # Counted as active, so a concurrent close() waits before freeing the lock.
+            smb_fetch_add_int(&self.active, 1)
+            if smb_load_int(&self.closing):
+                smb_fetch_add_int(&self.active, -1)
+                return
             with nogil:
                 sk.pthread_mutex_lock(&self.cl.io_lock)
                 for i in range(self.nconns):
@@ -2009,6 +2024,7 @@ cdef class ClientCore:
                         self.conns[i].rx.dest = NULL
                         smb_store_int(&s.state, SLOT_DONE)
                 sk.pthread_mutex_unlock(&self.cl.io_lock)
+            smb_fetch_add_int(&self.active, -1)
         # A reply may be landing right now: claim the slot or wait for it to finish.
         while not smb_cas_int(&s.state, SLOT_PENDING, SLOT_FREE):
             if smb_load_int(&s.state) == SLOT_DONE:
