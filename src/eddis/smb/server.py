@@ -20,7 +20,7 @@ from .. import settings
 from ..errors import (ConfigError, EddisError, SMBBoundsError, SMBKeyError, SMBMemoryError, SMBPermissionError,
                       SMBValueError)
 from .. import timeline
-from . import handshake, rundir
+from . import arena_limits, handshake, rundir
 from .hugepages import MODES as HUGEPAGE_MODES, arena_pages, describe as describe_pages, plan as hugepage_plan
 from .protocol import (CONTROL_SEPARATOR, DTYPES, ITEMSIZE, STATUS_BOUNDS, STATUS_INVALID,
                        STATUS_NO_ELEM, STATUS_NO_MEMORY, STATUS_REJECTED, decode_control)
@@ -232,6 +232,8 @@ class Server:
     def _create_arena(self, shm):
         if self._page_warning:
             log.warning(self._page_warning)
+        if self.page_kind != "hugetlb":
+            arena_limits.check_fits(self.memory)
         try:
             madvised = self.core.create_arena(shm, self.memory + self.gen_table_bytes, self.page_size,
                                               self.page_kind == "transparent")
@@ -241,7 +243,15 @@ class Server:
             # another process took the free pages between the plan and the mmap
             log.warning("SMB_HUGEPAGES=auto: the hugetlb pages ran out (%s); using normal pages", exc)
             self.page_kind, self.page_size = "off", 0
+            arena_limits.check_fits(self.memory)
             madvised = self.core.create_arena(shm, self.memory + self.gen_table_bytes)
+        if self.page_kind != "hugetlb":
+            try:
+                arena_limits.reserve(self.core.arena_fd, self.core.arena_address, self.core.arena_size,
+                                     transparent=self.page_kind == "transparent")
+            except BaseException:
+                self.core.destroy_arena()
+                raise
         if not madvised:
             log.warning("SMB_HUGEPAGES=%s: madvise(MADV_HUGEPAGE) was refused; the arena uses "
                         "normal pages", self.hugepages)
@@ -268,25 +278,25 @@ class Server:
         if self.info is not None:
             rundir.unpublish_server(self.run_dir, self.index)
             self.info = None
+        self._stop_gate()
         self.core.stop()
         self.started = False
         self.timeline.close()
+
+    def _stop_gate(self):
+        if self.gate is not None:
+            self.gate.stop()
+            self.gate = None
 
     def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc):
         self.stop()
-        self._stop_gate()
 
     @property
     def address(self):
         return f"{self.info['host']}:{self.port}" if self.info else None
-    def _stop_gate(self):
-        if self.gate is not None:
-            self.gate.stop()
-            self.gate = None
-
 
     # ------------------------------------------------------------ requests
     def _handle(self, conn, req_id, payload):
@@ -479,6 +489,9 @@ class Server:
         stats = dict(self.core.stats, regions=len(self.regions), transport=self.transport,
                      handshake=dict(self.gate.stats) if self.gate is not None else None,
                      free_bytes=sum(n for _, n in self.allocator.free))
+        if self.gate is not None:
+            # a connection refused at the handshake is a refused request of the other transport
+            stats["refused"] += self.gate.stats["refused"]
         return 0, json.dumps(stats).encode()
 
 
@@ -488,9 +501,6 @@ def _error_reply(exc):
     elif isinstance(exc, SMBBoundsError):
         status = STATUS_BOUNDS
     elif isinstance(exc, SMBMemoryError):
-        if self.gate is not None:
-            # a connection refused at the handshake is a refused request of the other transport
-            stats["refused"] += self.gate.stats["refused"]
         status = STATUS_NO_MEMORY
     elif isinstance(exc, SMBPermissionError):
         status = STATUS_REJECTED
