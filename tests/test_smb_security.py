@@ -268,3 +268,21 @@ def test_a_finished_local_run_leaves_no_token_behind(tmp_path):
     assert "trained" in result.stdout + result.stderr and (run_dir / "launch").is_dir()   # it ran here
     assert not (run_dir / "token").exists()
     assert not list(run_dir.glob("servers/*.json"))
+
+
+@pytest.mark.timeout(60)
+def test_a_ucx_server_binds_its_address_and_restricts_ucx_to_that_interface(tmp_path, monkeypatch):
+    from eddis.smb import Server, create_run_dir
+    from eddis.smb.server import interface_of
+
+    assert interface_of("127.0.0.1") == "lo" and interface_of("0.0.0.0") is None
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    run_dir = create_run_dir(tmp_path / "run")
+    server = Server(run_dir, memory=1 << 20, host="127.0.0.1", transport="ucx").start()
+    try:
+        # UCX's own TCP ports follow its devices, so they listen on lo only, like the listener
+        assert os.environ["UCX_NET_DEVICES"] == "lo"
+        assert server.info["host"] == "127.0.0.1" and server.info["transport"] == "ucx"
+    finally:
+        server.stop()
+        os.environ.pop("UCX_NET_DEVICES", None)

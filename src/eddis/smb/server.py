@@ -133,6 +133,25 @@ def arena_name(run_dir, index):
     return f"/eddis-smb-{digest}-{int(index)}"
 
 
+def interface_of(address):
+    """The network interface that holds IPv4 `address` (None if none does, or for 0.0.0.0)."""
+    import fcntl
+    import struct
+
+    if address in ("0.0.0.0", ""):
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue      # no IPv4 address on this interface
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
+
+
 def _published_host():
     try:
         return socket.gethostbyname(socket.gethostname())
@@ -199,6 +218,10 @@ class Server:
                      "arena": f"/proc/{os.getpid()}/fd/{self.core.arena_fd}",
                      "arena_size": self.core.arena_size, "pid": os.getpid()}
             if self.transport == "ucx":
+                device = interface_of(listen)
+                if device and "UCX_NET_DEVICES" not in os.environ:
+                    # UCX's own TCP ports follow its devices, not the listener's address
+                    os.environ["UCX_NET_DEVICES"] = device
                 self.port = self.core.start(listen, self.port, token.encode(), json.dumps(hello).encode(),
                                             self._handle, self.hello_timeout, self.reduce_threads)
                 self.core.run_in_thread()
