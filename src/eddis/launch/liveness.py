@@ -24,6 +24,7 @@ The heartbeat is a pipe to the parent, not a file in the run directory: both end
 are on one node, and thousands of ranks beating into a shared file system would
 load its metadata server for nothing.
 """
+import ctypes
 import faulthandler
 import os
 import signal
@@ -62,6 +63,17 @@ def process_state(pid):
 
 def describe_state(state):
     return _PROCESS_STATES.get(state, f"in state {state!r}") if state else "gone"
+
+
+def _signal_main_thread(pid, sig):
+    """The dump signal to the main thread (tid == pid): faulthandler walking every thread's
+    frames from a native thread of the process (UCX's, the SMB core's) crashed it (SIGSEGV
+    in _Py_DumpTracebackThreads), while on the main thread it is what faulthandler expects."""
+    tgkill = getattr(ctypes.CDLL(None, use_errno=True), "tgkill", None)  # glibc >= 2.30
+    if tgkill is None:
+        os.kill(pid, sig)
+    elif tgkill(pid, pid, sig) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}) failed")
 
 
 def start_in_child():
@@ -169,7 +181,7 @@ class LivenessWatch:
         self._stack.seek(0, os.SEEK_END)
         before = self._stack.tell()
         try:
-            os.kill(self.pid, STACK_DUMP_SIGNAL)
+            _signal_main_thread(self.pid, STACK_DUMP_SIGNAL)
             os.kill(self.pid, signal.SIGCONT)  # a stopped process runs its handler only when continued
         except OSError:
             return None
