@@ -89,7 +89,7 @@ def test_plan_errors_name_the_problem_and_the_partitions():
     parts = parse_sinfo(SINFO)
     with pytest.raises(ConfigError, match=r"no partition named 'p100'.*a100 \(a100 x2/node; 1 node\)"):
         plan_components([("p100", 2)], parts)
-    with pytest.raises(ConfigError, match="needs 2 node"):
+    with pytest.raises(ConfigError, match=r"more than partition a100 has: 2 a100 GPUs \(1 node x 2 per node\)"):
         plan_components([("a100", 4)], parts)
     with pytest.raises(ConfigError, match="not a whole number per node"):
         plan_components([("h100", 9)], parts, default_nodes=2)
