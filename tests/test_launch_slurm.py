@@ -74,6 +74,7 @@ def test_submit_hetjob_trains_and_exits_zero(slurm_cluster, job_env, tmp_path):
         assert re.search(rf"^\[{rank}@n[12]\] DONE$", text, re.M)
     assert "smb-servers ready: 0@" in text and "eddis_job: done, status 0" in text
     assert_job_left_nothing(job_env["EDDIS_RUN_DIR"], job_id)
+    assert not Path(job_env["EDDIS_RUN_DIR"], "token").exists()   # the job's secret ended with it
 
 
 @pytest.mark.timeout(300)

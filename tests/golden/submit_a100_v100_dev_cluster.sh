@@ -145,5 +145,6 @@ if [ "$status" -ne 0 ]; then
     root_status=$(eddis-train --report --exit-code "$status")
     [[ $root_status =~ ^[0-9]+$ ]] && status=$root_status
 fi
+eddis-train --retire-run-dir  # the token must not outlive the job
 echo "eddis_job: done, status $status"
 exit "$status"

@@ -69,6 +69,9 @@ def build_parser():
     helpers.add_argument("--report", action="store_true",
                          help="print the root-cause report of the run dir's last failed launch on stderr, "
                               "and the job's status on stdout: the root cause's, else --exit-code")
+    helpers.add_argument("--retire-run-dir", action="store_true",
+                         help="at the job's end: delete the run dir's token and address files, keep the "
+                              "job's outputs")
     helpers.add_argument("--exit-code", type=int, default=None,
                          help="with --report: the job's exit code, for the report")
     p.add_argument("script", nargs=argparse.REMAINDER,
@@ -138,6 +141,11 @@ def _dispatch(args):
         return jobsteps.wait_servers(jobsteps.run_dir(), args.wait_servers, args.timeout, args.watch_pid)
     if args.report:
         return jobsteps.print_report(jobsteps.run_dir(), args.exit_code)
+    if args.retire_run_dir:
+        from ..smb.rundir import retire_run_dir
+
+        retire_run_dir(jobsteps.run_dir())
+        return 0
 
     script = _script(args)
     if not script:
