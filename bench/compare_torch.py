@@ -133,7 +133,8 @@ def worker(args):
     eddis.init()
     rank, size = eddis.rank(), eddis.size()
     if size == 1:
-        rounds = {f"{m}|{label}": single_rank_rounds(m, args.single_rounds, args.build_shift, to_none)
+        rounds = {f"{m}|{label}": single_rank_rounds(m, args.single_rounds, args.build_shift, to_none,
+                                                      args.device)
                   for m in args.models.split(",")
                   for label, to_none in (("set_to_none", True), ("grads kept", False))}
         print("ROUNDS " + json.dumps(rounds), flush=True)
@@ -175,10 +176,11 @@ def worker(args):
     eddis.shutdown()
 
 
-def single_rank_rounds(model_name, rounds, build_shift=0, set_to_none=True):
+def single_rank_rounds(model_name, rounds, build_shift=0, set_to_none=True, device="cpu"):
     """[(plain A, plain B, EDDIS) step seconds] per round; the three take one step each
     in a rotating order, after one warm-up step each. They are built in the order
-    A, B, EDDIS rotated by build_shift."""
+    A, B, EDDIS rotated by build_shift. On a CUDA device each step is timed to its
+    last kernel (synchronize), as a training loop that reads its loss would be."""
     import torch
     import torch.nn.functional as F
     import eddis.torch as eddis
@@ -188,18 +190,23 @@ def single_rank_rounds(model_name, rounds, build_shift=0, set_to_none=True):
     for side in [(i + build_shift) % 3 for i in range(3)]:
         wrapped = side == 2
         model, shape = build_model(model_name)
+        model = model.to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         if wrapped:
             opt = eddis.DistributedOptimizer(opt, named_parameters=model.named_parameters(), mode="sync")
-        x, y = torch.randn(cfg["batch"], *shape), torch.randint(0, 10, (cfg["batch"],))
+        x = torch.randn(cfg["batch"], *shape, device=device)
+        y = torch.randint(0, 10, (cfg["batch"],), device=device)
         sides[side] = (model, opt, x, y)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
 
     def step(side):
         model, opt, x, y = sides[side]
+        sync()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=set_to_none)
         F.cross_entropy(model(x), y).backward()
         opt.step()
+        sync()
         return time.perf_counter() - start
 
     for side in range(3):
@@ -272,7 +279,8 @@ def _launch(ranks, args, env):
            "--port", str(port), "--rounds", str(args.rounds), "--models", args.models,
            "--contenders", args.contenders]
     if ranks == 1:
-        cmd += ["--single-rounds", str(args.single_rounds), "--build-shift", str(args.build_shift)]
+        cmd += ["--single-rounds", str(args.single_rounds), "--build-shift", str(args.build_shift),
+                "--device", args.device]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     results = {}
     for line in proc.stdout:
@@ -317,6 +325,8 @@ def main():
                    help="rounds of one step each of plain A, plain B and EDDIS per launch "
                         "in the single-rank overhead run")
     p.add_argument("--build-shift", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu",
+                   help="where the single-rank overhead run trains (cpu, cuda); the ranks' run is on CPU")
     p.add_argument("--single-launches", type=int, default=3,
                    help="fresh processes the single-rank overhead run is repeated in")
     p.add_argument("--server", choices=["external", "embedded"], default="external",
