@@ -25,10 +25,11 @@ APT_PACKAGES := build-essential pkg-config python3-dev python3-venv \
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 NATIVE_SOURCES := setup.py setup.cfg $(wildcard cython/*.pyx cython/*.pxi cython/*.pxd cython/*.h)
 
-.PHONY: test demo setup system-packages cluster cluster-down build clean-build help hugepages
+.PHONY: test test-unit demo setup system-packages cluster cluster-down build clean-build help hugepages
 
 help:
 	@echo "make test   set up (apt, .venv, build, local Slurm cluster) and run the test suite"
+	@echo "make test-unit   the quick tier: single-process tests only (no Slurm, MPI, GPU)"
 	@echo "make demo   set up, then sbatch the example training job on the local cluster"
 	@echo "make cluster / cluster-down   start / stop the local Slurm cluster"
 
@@ -60,9 +61,11 @@ $(STAMPS)/pip.stamp: requirements-dev.txt | $(PY)
 	$(PIP) install -q tensorflow-cpu
 	touch $@
 
-# Native extensions in place (src/eddis/*.so), rebuilt when a Cython source changes.
+# Native extensions in place (src/eddis/*.so), rebuilt when a Cython source changes. UCX and
+# MPI are required here (system-packages installs them): an auto-detected build that missed
+# one would turn whole suites into skips.
 $(STAMPS)/build.stamp: $(NATIVE_SOURCES) $(STAMPS)/pip.stamp
-	$(PY) setup.py -q build_ext --inplace
+	EDDIS_WITH_UCX=1 EDDIS_WITH_MPI=1 $(PY) setup.py -q build_ext --inplace
 	touch $@
 
 # The console scripts (eddis, eddis-train, smb-server) in .venv/bin: an editable
@@ -100,6 +103,11 @@ hugepages:
 test: setup hugepages
 	@rm -f $(STAMPS)/pytest.rc
 	cd $(REPO) && OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; echo $$rc > $(STAMPS)/pytest.rc; exit $$rc; }
+
+# The quick tier for the edit-test loop: pure functions and single-process tests (no
+# Slurm, no MPI ranks, no netns cluster, no GPU, nothing slow); make test runs everything.
+test-unit: build
+	cd $(REPO) && OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slurm and not mpi and not netns and not gpu and not slow" $(PYTEST_ARGS)
 
 demo: setup
 	@for f in scripts/eddis_job.sh $(DEMO_SCRIPT); do \

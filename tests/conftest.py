@@ -153,6 +153,16 @@ def netns_support():
     return _NETNS_SUPPORT[0]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Mark tests by the fixtures they use, so a `-m` tier cannot miss one (make test-unit)."""
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        if "run_mpi" in names:
+            item.add_marker(pytest.mark.mpi)
+        if "slurm_cluster" in names:
+            item.add_marker(pytest.mark.slurm)
+
+
 def pytest_runtest_setup(item):
     """Tests marked netns need the dev cluster's netns mode: a listed skip where the machine
     cannot run it, a failure in CI (CI=true), whose machines must."""
@@ -176,8 +186,11 @@ def slurm_cluster():
     missing = [p for p in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(p) is None
                and not os.path.exists(f"/usr/sbin/{p}")]
     if missing:
-        pytest.skip(f"slurm-wlm/munge not installed (missing {', '.join(missing)}): "
-                    "apt-get install slurm-wlm munge libpmix2, or run `make test`")
+        why = (f"slurm-wlm/munge not installed (missing {', '.join(missing)}): "
+               "apt-get install slurm-wlm munge libpmix2, or run `make test`")
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI installs Slurm, and this machine lacks it: {why}", pytrace=False)
+        pytest.skip(why)
     cluster = DevCluster(dev_cluster_dir())
     if _nodes_idle(cluster):  # already up (make test starts it): nothing to do
         return cluster

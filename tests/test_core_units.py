@@ -87,7 +87,7 @@ def test_split_sizes_are_proportional_and_complete():
 
 @pytest.mark.timeout(30)
 def test_shards_match_torch_sampler_without_weights():
-    torch = pytest.importorskip("torch")
+    import torch
     from torch.utils.data import DistributedSampler
 
     data = list(range(23))

@@ -85,6 +85,7 @@ def private_cluster():
     shutil.rmtree(state.parent, ignore_errors=True)
 
 
+@pytest.mark.slurm
 @pytest.mark.timeout(240)
 def test_up_twice_sinfo_and_down_leaves_nothing(private_cluster):
     state, env, run = private_cluster

@@ -164,6 +164,7 @@ def main(out):
 
 if __name__ != "__main__":
     import pytest
+    pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
 
     from conftest import PYTHON
 

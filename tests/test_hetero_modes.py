@@ -190,6 +190,7 @@ def main(out):
 # ---------------------------------------------------------------- pytest side
 if __name__ != "__main__":
     import pytest
+    pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
 
     from conftest import PYTHON
     from test_hetero_units import staleness_violations

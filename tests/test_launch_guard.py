@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+pytestmark = pytest.mark.slow  # the guards' grace periods are seconds of real time
 
 from eddis.launch import jobsteps
 from eddis.launch.report import LaunchRecords

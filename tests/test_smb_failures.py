@@ -146,6 +146,7 @@ def test_server_sigkill_gives_errors_not_hangs(transport):
     assert not servers.hung and not servers.unpublished  # the survivor stopped cleanly
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigterm_stops_cleanly_every_time(transport):
     """Repeated SIGTERMs at random moments: every server exits, unpublishes, frees its memory."""

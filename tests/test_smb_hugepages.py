@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+pytestmark = pytest.mark.hugepages  # the hugetlb cases need pages that make test reserves
 
 from conftest import python_env
 

@@ -113,6 +113,7 @@ def test_a_ucx_client_cannot_reach_the_memory_either():
         client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bounded_fuzz_of_the_listening_port_leaves_the_server_serving():
     rng = random.Random(16)

@@ -88,6 +88,7 @@ if __name__ == "__main__":
 
 # ---------------------------------------------------------------- pytest side
 import pytest  # noqa: E402
+pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
 
 from conftest import PYTHON, python_env, run_process_group  # noqa: E402
 

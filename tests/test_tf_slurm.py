@@ -17,8 +17,8 @@ from launch_helpers import wait_job_end
 from test_launch_slurm import EXPECTED, assert_job_left_nothing, job_env, sbatch  # noqa: F401 (fixture)
 
 EXAMPLE = REPO / "examples" / "tf_train.py"
-pytest.importorskip("tensorflow")
-pytest.importorskip("sklearn")
+import tensorflow  # noqa: F401  (required: missing is a failure, not a skip)
+import sklearn  # noqa: F401  (required: missing is a failure, not a skip)
 
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
           "TF_ENABLE_ONEDNN_OPTS": "0"}

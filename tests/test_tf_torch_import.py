@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import pytest
+pytestmark = pytest.mark.slow  # a fresh interpreter per order, both frameworks imported
 
-pytest.importorskip("tensorflow")
-pytest.importorskip("torch")
+import tensorflow  # noqa: F401  (required: missing is a failure, not a skip)
+import torch  # noqa: F401  (required: missing is a failure, not a skip)
 
 CODE = r'''
 import sys

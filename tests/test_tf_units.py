@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
+import tensorflow as tf
 
 from eddis.core import batch_slice  # noqa: E402
 from eddis.errors import ConfigError  # noqa: E402

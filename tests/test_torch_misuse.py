@@ -131,6 +131,7 @@ if __name__ == "__main__":
     sys.exit(0)
 
 import pytest  # noqa: E402
+pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
 
 from conftest import PYTHON  # noqa: E402
 
