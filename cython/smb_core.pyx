@@ -227,6 +227,16 @@ cdef packed struct vec_src_t:
     double weight
 
 
+# what eddis.smb.protocol must agree with (tests/test_smb_protocol.py checks it)
+WIRE_MAGIC = SMB_MAGIC
+WIRE_SIZES = {"header": sizeof(smb_hdr_t), "counter_request": sizeof(counter_req_t),
+              "vec_request": sizeof(vec_req_t), "vec_source": sizeof(vec_src_t),
+              "put_desc": sizeof(put_desc_t), "get_desc": sizeof(get_desc_t)}
+WIRE_STATUS = {"no_memory": ucp.UCS_ERR_EXCEEDS_LIMIT, "invalid": ucp.UCS_ERR_INVALID_PARAM,
+               "no_elem": ucp.UCS_ERR_NO_ELEM, "bounds": ucp.UCS_ERR_OUT_OF_RANGE,
+               "rejected": ucp.UCS_ERR_REJECTED}
+
+
 cdef inline ucs_status_t _ptr_status(ucs_status_ptr_t p) noexcept nogil:
     if p == NULL:
         return ucp.UCS_OK

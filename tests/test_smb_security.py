@@ -9,7 +9,6 @@ import os
 import pwd
 import random
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 
 from conftest import python_env
 from eddis.errors import SMBKeyError, SMBPermissionError
-from eddis.smb import Client, _core, handshake
+from eddis.smb import Client, _core, handshake, protocol
 from eddis.smb.testing import LocalServers
 
 PATTERN = np.frombuffer(b"EDDIS-SECRET-PARAMETERS!" * 4096, dtype=np.float32).copy()
@@ -51,7 +50,7 @@ def _secret_pool(servers):
 
 
 def _frame(op, payload, req_id=1):
-    return struct.pack("<IHhIIQ", 0x534D4231, op, 0, len(payload), 0, req_id) + payload
+    return protocol.HEADER.pack(protocol.MAGIC, op, 0, len(payload), 0, req_id) + payload
 
 
 @pytest.mark.timeout(120)
@@ -60,9 +59,9 @@ def test_tokenless_get_and_put_get_nothing_and_the_server_keeps_serving():
         client, pool = _secret_pool(servers)
         seg = pool.segments[0]
         port = servers.records[0]["port"]
-        get = _frame(_core.OP_GET, struct.pack("<IIQQ", seg.rid, 0, 0, PATTERN.nbytes))
-        put = _frame(_core.OP_PUT, struct.pack("<IIQ", seg.rid, 0, 0) + b"\0" * 4096)
-        tiny = _frame(_core.OP_GET, struct.pack("<IIQQ", 0, 0, 16, 4096))  # "a get at a small address"
+        get = _frame(_core.OP_GET, protocol.GET_DESC.pack(seg.rid, 0, 0, PATTERN.nbytes))
+        put = _frame(_core.OP_PUT, protocol.PUT_DESC.pack(seg.rid, 0, 0) + b"\0" * 4096)
+        tiny = _frame(_core.OP_GET, protocol.GET_DESC.pack(0, 0, 16, 4096))  # "a get at a small address"
         answers = []
         for attack in (get, put, tiny, get + put + tiny):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:

@@ -1,5 +1,8 @@
 """Wire details shared by the SMB client and server (payload layouts, codes).
 
+The native core (cython/smb_core.pyx) declares the same layouts as packed C
+structs; tests/test_smb_protocol.py checks that both agree.
+
 Control requests carry a JSON object, optionally followed by a NUL byte and a
 binary tail (a packed remote key). Counters and vector ops use fixed binary
 layouts that the native core parses without the GIL.
@@ -21,6 +24,10 @@ STATUS_REJECTED = -23    # UCS_ERR_REJECTED -> SMBPermissionError
 
 CONTROL_SEPARATOR = b"\0"
 
+MAGIC = 0x534D4231                            # "SMB1"
+HEADER = struct.Struct("<IHhIIQ")             # magic, op, status, payload length, reserved, request id
+PUT_DESC = struct.Struct("<IIQ")              # region, reserved, byte offset; the data follows
+GET_DESC = struct.Struct("<IIQQ")             # region, reserved, byte offset, bytes
 COUNTER_REQUEST = struct.Struct("<IIQqq")     # region, kind, index, a, b
 COUNTER_REPLY = struct.Struct("<q")
 VEC_REQUEST = struct.Struct("<IIIIQQd")       # kind, nsrc, dst region, dst slot, start, count, alpha
