@@ -1,0 +1,1056 @@
+# ================================================================== server
+cdef enum conn_state_t:
+    CONN_FREE = 0
+    CONN_OPEN = 1          # connected, HELLO not yet seen
+    CONN_AUTH = 2          # token checked
+    CONN_REJECT = 3        # close after flushing the refusal
+    CONN_FAILED = 4        # transport error: force close
+    CONN_CLOSING = 5       # close request in flight
+
+cdef struct server_conn_t:
+    ucp.ucp_ep_h ep
+    int state
+    uint32_t gen
+    void *close_req
+    void *server            # back pointer for the error callback
+    int index
+    double opened           # when the connection arrived (HELLO deadline)
+    int fd                  # socket transport: the proven peer's socket (-1: a UCX endpoint)
+    sock_rx_t rx
+    sk.smb_txq_t txq
+
+cdef struct region_t:
+    int valid
+    uint32_t gen
+    int dtype
+    int itemsize
+    uint64_t offset         # in the arena
+    uint64_t nbytes
+    uint64_t slots
+    uint64_t length         # elements per slot on this server
+    ucp.ucp_mem_h memh
+
+cdef struct server_t:
+    ucp.ucp_context_h context
+    ucp.ucp_worker_h worker
+    ucp.ucp_listener_h listener
+    int efd
+    volatile int stop
+    char *arena
+    uint64_t arena_size
+    char token[256]
+    size_t token_len
+    char *hello_reply
+    size_t hello_reply_len
+    void *py_handler        # PyObject*: control requests
+    server_conn_t conns[MAX_CONNS]
+    int conn_hi
+    int pending_close
+    region_t *regions
+    uint64_t requests
+    uint64_t refused
+    double hello_timeout    # seconds a new connection has to authenticate
+    vp.smb_vecpool_t *vecpool   # reduction threads (NULL before start: the caller alone)
+    int reduce_threads
+    int adopt_fds[2]        # socket transport: proven sockets handed over by the handshake
+    sk.pollfd *pfds
+    int *pfd_conns
+    char *scratch           # sink for data of a refused put
+
+
+cdef void _free_cb(void *request, ucs_status_t status, void *user_data) noexcept nogil:
+    free(user_data)
+    ucp.ucp_request_free(request)
+
+
+cdef int server_send_reply(server_t *st, int ci, uint64_t req_id, int status,
+                           const void *payload, size_t plen) noexcept nogil:
+    """Send a reply to connection ci; the buffer lives until UCX is done with it."""
+    cdef server_conn_t *c = &st.conns[ci]
+    if c.state != CONN_AUTH and c.state != CONN_OPEN and c.state != CONN_REJECT:
+        return -1                           # the client is gone: drop the reply
+    cdef size_t total = sizeof(smb_hdr_t) + plen
+    cdef char *buf = <char*>malloc(total)
+    if buf == NULL:
+        return -1
+    cdef smb_hdr_t *h = <smb_hdr_t*>buf
+    h.magic = SMB_MAGIC
+    h.op = 0
+    h.status = <int16_t>status
+    h.length = <uint32_t>plen
+    h.reserved = 0
+    h.req_id = req_id
+    if plen:
+        memcpy(buf + sizeof(smb_hdr_t), payload, plen)
+    if c.fd >= 0:
+        return sk.smb_txq_push(&c.txq, buf, total, NULL, 0)
+    cdef ucp.ucp_request_param_t param
+    param.op_attr_mask = (ucp.UCP_OP_ATTR_FIELD_CALLBACK | ucp.UCP_OP_ATTR_FIELD_USER_DATA
+                          | ucp.UCP_OP_ATTR_FIELD_FLAGS)
+    param.flags = ucp.UCP_AM_SEND_FLAG_EAGER
+    param.cb.send = _free_cb
+    param.user_data = buf
+    cdef ucs_status_ptr_t p = ucp.ucp_am_send_nbx(c.ep, AM_REPLY, NULL, 0, buf, total, &param)
+    if not ucp.UCS_PTR_IS_PTR(p):
+        free(buf)
+        return 0 if p == NULL else -1
+    return 0
+
+
+cdef int server_reply_error(server_t *st, int ci, uint64_t req_id, int status,
+                            const char *message) noexcept nogil:
+    st.refused += 1
+    return server_send_reply(st, ci, req_id, status, message, strlen(message))
+
+
+cdef int find_conn(server_t *st, ucp.ucp_ep_h ep) noexcept nogil:
+    cdef int i
+    for i in range(st.conn_hi):
+        if st.conns[i].ep == ep and st.conns[i].state != CONN_FREE:
+            return i
+    return -1
+
+
+cdef region_t *get_region(server_t *st, uint32_t rid) noexcept nogil:
+    cdef uint32_t idx = rid & 0xFFFF
+    cdef region_t *r = &st.regions[idx]
+    if not r.valid or r.gen != (rid >> 16):
+        return NULL
+    return r
+
+
+cdef void _server_ep_error(void *arg, ucp.ucp_ep_h ep, ucs_status_t status) noexcept nogil:
+    cdef server_conn_t *c = <server_conn_t*>arg
+    cdef server_t *st = <server_t*>c.server
+    if c.state != CONN_FREE and c.state != CONN_CLOSING:
+        c.state = CONN_FAILED
+        st.pending_close = 1
+
+
+cdef void _server_conn_request(ucp.ucp_conn_request_h request, void *arg) noexcept nogil:
+    cdef server_t *st = <server_t*>arg
+    cdef int i, slot = -1
+    for i in range(MAX_CONNS):
+        if st.conns[i].state == CONN_FREE:
+            slot = i
+            break
+    if slot < 0 or st.stop:
+        ucp.ucp_listener_reject(st.listener, request)
+        return
+    cdef server_conn_t *c = &st.conns[slot]
+    cdef ucp.ucp_ep_params_t params
+    params.field_mask = (ucp.UCP_EP_PARAM_FIELD_CONN_REQUEST | ucp.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                         | ucp.UCP_EP_PARAM_FIELD_ERR_HANDLER)
+    params.conn_request = request
+    params.err_mode = ucp.UCP_ERR_HANDLING_MODE_PEER
+    params.err_handler.cb = _server_ep_error
+    params.err_handler.arg = c
+    c.server = st
+    c.index = slot
+    c.fd = -1
+    c.close_req = NULL
+    c.opened = smb_now()
+    c.state = CONN_OPEN
+    if ucp.ucp_ep_create(st.worker, &params, &c.ep) != ucp.UCS_OK:
+        c.state = CONN_FREE
+        return
+    if slot + 1 > st.conn_hi:
+        st.conn_hi = slot + 1
+
+
+cdef void server_close_conns(server_t *st, bint all_conns) noexcept nogil:
+    """Close endpoints marked for closing; finish closes in flight."""
+    cdef int i
+    cdef server_conn_t *c
+    cdef ucp.ucp_request_param_t param
+    cdef ucs_status_ptr_t p
+    st.pending_close = 0
+    for i in range(st.conn_hi):
+        c = &st.conns[i]
+        if c.state == CONN_FREE:
+            continue
+        if all_conns and c.state in (CONN_OPEN, CONN_AUTH):
+            c.state = CONN_REJECT
+        if c.state == CONN_REJECT or c.state == CONN_FAILED:
+            param.op_attr_mask = ucp.UCP_OP_ATTR_FIELD_FLAGS
+            # A refused client gets its error reply flushed first; a failed one cannot.
+            param.flags = ucp.UCP_EP_CLOSE_FLAG_FORCE if c.state == CONN_FAILED else 0
+            p = ucp.ucp_ep_close_nbx(c.ep, &param)
+            if ucp.UCS_PTR_IS_PTR(p):
+                c.close_req = p
+                c.state = CONN_CLOSING
+                st.pending_close = 1
+            else:
+                c.state = CONN_FREE
+                c.gen += 1
+        elif c.state == CONN_CLOSING:
+            if ucp.ucp_request_check_status(c.close_req) != ucp.UCS_INPROGRESS:
+                ucp.ucp_request_free(c.close_req)
+                c.close_req = NULL
+                c.state = CONN_FREE
+                c.gen += 1
+            else:
+                st.pending_close = 1
+
+
+cdef int check_range(region_t *r, uint32_t slot, uint64_t start, uint64_t count) noexcept nogil:
+    if slot >= r.slots or start > r.length or count > r.length - start:
+        return -1
+    return 0
+
+
+cdef const char *run_vecop(server_t *st, const vec_req_t *q, const vec_src_t *srcs,
+                           int *status, int *threads_used) noexcept nogil:
+    """Validate and run one vector operation on the server's own memory.
+
+    Returns NULL on success, else a message (and *status) for the error reply;
+    *threads_used says on how many threads it ran."""
+    cdef region_t *dst = get_region(st, q.dst_region)
+    cdef vp.smb_vecjob_t job
+    cdef region_t *r
+    cdef uint32_t i
+    cdef int rc = 0
+    cdef const void *ptrs[MAX_VEC_SOURCES]
+    cdef int dtypes[MAX_VEC_SOURCES]
+    cdef double weights[MAX_VEC_SOURCES]
+    status[0] = ucp.UCS_ERR_NO_ELEM
+    if dst == NULL:
+        return b"vector op: unknown destination region"
+    status[0] = ucp.UCS_ERR_INVALID_PARAM
+    if dst.dtype > 3:
+        return b"vector op: destination is not a float32/float16/bfloat16/float64 region"
+    if q.nsrc > MAX_VEC_SOURCES:
+        return b"vector op: too many sources (at most 1024)"
+    status[0] = ucp.UCS_ERR_OUT_OF_RANGE
+    if check_range(dst, q.dst_slot, q.start, q.count) != 0:
+        return b"vector op: destination slot/range outside the region"
+    for i in range(q.nsrc):
+        r = get_region(st, srcs[i].region)
+        if r == NULL:
+            status[0] = ucp.UCS_ERR_NO_ELEM
+            return b"vector op: unknown source region"
+        if r.dtype > 3:
+            status[0] = ucp.UCS_ERR_INVALID_PARAM
+            return b"vector op: source is not a float region"
+        if check_range(r, srcs[i].slot, q.start, q.count) != 0:
+            status[0] = ucp.UCS_ERR_OUT_OF_RANGE
+            return b"vector op: source slot/range outside the region"
+        ptrs[i] = st.arena + r.offset + (srcs[i].slot * r.length + q.start) * r.itemsize
+        dtypes[i] = r.dtype
+        weights[i] = srcs[i].weight
+    job.dst = st.arena + dst.offset + (q.dst_slot * dst.length + q.start) * dst.itemsize
+    job.dst_dtype = dst.dtype
+    job.srcs = ptrs
+    job.src_dtypes = dtypes
+    job.weights = weights
+    job.nsrc = q.nsrc
+    job.alpha = q.alpha
+    job.count = q.count
+    status[0] = ucp.UCS_ERR_INVALID_PARAM
+    if q.kind == VEC_WEIGHTED_SUM:
+        if q.nsrc < 1:
+            return b"weighted_sum: needs at least one source"
+        job.kind = vp.SMB_VECJOB_WEIGHTED_SUM
+    elif q.kind == VEC_AXPY:
+        if q.nsrc != 1:
+            return b"axpy: needs exactly one source"
+        job.kind = vp.SMB_VECJOB_AXPY
+    elif q.kind == VEC_SCALE:
+        job.kind = vp.SMB_VECJOB_SCALE
+    elif q.kind == VEC_COPY:
+        if q.nsrc != 1:
+            return b"copy: needs exactly one source"
+        job.kind = vp.SMB_VECJOB_CONVERT
+    else:
+        return b"vector op: unknown kind"
+    rc = vp.smb_vecpool_run(st.vecpool, &job, threads_used)
+    if rc != 0:
+        return b"vector op: kernel refused the dtype"
+    status[0] = ucp.UCS_OK
+    return NULL
+
+
+cdef void handle_counter(server_t *st, int ci, uint64_t req_id, const char *payload,
+                         size_t plen) noexcept nogil:
+    cdef counter_req_t q
+    cdef region_t *r
+    cdef int64_t *p
+    cdef int64_t old
+    if plen != sizeof(counter_req_t):
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"counter: malformed request")
+        return
+    memcpy(&q, payload, sizeof(q))
+    r = get_region(st, q.region)
+    if r == NULL:
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_NO_ELEM, b"counter: unknown counter")
+        return
+    if r.dtype != 4 or q.index >= r.length * r.slots:
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_OUT_OF_RANGE,
+                           b"counter: index outside an int64 region")
+        return
+    # The server applies the op with CPU atomics on its own memory, the same
+    # instructions a same-node client uses on the mapped arena, so both paths
+    # stay coherent. NIC (UCX AMO) atomics are not atomic with respect to CPU
+    # atomics on the target, which is why counters do not use them.
+    p = <int64_t*>(st.arena + r.offset) + q.index
+    if q.kind == COUNTER_FETCH_ADD:
+        old = smb_fetch_add64(p, q.a)
+    elif q.kind == COUNTER_COMPARE_SWAP:
+        old = smb_cas64(p, q.a, q.b)
+    elif q.kind == COUNTER_READ:
+        old = smb_load64(p)
+    else:
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"counter: unknown op")
+        return
+    server_send_reply(st, ci, req_id, 0, &old, sizeof(old))
+
+
+cdef void handle_vecop(server_t *st, int ci, uint64_t req_id, const char *payload,
+                       size_t plen) noexcept nogil:
+    cdef vec_req_t q
+    cdef int status = 0
+    cdef int threads_used = 0
+    cdef const char *err
+    if plen < sizeof(vec_req_t):
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"vector op: malformed request")
+        return
+    memcpy(&q, payload, sizeof(q))
+    if q.nsrc > MAX_VEC_SOURCES or plen != sizeof(vec_req_t) + q.nsrc * sizeof(vec_src_t):
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"vector op: malformed request")
+        return
+    err = run_vecop(st, &q, <const vec_src_t*>(payload + sizeof(vec_req_t)), &status,
+                    &threads_used)
+    if err != NULL:
+        server_reply_error(st, ci, req_id, status, err)
+    else:
+        server_send_reply(st, ci, req_id, 0, NULL, 0)
+
+
+cdef void handle_control(server_t *st, int ci, uint64_t req_id, const char *payload,
+                         size_t plen) noexcept nogil:
+    with gil:
+        try:
+            handler = <object>st.py_handler
+            conn_id = (st.conns[ci].gen << 16) | ci
+            result = handler(conn_id, req_id, PyBytes_FromStringAndSize(payload, plen))
+            if result is not None:
+                status, data = result
+                server_send_reply(st, ci, req_id, status, <const char*>data, len(data))
+        except BaseException as exc:
+            message = f"server error: {exc!r}".encode()
+            server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, message)
+
+
+cdef ucs_status_t _server_am_request(void *arg, const void *header, size_t header_length,
+                                     void *data, size_t length,
+                                     const ucp.ucp_am_recv_param_t *param) noexcept nogil:
+    cdef server_t *st = <server_t*>arg
+    cdef int ci = -1
+    if param.recv_attr & ucp.UCP_AM_RECV_ATTR_FIELD_REPLY_EP:
+        ci = find_conn(st, param.reply_ep)
+    if ci < 0:
+        return ucp.UCS_OK                   # no way to answer: drop
+    st.requests += 1
+    cdef server_conn_t *c = &st.conns[ci]
+    cdef smb_hdr_t h
+    if param.recv_attr & ucp.UCP_AM_RECV_ATTR_FLAG_RNDV or length < sizeof(smb_hdr_t):
+        server_reply_error(st, ci, 0, ucp.UCS_ERR_INVALID_PARAM, b"malformed or oversized request")
+        return ucp.UCS_OK
+    memcpy(&h, data, sizeof(h))
+    cdef const char *payload = <const char*>data + sizeof(smb_hdr_t)
+    cdef size_t plen = length - sizeof(smb_hdr_t)
+    if h.magic != SMB_MAGIC or h.length != plen:
+        server_reply_error(st, ci, h.req_id, ucp.UCS_ERR_INVALID_PARAM, b"malformed request header")
+        return ucp.UCS_OK
+    if c.state != CONN_AUTH:
+        if c.state != CONN_OPEN:
+            return ucp.UCS_OK               # being closed already: drop
+        if h.op == OP_HELLO and plen == st.token_len \
+                and memcmp(payload, st.token, plen) == 0:
+            c.state = CONN_AUTH
+            server_send_reply(st, ci, h.req_id, 0, st.hello_reply, st.hello_reply_len)
+        else:
+            server_reply_error(st, ci, h.req_id, ucp.UCS_ERR_REJECTED,
+                               b"connection refused: wrong or missing job token "
+                               b"(use the token file of this job's run directory)")
+            c.state = CONN_REJECT
+            st.pending_close = 1
+        return ucp.UCS_OK
+    dispatch_request(st, ci, &h, payload, plen)
+    return ucp.UCS_OK
+
+
+cdef void dispatch_request(server_t *st, int ci, const smb_hdr_t *h, const char *payload,
+                           size_t plen) noexcept nogil:
+    """Run one request of a proven connection (either transport)."""
+    if h.op == OP_COUNTER:
+        handle_counter(st, ci, h.req_id, payload, plen)
+    elif h.op == OP_VECOP:
+        handle_vecop(st, ci, h.req_id, payload, plen)
+    elif h.op == OP_CONTROL:
+        handle_control(st, ci, h.req_id, payload, plen)
+    elif h.op == OP_HELLO:
+        server_send_reply(st, ci, h.req_id, 0, st.hello_reply, st.hello_reply_len)
+    elif h.op == OP_GET and st.conns[ci].fd >= 0:
+        handle_get(st, ci, h.req_id, payload, plen)
+    else:
+        server_reply_error(st, ci, h.req_id, ucp.UCS_ERR_INVALID_PARAM, b"unknown request op")
+
+
+cdef region_t *checked_span(server_t *st, uint32_t rid, uint64_t offset, uint64_t nbytes,
+                            int *status, const char **error) noexcept nogil:
+    """The region a data request addresses, or NULL with the refusal: a region that
+    was freed (its generation moved on) is gone, never the region now in its place."""
+    cdef region_t *r = get_region(st, rid)
+    if r == NULL:
+        status[0] = ucp.UCS_ERR_NO_ELEM
+        error[0] = b"no such region: it was freed (a stale pool handle?); look the pool up again"
+        return NULL
+    if offset > r.nbytes or nbytes > r.nbytes - offset:
+        status[0] = ucp.UCS_ERR_OUT_OF_RANGE
+        error[0] = b"data request outside the region"
+        return NULL
+    return r
+
+
+cdef void handle_get(server_t *st, int ci, uint64_t req_id, const char *payload,
+                     size_t plen) noexcept nogil:
+    cdef get_desc_t q
+    cdef int status = 0
+    cdef const char *error = NULL
+    cdef region_t *r
+    cdef char *head
+    cdef smb_hdr_t *h
+    if plen != sizeof(get_desc_t):
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"get: malformed request")
+        return
+    memcpy(&q, payload, sizeof(q))
+    r = checked_span(st, q.region, q.offset, q.nbytes, &status, &error)
+    if r == NULL:
+        server_reply_error(st, ci, req_id, status, error)
+        return
+    if q.nbytes >> 32:
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"get: at most 4 GiB per request")
+        return
+    head = <char*>malloc(sizeof(smb_hdr_t))
+    if head == NULL:
+        return
+    h = <smb_hdr_t*>head
+    h.magic = SMB_MAGIC
+    h.op = 0
+    h.status = 0
+    h.length = <uint32_t>q.nbytes
+    h.reserved = 0
+    h.req_id = req_id
+    # the arena itself is the reply's tail: no copy
+    sk.smb_txq_push(&st.conns[ci].txq, head, sizeof(smb_hdr_t), st.arena + r.offset + q.offset, q.nbytes)
+
+
+cdef void drop_silent_conns(server_t *st, double now) noexcept nogil:
+    """Close connections that sent no HELLO in time: they hold a slot and prove nothing."""
+    cdef int i
+    for i in range(st.conn_hi):
+        if st.conns[i].state == CONN_OPEN and now - st.conns[i].opened > st.hello_timeout:
+            st.conns[i].state = CONN_REJECT
+            st.refused += 1
+            st.pending_close = 1
+
+
+cdef void server_loop(server_t *st) noexcept nogil:
+    cdef unsigned n
+    cdef ucs_status_t s
+    cdef double now, last_sweep = smb_now(), last_busy = 0
+    while not st.stop:
+        n = ucp.ucp_worker_progress(st.worker)
+        now = smb_now()
+        if now - last_sweep > 1.0:
+            last_sweep = now
+            drop_silent_conns(st, now)
+        if st.pending_close:
+            server_close_conns(st, False)
+        if n != 0:
+            last_busy = now
+            continue
+        if now - last_busy < 50e-6:
+            # Requests come in bursts (buckets, counters): poll a little longer
+            # before sleeping, which saves a wakeup per request of a burst.
+            continue
+        s = ucp.ucp_worker_arm(st.worker)
+        if s == ucp.UCS_OK:
+            # Bounded sleep: the stop flag is seen within 100 ms even without a wakeup.
+            smb_poll_fd(st.efd, 10 if st.pending_close else 100)
+
+
+# ------------------------------------------------------ server: socket transport
+# A socket reaches this loop only after the handshake (eddis.smb.handshake) proved
+# the job's token on it, so every byte below comes from a peer that knows it; the
+# checks still guard the server against a confused client.
+
+cdef void sock_close_conn(server_t *st, int ci) noexcept nogil:
+    cdef server_conn_t *c = &st.conns[ci]
+    close(c.fd)
+    c.fd = -1
+    free(c.rx.body)
+    c.rx.body = NULL
+    sk.smb_txq_clear(&c.txq)
+    c.state = CONN_FREE
+    c.gen += 1
+
+
+cdef void sock_adopt(server_t *st) noexcept nogil:
+    """Take the proven sockets the handshake thread wrote into the pipe."""
+    cdef int fd, i, slot
+    cdef server_conn_t *c
+    while sk.read(st.adopt_fds[0], &fd, sizeof(fd)) == sizeof(fd):
+        slot = -1
+        for i in range(MAX_CONNS):
+            if st.conns[i].state == CONN_FREE:
+                slot = i
+                break
+        if slot < 0 or st.stop or sk.smb_sock_prepare(fd) != 0:
+            close(fd)
+            st.refused += 1
+            continue
+        c = &st.conns[slot]
+        memset(&c.rx, 0, sizeof(c.rx))
+        c.txq.first = NULL
+        c.txq.last = NULL
+        c.fd = fd
+        c.ep = NULL
+        c.server = st
+        c.index = slot
+        c.opened = smb_now()
+        c.state = CONN_AUTH
+        if slot + 1 > st.conn_hi:
+            st.conn_hi = slot + 1
+
+
+cdef void sock_finish_put(server_t *st, int ci) noexcept nogil:
+    cdef sock_rx_t *rx = &st.conns[ci].rx
+    if rx.status == 0:
+        server_send_reply(st, ci, rx.hdr.req_id, 0, NULL, 0)
+    else:
+        server_reply_error(st, ci, rx.hdr.req_id, rx.status, rx.error)
+    rx.phase = RX_HEADER
+    rx.got = 0
+
+
+cdef long sock_server_rx(server_t *st, int ci) noexcept nogil:
+    """Read and run what connection ci sent; bytes taken, or -1 to close it."""
+    cdef server_conn_t *c = &st.conns[ci]
+    cdef sock_rx_t *rx = &c.rx
+    cdef long n, total = 0
+    cdef region_t *r
+    cdef size_t want
+    while total < SOCK_BUDGET and c.state == CONN_AUTH:
+        if rx.phase == RX_HEADER:
+            n = sk.smb_sock_recv(c.fd, (<char*>&rx.hdr) + rx.got, sizeof(smb_hdr_t) - rx.got)
+            if n <= 0:
+                return n if n < 0 else total
+            total += n
+            rx.got += n
+            if rx.got < sizeof(smb_hdr_t):
+                continue
+            rx.got = 0
+            if rx.hdr.magic != SMB_MAGIC:
+                return -1
+            st.requests += 1
+            if rx.hdr.op == OP_PUT:
+                if rx.hdr.length < sizeof(put_desc_t):
+                    return -1
+                rx.phase = RX_DESC
+            else:
+                if rx.hdr.length > SOCK_MAX_BODY:
+                    return -1
+                rx.body = <char*>malloc(rx.hdr.length + 1)
+                if rx.body == NULL:
+                    return -1
+                rx.phase = RX_BODY
+        elif rx.phase == RX_BODY:
+            if rx.got < rx.hdr.length:
+                n = sk.smb_sock_recv(c.fd, rx.body + rx.got, rx.hdr.length - rx.got)
+                if n <= 0:
+                    return n if n < 0 else total
+                total += n
+                rx.got += n
+                if rx.got < rx.hdr.length:
+                    continue
+            dispatch_request(st, ci, &rx.hdr, rx.body, rx.hdr.length)
+            free(rx.body)
+            rx.body = NULL
+            rx.phase = RX_HEADER
+            rx.got = 0
+        elif rx.phase == RX_DESC:
+            n = sk.smb_sock_recv(c.fd, (<char*>&rx.desc) + rx.got, sizeof(put_desc_t) - rx.got)
+            if n <= 0:
+                return n if n < 0 else total
+            total += n
+            rx.got += n
+            if rx.got < sizeof(put_desc_t):
+                continue
+            rx.got = 0
+            rx.remaining = rx.hdr.length - sizeof(put_desc_t)
+            rx.region = rx.desc.region
+            rx.status = 0
+            rx.error = NULL
+            r = checked_span(st, rx.desc.region, rx.desc.offset, rx.remaining, &rx.status, &rx.error)
+            rx.dest = NULL if r == NULL else st.arena + r.offset + rx.desc.offset
+            rx.phase = RX_DATA
+            if rx.remaining == 0:
+                sock_finish_put(st, ci)
+        else:   # RX_DATA
+            if rx.dest != NULL and get_region(st, rx.region) == NULL:
+                # freed while its data streamed in: the rest must not land in a successor
+                rx.dest = NULL
+                rx.status = ucp.UCS_ERR_NO_ELEM
+                rx.error = b"the region was freed during the write"
+            want = min(rx.remaining, <size_t>(SOCK_BUDGET - total))
+            if rx.dest == NULL:
+                want = min(want, <size_t>SOCK_SCRATCH)
+            n = sk.smb_sock_recv(c.fd, rx.dest if rx.dest != NULL else st.scratch, want)
+            if n <= 0:
+                return n if n < 0 else total
+            total += n
+            rx.remaining -= n
+            if rx.dest != NULL:
+                rx.dest += n
+            if rx.remaining == 0:
+                sock_finish_put(st, ci)
+    return total
+
+
+cdef void server_loop_sock(server_t *st) noexcept nogil:
+    cdef double now, last_busy = 0
+    cdef int i, k, n, ci, timeout
+    cdef long moved
+    cdef int busy
+    cdef server_conn_t *c
+    while not st.stop:
+        st.pfds[0].fd = st.adopt_fds[0]
+        st.pfds[0].events = sk.POLLIN
+        st.pfds[0].revents = 0
+        k = 1
+        for i in range(st.conn_hi):
+            c = &st.conns[i]
+            if c.state == CONN_FREE or c.fd < 0:
+                continue
+            st.pfds[k].fd = c.fd
+            st.pfds[k].events = sk.POLLIN | (sk.POLLOUT if c.txq.first != NULL else 0)
+            st.pfds[k].revents = 0
+            st.pfd_conns[k] = i
+            k += 1
+        now = smb_now()
+        # Requests come in bursts (buckets, counters): poll without sleeping a
+        # little longer, which saves a wakeup per request of a burst.
+        timeout = 0 if now - last_busy < 50e-6 else 100
+        n = sk.poll(st.pfds, k, timeout)
+        if n <= 0:
+            continue
+        busy = 0
+        if st.pfds[0].revents:
+            sock_adopt(st)
+            busy = 1
+        for i in range(1, k):
+            if not st.pfds[i].revents:
+                continue
+            ci = st.pfd_conns[i]
+            c = &st.conns[ci]
+            moved = 0
+            if st.pfds[i].revents & (sk.POLLIN | sk.POLLHUP | sk.POLLERR | sk.POLLNVAL):
+                moved = sock_server_rx(st, ci)
+            if moved >= 0 and c.txq.first != NULL:
+                moved = sk.smb_txq_flush(c.fd, &c.txq, SOCK_BUDGET)
+            if moved < 0:
+                sock_close_conn(st, ci)
+            elif moved > 0:
+                busy = 1
+        # replies a request queued on other connections (a barrier's release)
+        for i in range(st.conn_hi):
+            c = &st.conns[i]
+            if c.state == CONN_AUTH and c.fd >= 0 and c.txq.first != NULL:
+                moved = sk.smb_txq_flush(c.fd, &c.txq, SOCK_BUDGET)
+                if moved < 0:
+                    sock_close_conn(st, i)
+                elif moved > 0:
+                    busy = 1
+        if busy:
+            last_busy = smb_now()
+
+
+cdef class ServerCore:
+    """UCX state of one smb-server: arena, listener, region table, request loop."""
+    cdef server_t *st
+    cdef int shm_fd
+    cdef object handler
+    cdef object thread
+    cdef public int port
+    cdef int started
+    cdef uint64_t touched_end
+
+    def __cinit__(self):
+        self.st = <server_t*>calloc(1, sizeof(server_t))
+        if self.st == NULL:
+            raise MemoryError()
+        self.st.regions = <region_t*>calloc(MAX_REGIONS, sizeof(region_t))
+        if self.st.regions == NULL:
+            raise MemoryError()
+        self.st.efd = -1
+        self.st.adopt_fds[0] = -1
+        self.st.adopt_fds[1] = -1
+        self.shm_fd = -1
+
+    def __dealloc__(self):
+        if self.st != NULL:
+            if not self.started:
+                vp.smb_vecpool_destroy(self.st.vecpool)
+                free(self.st.regions)
+                free(self.st.hello_reply)
+                free(self.st)
+            # A started server that was never stopped keeps its state: the
+            # progress thread may still use it.
+            self.st = NULL
+
+    @property
+    def arena_fd(self):
+        return self.shm_fd
+
+    @property
+    def arena_size(self):
+        return self.st.arena_size
+
+    @property
+    def stats(self):
+        cdef unsigned long ops = 0, split_ops = 0
+        vp.smb_vecpool_counts(self.st.vecpool, &ops, &split_ops)
+        return {"requests": self.st.requests, "refused": self.st.refused,
+                "reduce_threads": self.st.reduce_threads, "vector_ops": ops,
+                "vector_ops_split": split_ops}
+
+    def create_arena(self, str shm_name, uint64_t size, uint64_t hugetlb_page=0,
+                     bint transparent=False):
+        """Create and map the shared-memory arena of `size` bytes.
+
+        hugetlb_page > 0: back it with explicit huge pages of that size (an
+        anonymous MFD_HUGETLB memfd, size rounded up to whole pages); the kernel
+        reserves the pages at mmap, so a shortage is an error here (MemoryError
+        for ENOMEM), never a SIGBUS later. Otherwise POSIX shared memory, with
+        madvise(MADV_HUGEPAGE) when `transparent`; returns False when that
+        madvise is refused. Policy (which to try, fallbacks, reports) is the
+        caller's."""
+        name = shm_name.encode()
+        cdef int fd
+        cdef int err
+        cdef uint64_t mapped = size
+        if hugetlb_page:
+            mapped = (size + hugetlb_page - 1) // hugetlb_page * hugetlb_page
+            fd = smb_memfd_hugetlb(name)
+            if fd < 0:
+                err = smb_errno()
+                raise _errors.from_errno(err, f"memfd_create(MFD_HUGETLB) failed: {_os.strerror(err)}")
+        else:
+            fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0o600)
+            if fd < 0:
+                err = smb_errno()
+                if err == _errno.EEXIST:
+                    raise _errors.SMBValueError(
+                        f"shared memory {shm_name} already exists (it is unlinked right after "
+                        f"creation, so another process is creating one now); retry", err)
+                raise _errors.from_errno(err, f"shm_open({shm_name}) failed: {_os.strerror(err)}")
+            # Unlinked at once: the memory lives as long as this process holds the
+            # descriptor, so even a SIGKILLed server leaves nothing in /dev/shm.
+            # Same-node clients map it through /proc/<pid>/fd/<fd>.
+            shm_unlink(name)
+        self.shm_fd = fd
+        if ftruncate(fd, mapped) != 0:
+            err = smb_errno()
+            self.destroy_arena()
+            raise _errors.from_errno(err, f"cannot size shared memory to {mapped} bytes: {_os.strerror(err)}")
+        cdef void *p = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if p == MAP_FAILED:
+            err = smb_errno()
+            self.destroy_arena()
+            raise _errors.from_errno(err, f"cannot map {mapped} bytes of shared memory: {_os.strerror(err)}")
+        self.st.arena = <char*>p
+        self.st.arena_size = mapped
+        if transparent and not hugetlb_page:
+            return madvise(p, mapped, MADV_HUGEPAGE) == 0
+        return True
+
+    @property
+    def arena_address(self):
+        return <uintptr_t>self.st.arena
+
+    def destroy_arena(self):
+        if self.st.arena != NULL:
+            munmap(self.st.arena, self.st.arena_size)
+            self.st.arena = NULL
+        if self.shm_fd >= 0:
+            close(self.shm_fd)
+            self.shm_fd = -1
+
+    def _prepare(self, bytes hello_reply, handler, int reduce_threads):
+        """Reduction threads, HELLO reply and request handler: what both transports need."""
+        if reduce_threads < 1 or reduce_threads > vp.SMB_VECPOOL_MAX_THREADS:
+            raise _errors.ConfigError(
+                f"{reduce_threads} reduction threads: use 1..{vp.SMB_VECPOOL_MAX_THREADS}")
+        if self.st.vecpool == NULL:
+            err = vp.smb_vecpool_create(reduce_threads, &self.st.vecpool)
+            if err != 0:
+                raise _errors.from_errno(
+                    err, f"cannot start {reduce_threads} reduction threads: {_os.strerror(err)}; "
+                         "use fewer (SMB_REDUCE_THREADS / smb-server --reduce-threads)")
+        self.st.reduce_threads = reduce_threads
+        self.st.hello_reply = <char*>malloc(len(hello_reply) + 1)
+        if self.st.hello_reply == NULL:
+            raise MemoryError()
+        memcpy(self.st.hello_reply, <const char*>hello_reply, len(hello_reply))
+        self.st.hello_reply_len = len(hello_reply)
+        self.handler = handler
+        self.st.py_handler = <void*>handler
+
+    def start(self, str host, int port, bytes token, bytes hello_reply, handler,
+              double hello_timeout=30.0, int reduce_threads=1):
+        """Create the reduction threads, context, worker and listener; returns the port
+        listened on. reduce_threads counts the request thread: 1 starts no worker."""
+        cdef ucp.ucp_config_t *config = NULL
+        cdef ucp.ucp_params_t params
+        cdef ucp.ucp_worker_params_t wparams
+        cdef ucp.ucp_listener_params_t lparams
+        cdef ucp.ucp_listener_attr_t lattr
+        cdef ucp.ucp_am_handler_param_t am
+        cdef sockaddr_in addr
+        if len(token) == 0 or len(token) > 255:
+            raise _errors.SMBValueError("job token must be 1..255 bytes; recreate the run directory")
+        memcpy(self.st.token, <const char*>token, len(token))
+        self.st.token_len = len(token)
+        self.st.hello_timeout = hello_timeout
+        self._prepare(hello_reply, handler, reduce_threads)
+        CHKERR(ucp.ucp_config_read(NULL, NULL, &config), "ucp_config_read")
+        params.field_mask = ucp.UCP_PARAM_FIELD_FEATURES
+        params.features = ucp.UCP_FEATURE_RMA | ucp.UCP_FEATURE_AM | ucp.UCP_FEATURE_WAKEUP
+        status = ucp.ucp_init(&params, config, &self.st.context)
+        ucp.ucp_config_release(config)
+        CHKERR(status, "ucp_init")
+        self.started = 1
+        wparams.field_mask = ucp.UCP_WORKER_PARAM_FIELD_THREAD_MODE
+        wparams.thread_mode = ucp.UCS_THREAD_MODE_SERIALIZED
+        CHKERR(ucp.ucp_worker_create(self.st.context, &wparams, &self.st.worker), "ucp_worker_create")
+        CHKERR(ucp.ucp_worker_get_efd(self.st.worker, &self.st.efd), "ucp_worker_get_efd")
+        am.field_mask = (ucp.UCP_AM_HANDLER_PARAM_FIELD_ID | ucp.UCP_AM_HANDLER_PARAM_FIELD_CB
+                         | ucp.UCP_AM_HANDLER_PARAM_FIELD_ARG | ucp.UCP_AM_HANDLER_PARAM_FIELD_FLAGS)
+        am.id = AM_REQUEST
+        am.flags = ucp.UCP_AM_FLAG_WHOLE_MSG
+        am.cb = _server_am_request
+        am.arg = self.st
+        CHKERR(ucp.ucp_worker_set_am_recv_handler(self.st.worker, &am), "ucp_worker_set_am_recv_handler")
+        memset(&addr, 0, sizeof(addr))
+        addr.sin_family = AF_INET
+        addr.sin_port = htons(port)
+        if inet_pton(AF_INET, host.encode(), &addr.sin_addr) != 1:
+            raise _errors.SMBValueError(f"listen address {host!r} is not an IPv4 address; pass --host A.B.C.D")
+        lparams.field_mask = ucp.UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | ucp.UCP_LISTENER_PARAM_FIELD_CONN_HANDLER
+        lparams.sockaddr.addr = <ucp.sockaddr*>&addr
+        lparams.sockaddr.addrlen = sizeof(addr)
+        lparams.conn_handler.cb = _server_conn_request
+        lparams.conn_handler.arg = self.st
+        CHKERR(ucp.ucp_listener_create(self.st.worker, &lparams, &self.st.listener),
+               f"cannot listen on {host}:{port}")
+        lattr.field_mask = ucp.UCP_LISTENER_ATTR_FIELD_SOCKADDR
+        CHKERR(ucp.ucp_listener_query(self.st.listener, &lattr), "ucp_listener_query")
+        self.port = ntohs((<sockaddr_in*>&lattr.sockaddr).sin_port)
+        return self.port
+
+    def start_sockets(self, bytes hello_reply, handler, int reduce_threads=1):
+        """Serve over the socket transport: the caller proves each peer's token
+        (eddis.smb.handshake) and hands the socket over with adopt_socket().
+        No UCX context exists, so no port but the caller's own listens."""
+        self._prepare(hello_reply, handler, reduce_threads)
+        self.st.pfds = <sk.pollfd*>calloc(MAX_CONNS + 1, sizeof(sk.pollfd))
+        self.st.pfd_conns = <int*>calloc(MAX_CONNS + 1, sizeof(int))
+        self.st.scratch = <char*>malloc(SOCK_SCRATCH)
+        if self.st.pfds == NULL or self.st.pfd_conns == NULL or self.st.scratch == NULL:
+            raise MemoryError()
+        if sk.smb_pipe_nonblocking(self.st.adopt_fds) != 0:
+            err = smb_errno()
+            raise _errors.from_errno(err, f"cannot create the socket hand-over pipe: {_os.strerror(err)}")
+        self.started = 1
+
+    def adopt_socket(self, int fd):
+        """Give a proven connection's socket to the request loop, which owns it from now on."""
+        if self.st.adopt_fds[1] < 0 or self.st.stop:
+            close(fd)
+            raise _errors.UsageError("the SMB server core is not serving sockets")
+        if sk.write(self.st.adopt_fds[1], &fd, sizeof(fd)) != sizeof(fd):
+            close(fd)
+            raise _errors.SMBConnectionError("cannot hand a connection to the request loop")
+
+    def _run(self):
+        with nogil:
+            if self.st.worker != NULL:
+                server_loop(self.st)
+            else:
+                server_loop_sock(self.st)
+
+    def run_in_thread(self):
+        self.thread = _threading.Thread(target=self._run, name="smb-server-progress", daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        """Stop the loop, close every endpoint and release UCX state."""
+        cdef double deadline
+        if not self.started:
+            self._stop_reduce_threads()
+            self.destroy_arena()
+            return
+        self.st.stop = 1
+        if self.st.worker != NULL:
+            ucp.ucp_worker_signal(self.st.worker)
+        if self.thread is not None:
+            self.thread.join(10)
+            self.thread = None
+        for i in range(self.st.conn_hi):
+            if self.st.conns[i].state != CONN_FREE and self.st.conns[i].fd >= 0:
+                sock_close_conn(self.st, i)
+        for i in range(2):
+            if self.st.adopt_fds[i] >= 0:
+                close(self.st.adopt_fds[i])
+                self.st.adopt_fds[i] = -1
+        # after the request loop: it is the only thread that hands work to the pool
+        self._stop_reduce_threads()
+        if self.st.listener != NULL:
+            ucp.ucp_listener_destroy(self.st.listener)
+            self.st.listener = NULL
+        if self.st.worker != NULL:
+            with nogil:
+                server_close_conns(self.st, True)
+                deadline = smb_now() + 2.0
+                while self.st.pending_close and smb_now() < deadline:
+                    ucp.ucp_worker_progress(self.st.worker)
+                    server_close_conns(self.st, False)
+        for i in range(MAX_REGIONS):
+            if self.st.regions[i].valid:
+                if self.st.context != NULL:
+                    ucp.ucp_mem_unmap(self.st.context, self.st.regions[i].memh)
+                self.st.regions[i].valid = 0
+        if self.st.worker != NULL:
+            ucp.ucp_worker_destroy(self.st.worker)
+            self.st.worker = NULL
+        if self.st.context != NULL:
+            ucp.ucp_cleanup(self.st.context)
+            self.st.context = NULL
+        self.destroy_arena()
+        self.started = 0
+
+    def _stop_reduce_threads(self):
+        with nogil:
+            vp.smb_vecpool_destroy(self.st.vecpool)
+        self.st.vecpool = NULL
+
+    # -------------------------------------------- called from the control handler
+    def region_register(self, int index, uint64_t offset, uint64_t nbytes, uint64_t slots,
+                        uint64_t length, int dtype):
+        """Map [offset, offset+nbytes) of the arena as region `index`: (rid, addr, rkey)."""
+        cdef region_t *r = &self.st.regions[index]
+        cdef ucp.ucp_mem_map_params_t mp
+        cdef void *rkey_buf = NULL
+        cdef size_t rkey_len = 0
+        if index < 0 or index >= MAX_REGIONS or r.valid:
+            raise _errors.SMBValueError(f"region slot {index} is not free")
+        if offset + nbytes > self.st.arena_size:
+            raise _errors.SMBBoundsError("region outside the arena")
+        # Only memory a freed region may have dirtied needs clearing; the arena
+        # beyond touched_end was never handed out and reads as zero already.
+        cdef uint64_t dirty_end = min(offset + nbytes, self.touched_end)
+        cdef char *start = self.st.arena + offset
+        if dirty_end > offset:
+            with nogil:
+                memset(start, 0, dirty_end - offset)
+        self.touched_end = max(self.touched_end, offset + nbytes)
+        rkey = b""
+        if self.st.context != NULL:
+            # UCX transport: remote peers reach the region one-sidedly through its key
+            mp.field_mask = ucp.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | ucp.UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            mp.address = self.st.arena + offset
+            mp.length = nbytes if nbytes else 1
+            CHKERR(ucp.ucp_mem_map(self.st.context, &mp, &r.memh), "ucp_mem_map")
+            status = ucp.ucp_rkey_pack(self.st.context, r.memh, &rkey_buf, &rkey_len)
+            if status != ucp.UCS_OK:
+                ucp.ucp_mem_unmap(self.st.context, r.memh)
+                CHKERR(status, "ucp_rkey_pack")
+            rkey = PyBytes_FromStringAndSize(<char*>rkey_buf, rkey_len)
+            ucp.ucp_rkey_buffer_release(rkey_buf)
+        r.offset = offset
+        r.nbytes = nbytes
+        r.slots = slots
+        r.length = length
+        r.dtype = dtype
+        r.itemsize = ITEMSIZES[dtype]
+        r.gen = (r.gen + 1) & 0xFFFF
+        if r.gen == 0:
+            r.gen = 1          # 0 means "no region" in the arena's generation table
+        r.valid = 1
+        if self.st.arena_size >= GEN_TABLE_BYTES:
+            smb_store_u32(<uint32_t*>self.st.arena + index, r.gen)
+        rid = (r.gen << 16) | index
+        return rid, <uintptr_t>(self.st.arena + offset), rkey
+
+    def region_unregister(self, uint32_t rid):
+        cdef region_t *r = get_region(self.st, rid)
+        if r == NULL:
+            raise _errors.SMBKeyError(f"no region with id {rid}")
+        r.valid = 0
+        if self.st.arena_size >= GEN_TABLE_BYTES:
+            smb_store_u32(<uint32_t*>self.st.arena + (rid & 0xFFFF), 0)
+        if self.st.context != NULL:
+            ucp.ucp_mem_unmap(self.st.context, r.memh)
+
+    def write_int64(self, uint32_t rid, uint64_t index, int64_t value):
+        cdef region_t *r = get_region(self.st, rid)
+        if r == NULL or r.dtype != 4 or index >= r.length * r.slots:
+            raise _errors.SMBBoundsError("write_int64 outside an int64 region")
+        smb_store64(<int64_t*>(self.st.arena + r.offset) + index, value)
+
+    def reply(self, uint32_t conn_id, uint64_t req_id, int status, bytes payload):
+        """A deferred reply (barrier, event, reduce); dropped if the client left."""
+        cdef int ci = conn_id & 0xFFFF
+        if ci >= MAX_CONNS or self.st.conns[ci].gen != (conn_id >> 16):
+            return False
+        return server_send_reply(self.st, ci, req_id, status, <const char*>payload, len(payload)) == 0
+
+    def conn_alive(self, uint32_t conn_id):
+        cdef int ci = conn_id & 0xFFFF
+        return (ci < MAX_CONNS and self.st.conns[ci].gen == (conn_id >> 16)
+                and self.st.conns[ci].state == CONN_AUTH)
+
+    def weighted_sum(self, uint32_t dst_region, uint32_t dst_slot, uint64_t start, uint64_t count,
+                     list sources):
+        """dst = sum(w * src) over [(region, slot, weight)], with the GIL released.
+
+        Returns the number of threads that computed it."""
+        cdef size_t n = len(sources)
+        if n > MAX_VEC_SOURCES:
+            raise _errors.SMBValueError("weighted_sum: at most 1024 sources")
+        cdef vec_req_t q
+        cdef vec_src_t *srcs = <vec_src_t*>malloc(max(n, 1) * sizeof(vec_src_t))
+        cdef int status = 0
+        cdef int threads_used = 0
+        cdef const char *err
+        if srcs == NULL:
+            raise MemoryError()
+        q.kind = VEC_WEIGHTED_SUM
+        q.nsrc = <uint32_t>n
+        q.dst_region = dst_region
+        q.dst_slot = dst_slot
+        q.start = start
+        q.count = count
+        q.alpha = 0
+        for i, (region, slot, weight) in enumerate(sources):
+            srcs[i].region = region
+            srcs[i].slot = slot
+            srcs[i].weight = weight
+        with nogil:
+            err = run_vecop(self.st, &q, srcs, &status, &threads_used)
+        free(srcs)
+        if err != NULL:
+            raise _errors.from_ucs_status(status, (<bytes>err).decode())
+        return threads_used
