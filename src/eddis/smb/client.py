@@ -2,10 +2,11 @@
 
 A :class:`Client` holds one connection per server: a socket on which both
 sides proved the job token (SMB_TRANSPORT=socket, the default), or a UCX
-endpoint of one thread-safe worker (SMB_TRANSPORT=ucx). Every wait is bounded by ``timeout`` (default ``SMB_TIMEOUT``); a server
-that dies turns into :class:`~eddis.errors.SMBConnectionError` for the waits on
+endpoint of one thread-safe worker (SMB_TRANSPORT=ucx). Every wait is bounded
+by ``timeout`` (default ``SMB_TIMEOUT``); a server that dies turns into :class:`~eddis.errors.SMBConnectionError` for the waits on
 it, never a hang.
 """
+import contextlib
 import json
 import threading
 import time
@@ -221,19 +222,21 @@ class Client:
                              "again to release its memory")
         self._core.close()
 
-    def _hold_maps(self, kind, name):
-        """Begin a same-node access of object `kind` `name`: UsageError once the client is
-        closed; until :meth:`_release_maps`, close() leaves the mapped memory in place."""
+    @contextlib.contextmanager
+    def _mapped_access(self, kind, name):
+        """A same-node access of object `kind` `name`: UsageError once the client is closed;
+        while it lasts, close() leaves the mapped memory in place."""
         with self._maps_idle:
             if self._closed:
                 raise UsageError(f"{kind} {name!r}: this SMB client is closed")
             self._mapped_users += 1
-
-    def _release_maps(self):
-        with self._maps_idle:
-            self._mapped_users -= 1
-            if not self._mapped_users:
-                self._maps_idle.notify_all()
+        try:
+            yield
+        finally:
+            with self._maps_idle:
+                self._mapped_users -= 1
+                if not self._mapped_users:
+                    self._maps_idle.notify_all()
 
     def __enter__(self):
         return self
@@ -359,12 +362,9 @@ class Counter:
         """Add n; returns the value before."""
         n = counter_value(n, self.name, "fetch_add n")
         if self._local:
-            self._client._hold_maps("counter", self.name)
-            try:
+            with self._client._mapped_access("counter", self.name):
                 self._check()
                 return self._core.local_fetch_add(self._local, n)
-            finally:
-                self._client._release_maps()
         return self._remote(self._core.COUNTER_FETCH_ADD, n)
 
     def compare_swap(self, expected, desired):
@@ -372,22 +372,16 @@ class Counter:
         expected = counter_value(expected, self.name, "compare_swap expected")
         desired = counter_value(desired, self.name, "compare_swap desired")
         if self._local:
-            self._client._hold_maps("counter", self.name)
-            try:
+            with self._client._mapped_access("counter", self.name):
                 self._check()
                 return self._core.local_compare_swap(self._local, expected, desired)
-            finally:
-                self._client._release_maps()
         return self._remote(self._core.COUNTER_COMPARE_SWAP, expected, desired)
 
     def read(self):
         if self._local:
-            self._client._hold_maps("counter", self.name)
-            try:
+            with self._client._mapped_access("counter", self.name):
                 self._check()
                 return self._core.local_load(self._local)
-            finally:
-                self._client._release_maps()
         return self._remote(self._core.COUNTER_READ)
 
     def wait_for(self, target, timeout):

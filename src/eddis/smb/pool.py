@@ -191,11 +191,10 @@ class Pool:
         slot, start, count = self._range(slot, start, count)
         views = []
         for seg, col, n, _ in self._pieces(start, count):
-            if seg.local:
-                self._check_generation(seg, "mapped_views")
             if not seg.local:
                 raise SMBValueError(f"pool {self.name!r}: server {seg.server} is not mapped into this "
                                     "process (another node, or SMB_LOCAL_MAP=0); use read/write")
+            self._check_generation(seg, "mapped_views")
             memory = (ctypes.c_char * (n * self.itemsize)).from_address(seg.local + self._offset(seg, slot, col))
             views.append(np.frombuffer(memory, dtype=self.np_dtype))
         return views
@@ -246,12 +245,8 @@ class Pool:
         from another thread waits for the copies instead of unmapping the memory under them."""
         if not self._mapped:
             return self._transfer(*args)
-        client = self.client
-        client._hold_maps("pool", self.name)
-        try:
+        with self.client._mapped_access("pool", self.name):
             return self._transfer(*args)
-        finally:
-            client._release_maps()
 
     def _transfer(self, arr, slot, start, count, put, result=None):
         """One contiguous piece per server: memcpy for mapped servers, else put/get."""
