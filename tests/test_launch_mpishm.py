@@ -1,9 +1,14 @@
-"""The per-launch Open MPI segment folders: found by job and node, removed by the job's smb-server."""
+"""The per-launch Open MPI segment folders: found by job and node, removed by the job's smb-server supervisor."""
 
 import os
+import signal
+import subprocess
+from pathlib import Path
 
+from conftest import PYTHON, python_env
+from launch_helpers import wait_until
 from eddis.launch import mpishm
-from eddis.smb.testing import LocalServers
+from eddis.smb import rundir
 
 
 def make_folder(base, name, segments=()):
@@ -48,17 +53,30 @@ def test_supervisor_cleanup_removes_its_segment_and_the_folder_when_last(tmp_pat
     assert not os.path.exists(shm.path)
 
 
-def test_smb_server_removes_the_jobs_folders_on_its_node_when_it_stops(tmp_path):
+def test_the_server_supervisor_removes_the_jobs_folders_on_its_node_when_its_server_stops(tmp_path):
     base = tmp_path / "shm"
     base.mkdir()
     # what a supervisor killed before its cleanup leaves: the folder and a rank's segment in it
     left = make_folder(base, "eddis-41.3-nodeA", ["vader_segment.nodeA.5e.1"])
     others = [make_folder(base, "eddis-41.3-nodeB", ["vader_segment.nodeB.5e.0"]),
               make_folder(base, "eddis-410.3-nodeA", ["vader_segment.nodeA.77.0"])]
-    env = {"SLURM_JOB_ID": "41", "SLURMD_NODENAME": "nodeA", mpishm.VARIABLE: str(base)}
-    servers = LocalServers(1, memory="4M", env=env).start()
-    assert left.exists()  # nothing is touched while the job runs
-    errors = servers.stop()
-    assert servers.hung == [], errors
-    assert not left.exists(), errors
+    run = Path(rundir.create_run_dir(tmp_path / "run"))
+    env = python_env({"SLURM_JOB_ID": "41", "SLURMD_NODENAME": "nodeA", mpishm.VARIABLE: str(base),
+                      "EDDIS_RUN_DIR": str(run), "SMB_MEMORY": "4M", "SMB_HUGEPAGES": "off"})
+    proc = subprocess.Popen([PYTHON, "-m", "eddis.launch.train", "--smb-server", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_until(lambda: any((run / rundir.SERVERS_DIR).glob("*.json")) or proc.poll() is not None, 60,
+                   what="the smb-server to publish its address")
+        assert proc.poll() is None, proc.communicate()
+        assert left.exists()  # nothing is touched while the job runs
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert not left.exists(), err
+    assert f"removed {left}, which a launch of this job left" in err
     assert all(p.exists() for p in others)

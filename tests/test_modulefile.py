@@ -23,14 +23,18 @@ def login_shell(script, timeout=120):
     return subprocess.run(["bash", "-lc", script], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def version_from_setup_cfg():
+def package_version():
+    """The version setup.cfg gives the distribution: it reads eddis.__version__ (attr:)."""
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
-    return cfg["metadata"]["version"]
+    assert cfg["metadata"]["version"] == "attr: eddis.__version__"
+    import eddis
+
+    return eddis.__version__
 
 
 def test_modulefiles_carry_the_package_version():
-    version = version_from_setup_cfg()
+    version = package_version()
     assert LUA.name == f"{version}.lua" and TCL.name == version
     assert f'local version = "{version}"' in LUA.read_text()
     assert f"set version {version}" in TCL.read_text()

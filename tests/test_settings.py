@@ -17,7 +17,7 @@ def test_settings_prints_every_registered_setting():
     proc = eddis("settings")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == settings.markdown_table()
-    for name in settings.REGISTRY:
+    for name in set(settings.REGISTRY) - settings.internal_variables():
         assert f"`{name}`" in proc.stdout
 
 
@@ -62,3 +62,29 @@ def test_user_guide_lists_every_setting():
     text = (REPO / "docs" / "user-guide.md").read_text()
     missing = [name for name in settings.REGISTRY if name not in text]
     assert not missing, f"docs/user-guide.md lacks {missing}: paste the output of `eddis settings` into it"
+
+
+def test_every_variable_the_launcher_exports_is_a_typed_internal_entry():
+    from eddis.launch.rankenv import RankInfo
+
+    info = RankInfo(3, 8, 1, 2, 1, 2, 4, "n2", "a100", "0", "slurm")
+    exported = {k for k in info.environ() if k.startswith("EDDIS_")}
+    assert exported - {"EDDIS_GPU_TYPE"} <= settings.internal_variables()
+    env = {k: v for k, v in info.environ().items()}
+    settings.check_environment(env)  # what the launcher writes parses
+    assert settings.get("EDDIS_RANK", env) == 3 and settings.get("EDDIS_LAUNCHED", env) is True
+
+
+def test_a_malformed_launcher_variable_is_named():
+    from eddis.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="EDDIS_GROUP='two' is not a valid int"):
+        settings.check_environment({"EDDIS_GROUP": "two"})
+
+
+def test_one_rule_gives_the_node_name():
+    from eddis import identity
+
+    assert identity.node_name({"EDDIS_HOSTNAME": "a", "SLURMD_NODENAME": "b"}) == "a"
+    assert identity.node_name({"SLURMD_NODENAME": "b"}) == "b"
+    assert identity.node_name({}) == __import__("socket").gethostname()

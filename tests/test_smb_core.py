@@ -141,6 +141,8 @@ def test_pool_mapped_views_are_the_servers_memory(client, cluster):
 def test_pool_dtypes_and_buffers(client, dtype):
     import torch
 
+    import eddis.torch  # noqa: F401  (registers the converter for bfloat16 tensors)
+
     n = 777
     pool = client.pool("dt-" + dtype, n, dtype=dtype, slots=2)
     np_dtype = numpy_dtype(dtype)

@@ -38,8 +38,10 @@ def worker(steps, slow_rank, window=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64),
                                 torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    # the mode given to the optimizer (not EDDIS_MODE) is the one the profile must record
     optimizer = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                           named_parameters=model.named_parameters())
+                                           named_parameters=model.named_parameters(),
+                                           mode=os.environ.get("TEST_OPTIMIZER_MODE") or None)
     optimizer.set_sample_count(BATCH)
     eddis.broadcast_parameters(model.state_dict(), root_rank=0)
     torch.manual_seed(rank)
@@ -192,12 +194,13 @@ def test_start_and_stop_timeline_for_a_window_of_steps(run_mpi, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_easgd_with_the_embedded_server(run_mpi, tmp_path):
-    """Plain mpirun: rank 0 runs the SMB server in-process; it still gets its own trace."""
+    """Plain mpirun: rank 0 runs the SMB server in-process; it still gets its own trace.
+    The mode is given to DistributedOptimizer(mode="easgd") while EDDIS_MODE says sync."""
     from eddis.timeline.merge import SERVER_PID_BASE, merge_timeline
     from eddis.timeline.profile import load_profile
 
-    env = {"EDDIS_MODE": "easgd", "EDDIS_TIMELINE": str(tmp_path / "tl"), "EDDIS_PROFILE": "1",
-           "EDDIS_RUN_DIR": str(tmp_path / "run")}
+    env = {"EDDIS_MODE": "sync", "TEST_OPTIMIZER_MODE": "easgd", "EDDIS_TIMELINE": str(tmp_path / "tl"),
+           "EDDIS_PROFILE": "1", "EDDIS_RUN_DIR": str(tmp_path / "run")}
     proc = run_mpi(2, [PYTHON, __file__, "12", "-1"], env=env, timeout=250)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     out, summary = merge_timeline(tmp_path / "tl")

@@ -47,6 +47,7 @@ class Setting:
     doc: str
     choices: Optional[Sequence[str]] = None
     flag: Optional[str] = None  # the eddis-train / eddis CLI flag that sets it
+    internal: bool = False  # set by the launcher for the ranks, not by users
 
     def parse(self, text):
         try:
@@ -67,15 +68,20 @@ class Setting:
 REGISTRY = {}
 
 
-def register(name, type, default, doc, choices=None, flag=None):
+def register(name, type, default, doc, choices=None, flag=None, internal=False):
     if not (name.startswith("EDDIS_") or name.startswith("SMB_")):
         raise ConfigError(f"setting {name} must start with EDDIS_ or SMB_")
     if type not in PARSERS:
         raise ConfigError(f"setting {name}: unknown type {type}")
     if name in REGISTRY:
         raise ConfigError(f"setting {name} registered twice")
-    REGISTRY[name] = Setting(name, type, default, doc, tuple(choices) if choices else None, flag)
+    REGISTRY[name] = Setting(name, type, default, doc, tuple(choices) if choices else None, flag, internal)
     return REGISTRY[name]
+
+
+def environ(env=None):
+    """``env``, or the process environment when None (the mapping every accessor reads)."""
+    return os.environ if env is None else env
 
 
 def get(name, environ=None):
@@ -97,7 +103,7 @@ def check_environment(environ=None):
     import difflib
 
     for key, text in env.items():
-        if not key.startswith(("EDDIS_", "SMB_")) or key in INTERNAL_VARIABLES:
+        if not key.startswith(("EDDIS_", "SMB_")):
             continue
         if key not in REGISTRY:
             near = difflib.get_close_matches(key, REGISTRY, n=1)
@@ -106,17 +112,16 @@ def check_environment(environ=None):
         REGISTRY[key].parse(text)
 
 
-# Variables the launcher sets for the ranks; not user settings.
-INTERNAL_VARIABLES = {
-    "EDDIS_RANK", "EDDIS_LOCAL_RANK", "EDDIS_SIZE", "EDDIS_LOCAL_SIZE", "EDDIS_GROUP",
-    "EDDIS_GROUP_SIZE", "EDDIS_NUM_GROUPS", "EDDIS_GPU_TYPE", "EDDIS_HOSTNAME",
-    "EDDIS_LAUNCHED",
-}
+def internal_variables():
+    """The variables the launcher sets for the ranks (typed here, but not user settings)."""
+    return {name for name, s in REGISTRY.items() if s.internal}
 
 
 def markdown_table():
     rows = ["| setting | type | default | CLI flag | meaning |", "|---|---|---|---|---|"]
     for s in sorted(REGISTRY.values(), key=lambda s: s.name):
+        if s.internal:
+            continue
         default = "(unset)" if s.default is None else f"`{s.default}`"
         choices = f" One of: {', '.join(f'`{c}`' for c in s.choices)}." if s.choices else ""
         flag = f"`{s.flag}`" if s.flag else ""
@@ -276,6 +281,17 @@ register("EDDIS_PROGRESS_INTERVAL", "float", 30.0,
          "Seconds between two progress log lines when stdout is not a terminal.")
 
 # ---------------------------------------------------------------- launcher (eddis.launch)
+# What eddis-train exports to each rank (eddis.launch.rankenv); read through eddis.identity.
+register("EDDIS_RANK", "int", None, "This rank's place in the job (the launcher's).", internal=True)
+register("EDDIS_SIZE", "int", None, "Ranks in the job (the launcher's).", internal=True)
+register("EDDIS_LOCAL_RANK", "int", None, "This rank's place among its node's ranks.", internal=True)
+register("EDDIS_LOCAL_SIZE", "int", None, "Ranks on this node.", internal=True)
+register("EDDIS_GROUP", "int", None, "This rank's group: hetjob component, else node.", internal=True)
+register("EDDIS_NUM_GROUPS", "int", None, "Groups in the job.", internal=True)
+register("EDDIS_GROUP_SIZE", "int", None, "Ranks in this rank's group.", internal=True)
+register("EDDIS_HOSTNAME", "str", None, "The node this rank is on (eddis.identity.node_name).",
+         internal=True)
+register("EDDIS_LAUNCHED", "bool", False, "Set for processes eddis-train started.", internal=True)
 register("EDDIS_STOP_GRACE", "float", 5.0,
          "Seconds a trainer gets after SIGTERM (a peer failed, or the job was cancelled) "
          "before eddis-train kills it with SIGKILL.")

@@ -40,8 +40,7 @@ import numpy as np
 
 from .. import settings
 from ..errors import ConfigError, EddisError, UsageError
-from ..timeline import instrument as timeline_instrument
-from . import runtime
+from . import observe, runtime
 from .compression import get_codec
 
 log = logging.getLogger("eddis.core.reducer")
@@ -98,7 +97,7 @@ class Reducer:
         self._error = None
         self._closed = False
         self._threads = []
-        timeline_instrument.attach_reducer(self)  # timeline/profile listener, only when on
+        observe.attach_reducer(self)  # timeline/profile listener, only when on
 
     # ------------------------------------------------------------ lifecycle
     def _start_threads(self):
@@ -219,7 +218,7 @@ class Reducer:
             self._nready = 0
             self.step += 1
             self.stats["steps"] += 1
-        timeline_instrument.reducer_waited(self, waited_from)
+        observe.reducer_waited(self, waited_from)
 
     def reduce(self, weight=None):
         """Reduce the whole buffer now (for frameworks without per-parameter hooks)."""
@@ -436,11 +435,15 @@ def make_reducer(mode, plan, compression="none", op="average", timeout=None, nam
     if mode not in REDUCERS and mode not in ("sync", "easgd", "hybrid"):
         raise ConfigError(f"unknown mode {mode!r}; available: {', '.join(available_modes())}")
     if runtime.size() == 1:  # nothing to communicate: no SMB needed either
-        return LocalReducer(plan, compression, op, timeout, name)
+        reducer = LocalReducer(plan, compression, op, timeout, name)
+        observe.reducer_built(reducer, mode)
+        return reducer
     if mode not in REDUCERS:
         hint = (" (it needs the SMB extension eddis.smb._core: build it with `python setup.py "
                 "build_ext --inplace` where libucx-dev is installed, or use mode='allreduce')"
                 if mode == "sync" else "")
         raise ConfigError(f"mode {mode!r} is not available in this build{hint}; available: "
                           f"{', '.join(available_modes())}")
-    return REDUCERS[mode](plan, compression, op, timeout, name)
+    reducer = REDUCERS[mode](plan, compression, op, timeout, name)
+    observe.reducer_built(reducer, mode)
+    return reducer

@@ -21,14 +21,12 @@ directory. Set EDDIS_EMBEDDED_SERVER=0 to make a missing server an error.
 import atexit
 import contextlib
 import logging
-import os
 import shutil
-import socket
 import sys
 import threading
 from pathlib import Path
 
-from .. import settings
+from .. import identity, settings
 from ..errors import ConfigError, UsageError
 
 log = logging.getLogger("eddis.core")
@@ -58,7 +56,7 @@ class _Runtime:
         self.run_dir = None
         self.closables = []
         self._check_launcher_ranks()
-        self.hostname = os.environ.get("EDDIS_HOSTNAME") or MPI.Get_processor_name() or socket.gethostname()
+        self.hostname = identity.node_name()
         from . import collectives
 
         hosts = collectives.allgather_object(self.hostname, comm=self.comm, what="eddis.init (topology)")
@@ -69,15 +67,14 @@ class _Runtime:
         same = [r for r, h in enumerate(hosts) if h == self.hostname]
         self.local_rank = same.index(self.rank)
         self.local_size = len(same)
-        env_group = os.environ.get("EDDIS_GROUP")
-        self.group = int(env_group) if env_group not in (None, "") else self.node_index
-        env_groups = os.environ.get("EDDIS_NUM_GROUPS")
-        self.num_groups = int(env_groups) if env_groups not in (None, "") else self.num_nodes
+        group, num_groups = identity.launcher_group(), identity.launcher_num_groups()
+        self.group = self.node_index if group is None else group
+        self.num_groups = self.num_nodes if num_groups is None else num_groups
 
     def _check_launcher_ranks(self):
-        for name, value in (("EDDIS_RANK", self.rank), ("EDDIS_SIZE", self.size)):
-            text = os.environ.get(name)
-            if text not in (None, "") and int(text) != value:
+        for name, text, value in (("EDDIS_RANK", identity.launcher_rank(), self.rank),
+                                  ("EDDIS_SIZE", identity.launcher_size(), self.size)):
+            if text is not None and text != value:
                 raise ConfigError(
                     f"{name}={text} from the launcher, but MPI COMM_WORLD says {value} "
                     f"(rank {self.rank} of {self.size}). Under Slurm start the ranks with "
@@ -101,9 +98,11 @@ def init():
         settings.check_environment()
         logging.getLogger("eddis").setLevel(settings.get("EDDIS_LOG_LEVEL"))
         _state = _Runtime()
-        from ..timeline import instrument  # EDDIS_TIMELINE / EDDIS_PROFILE (collective)
+        from ..timeline import trace
+        from . import observe  # EDDIS_TIMELINE / EDDIS_PROFILE (collective)
 
-        instrument.on_init(_state.comm, _state.rank, _state.size, _state.hostname)
+        trace.set_default_comm(comm)
+        observe.on_init(_state.comm, _state.rank, _state.size, _state.hostname, _state.group)
         atexit.register(_exit_hook)
         if sys.excepthook is _previous_excepthook:
             sys.excepthook = _excepthook
@@ -194,7 +193,6 @@ def smb_client():
 def _connect(st):
     from . import collectives
     from .. import smb
-    from ..smb import rundir
 
     timeout = settings.get("SMB_CONNECT_TIMEOUT")
     configured = settings.get("EDDIS_RUN_DIR")
@@ -265,9 +263,11 @@ def shutdown():
                 errors.append(exc)
         st.closables.clear()
         try:
-            from ..timeline import instrument  # closes the timeline; rank 0 merges the profile
+            from ..timeline import trace
+            from . import observe  # closes the timeline; rank 0 merges the profile
 
-            instrument.on_shutdown(st.comm)
+            observe.on_shutdown(st.comm)
+            trace.set_default_comm(None)
         except Exception as exc:
             errors.append(exc)
         try:

@@ -10,24 +10,20 @@ Two parties remove it. Each supervisor removes its own rank's segment as soon as
 the trainer has exited, and the folder when it is the last one out. A supervisor
 that is itself killed (srun's SIGKILL, the job's time limit) cannot, and
 "last one out" is a race between the supervisors of a node; so the job's
-smb-server, the last EDDIS process of the job on each node, removes every folder
-of its job on that node when it stops (:func:`remove_job_folders`).
+smb-server's supervisor (:mod:`.serverstep`), the last EDDIS process of the job on
+each node, removes every folder of its job on that node when its server has stopped (:func:`remove_job_folders`).
 """
 
 import os
 import shutil
+
+from .. import identity
 
 VARIABLE = "OMPI_MCA_btl_vader_backing_directory"
 
 
 def backing_directory(env):
     return env.get(VARIABLE) or "/dev/shm"
-
-
-def node_name(env):
-    import socket
-
-    return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 class MpiShm:
@@ -62,7 +58,7 @@ def job_folders(env, hostname=None):
     job_ids = {env.get(name) for name in ("SLURM_HET_JOB_ID", "SLURM_JOB_ID") if env.get(name)}
     if not job_ids:
         return []
-    hostname = hostname or node_name(env)
+    hostname = hostname or identity.node_name(env)
     base = backing_directory(env)
     try:
         names = os.listdir(base)

@@ -14,11 +14,11 @@ every task, so the component of a task comes from ``SLURM_JOB_NODELIST_HET_GROUP
 """
 import os
 import re
-import socket
 import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
+from .. import identity
 from ..errors import ConfigError
 from .hostlist import expand_hostlist, expand_tasks_per_node
 
@@ -190,7 +190,7 @@ def resolve_gpu_type(env, hostname, group, devices, gres_lookup=node_gres):
     GRES of the Slurm node; the partition of the rank's het component; the
     driver's model name; else ``gpu``.
     """
-    explicit = env.get("EDDIS_GPU_TYPE")
+    explicit = identity.gpu_type(env)
     if explicit:
         return explicit
     if not devices:
@@ -255,7 +255,7 @@ def from_slurm(env, gres_lookup=node_gres):
         counts = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
         node_id = _int(env, "SLURM_NODEID", 0)
         local_size = counts[node_id] if node_id < len(counts) else 1
-    hostname = env.get("SLURMD_NODENAME") or socket.gethostname()
+    hostname = identity.node_name(env)
     group, num_groups = _het_group(env, hostname, rank)
     if num_groups > 1:
         group_size = _het_group_size(env, group, size)
@@ -277,7 +277,7 @@ def from_openmpi(env, gres_lookup=None):
     size = _int(env, "OMPI_COMM_WORLD_SIZE")
     local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
     local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
-    hostname = env.get("EDDIS_HOSTNAME") or socket.gethostname()
+    hostname = identity.node_name(env)
     devices = visible_gpus(env)
     return RankInfo(rank, size, local_rank, local_size, 0, 1, size, hostname,
                     resolve_gpu_type(env, hostname, 0, devices, gres_lookup),
@@ -291,7 +291,7 @@ def detect(env=None, gres_lookup=node_gres):
         return from_slurm(env, gres_lookup)
     if "OMPI_COMM_WORLD_RANK" in env:
         return from_openmpi(env)
-    hostname = env.get("SLURMD_NODENAME") or socket.gethostname()
+    hostname = identity.node_name(env)
     devices = visible_gpus(env)
     return RankInfo(0, 1, 0, 1, 0, 1, 1, hostname,
                     resolve_gpu_type(env, hostname, 0, devices, None), bind_gpu(devices, 0), "single")

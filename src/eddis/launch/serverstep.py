@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from .. import identity
+from . import mpishm
 from .liveness import LivenessWatch
 from .report import describe_failure, request_stop, server_records
 
@@ -55,18 +57,12 @@ def _die_with_parent():
         pass
 
 
-def _hostname():
-    from ..smb.server import local_hostname
-
-    return local_hostname()
-
-
 class ServerSupervisor:
     def __init__(self, run_dir, index, memory=None):
         self.run_dir = str(run_dir)
         self.index = int(index)
         self.memory = memory
-        self.host = _hostname()
+        self.host = identity.node_name()
         self.records = server_records(self.run_dir)
         self.stop_signal = None
         self.child = None
@@ -76,6 +72,12 @@ class ServerSupervisor:
         self.stop_signal = signum
         if first and self.child is not None and self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM)
+
+    def _remove_launch_leftovers(self):
+        """The job's Open MPI segment folders on this node: its server is the job's last EDDIS
+        process here, so what a killed rank's supervisor could not remove goes now."""
+        for path in mpishm.remove_job_folders(os.environ, self.host):
+            self.say(f"removed {path}, which a launch of this job left")
 
     def say(self, text):
         print(f"eddis-train: smb-server {self.index}@{self.host}: {text}", file=sys.stderr, flush=True)
@@ -137,6 +139,7 @@ class ServerSupervisor:
         if exit_fd is not None:
             os.close(exit_fd)
         liveness.close()
+        self._remove_launch_leftovers()
         rc = self.child.returncode if self.child.returncode is not None else -signal.SIGKILL
         code, sig = (rc, None) if rc >= 0 else (None, -rc)
         if hung is None and self.stop_signal is None and (rc == 0 or sig in STOP_SIGNALS):

@@ -12,12 +12,11 @@ import threading
 import time
 import zlib
 
-from .. import settings
+from .. import identity, settings
 from ..errors import (SMBConnectionError, SMBTimeoutError, SMBValueError, UsageError,
                       from_ucs_status)
 from . import handshake, rundir
 from .protocol import (COUNTER_REPLY, COUNTER_REQUEST, decode_control, encode_control)
-from .server import local_hostname
 
 
 class Request:
@@ -164,7 +163,7 @@ class Client:
             raise SMBTimeoutError(f"smb-servers did not answer HELLO within {self.timeout:g} s")
         del deadline
         local_map = settings.get("SMB_LOCAL_MAP")
-        me = local_hostname()
+        me = identity.node_name()
         for conn, (status, data) in zip(conns, pending.replies()):
             if status != 0:
                 raise from_ucs_status(status, f"smb-server {conn} at {self.address(conn)}: {data.decode(errors='replace')}")

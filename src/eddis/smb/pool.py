@@ -30,31 +30,59 @@ def numpy_dtype(name):
     return np.dtype(name)
 
 
+# Converters for buffers that neither the buffer protocol nor numpy's DLPack import can
+# take (a framework's bfloat16 tensor: numpy has no bfloat16). A framework adapter
+# registers its own (eddis.torch does for torch), so this layer names no framework.
+_EXPORTERS = []
+
+_DLPACK_CPU = 1  # kDLCPU in DLPack's DLDeviceType
+
+
+def register_exporter(accepts, to_numpy):
+    """Teach :func:`as_array` a buffer type: ``accepts(buf)`` says whether it is one,
+    ``to_numpy(buf, writable)`` returns a numpy view of its memory (no copy)."""
+    _EXPORTERS.append((accepts, to_numpy))
+
+
+def _dlpack_array(buf):
+    """A numpy view of a DLPack exporter's CPU memory (numpy imports it without a copy)."""
+    device = buf.__dlpack_device__() if hasattr(buf, "__dlpack_device__") else (_DLPACK_CPU, 0)
+    if int(device[0]) != _DLPACK_CPU:
+        raise SMBValueError(f"{type(buf).__name__} lives on device {tuple(device)} (DLPack); SMB "
+                            "transfers take host memory: copy it to the CPU first (e.g. .cpu())")
+    try:
+        return np.from_dlpack(buf)
+    except BufferError as exc:
+        raise SMBValueError(f"{type(buf).__name__} cannot be viewed without a copy ({exc}); pass "
+                            "it contiguous (e.g. .contiguous()) or as a numpy array") from None
+    except (TypeError, RuntimeError) as exc:
+        raise SMBValueError(f"numpy cannot import this {type(buf).__name__} through DLPack ({exc}); "
+                            "for bfloat16 pass its bits (a 16-bit integer view) or import the "
+                            "framework's EDDIS adapter, which registers a converter") from None
+
+
 def as_array(buf, pool_dtype, writable, np_dtype=None):
-    """A numpy view (no copy) of a numpy array, CPU torch tensor or buffer."""
+    """A numpy view (no copy) of a numpy array, a DLPack exporter on the CPU (a torch
+    tensor, ...), or any object with the buffer protocol."""
     if (type(buf) is np.ndarray and buf.dtype == np_dtype and buf.flags.c_contiguous
             and (buf.flags.writeable or not writable)):
         return buf  # the common case, checked cheaply
-    if type(buf).__module__.startswith("torch"):
-        import torch
-
-        if buf.device.type != "cpu":
-            raise SMBValueError(f"tensor on {buf.device}: SMB transfers take CPU tensors; use .cpu()")
-        if not buf.is_contiguous():
-            raise SMBValueError("tensor is not contiguous; call .contiguous() first")
-        if buf.dtype == torch.bfloat16:
-            arr = buf.detach().view(torch.int16).numpy()
-            arr = arr.view(_np_bfloat16) if _np_bfloat16 is not None else arr
-        else:
-            arr = buf.detach().numpy()
-    elif isinstance(buf, np.ndarray):
+    if isinstance(buf, np.ndarray):
         arr = buf
     else:
-        try:
-            arr = np.asarray(memoryview(buf))
-        except TypeError:
-            raise SMBValueError(f"{type(buf).__name__} does not expose a buffer; pass a numpy array, "
-                                "a CPU torch tensor or a memoryview") from None
+        for accepts, to_numpy in _EXPORTERS:
+            if accepts(buf):
+                arr = to_numpy(buf, writable)
+                break
+        else:
+            if hasattr(buf, "__dlpack__"):
+                arr = _dlpack_array(buf)
+            else:
+                try:
+                    arr = np.asarray(memoryview(buf))
+                except TypeError:
+                    raise SMBValueError(f"{type(buf).__name__} does not expose a buffer; pass a numpy "
+                                        "array, a CPU tensor (DLPack) or a memoryview") from None
     if not arr.flags.c_contiguous:
         raise SMBValueError("buffer is not C-contiguous; pass np.ascontiguousarray(buf)")
     if writable and not arr.flags.writeable:

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .. import settings
+from .. import identity, settings
 from ..errors import (ConfigError, EddisError, SMBBoundsError, SMBKeyError, SMBMemoryError, SMBPermissionError,
                       SMBValueError)
 from .. import timeline
@@ -85,16 +85,6 @@ class Region:
         return {"name": self.name, "id": self.rid, "offset": self.offset, "nbytes": self.nbytes,
                 "slots": self.slots, "length": self.length, "dtype": self.dtype,
                 "meta": self.meta, "addr": self.addr}
-
-
-def local_hostname():
-    """The node name used to decide same-node mapping.
-
-    EDDIS_HOSTNAME (the launcher sets it for ranks), else SLURMD_NODENAME (set by
-    srun for servers and ranks alike, and distinct for the fake nodes of a dev
-    cluster), else the host name."""
-    return (os.environ.get("EDDIS_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
-            or socket.gethostname())
 
 
 def resolve_reduce_threads(value=None):
@@ -214,7 +204,7 @@ class Server:
             if listen == "0.0.0.0":
                 log.warning("smb-server %d listens on every interface (--host 0.0.0.0); give the "
                             "node's cluster address instead", self.index)
-            hello = {"index": self.index, "hostname": local_hostname(),
+            hello = {"index": self.index, "hostname": identity.node_name(),
                      "arena": f"/proc/{os.getpid()}/fd/{self.core.arena_fd}",
                      "arena_size": self.core.arena_size, "pid": os.getpid()}
             if self.transport == "ucx":
@@ -233,7 +223,7 @@ class Server:
                 self.core.run_in_thread()
                 self.gate.start()
             self.started = True
-            self.info = {"index": self.index, "hostname": local_hostname(), "host": published,
+            self.info = {"index": self.index, "hostname": identity.node_name(), "host": published,
                          "port": self.port, "pid": os.getpid(), "memory": self.memory,
                          "reduce_threads": self.reduce_threads, "pages": self.page_kind,
                          "transport": self.transport}
@@ -601,16 +591,7 @@ def main(argv=None):
             time.sleep(0.2)
     finally:
         server.stop()
-        _remove_launch_leftovers()
     return 0
-
-
-def _remove_launch_leftovers():
-    """The job's Open MPI segment folders on this node: the server is the job's last EDDIS process here."""
-    from ..launch import mpishm
-
-    for path in mpishm.remove_job_folders(os.environ):
-        log.info("removed %s, which a launch of this job left", path)
 
 
 if __name__ == "__main__":

@@ -196,9 +196,9 @@ class ProgressControlCallback(keras.callbacks.Callback):
         from .. import timeline
 
         if self.samples_per_step:
-            from ..timeline import instrument
+            from ..core import observe
 
-            instrument.note_samples(self.samples_per_step)
+            observe.note_samples(self.samples_per_step)
         self._t0 = timeline.now_ns() if timeline.enabled() else None
 
     def on_train_batch_end(self, batch, logs=None):

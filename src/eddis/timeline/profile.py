@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import identity
+
 FIELDS = (
     ("step", np.int64), ("time", np.float64), ("t_step", np.float64), ("t_compute", np.float64),
     ("t_comm", np.float64), ("t_wait", np.float64), ("samples", np.int64),
@@ -88,7 +90,7 @@ class StepProfiler:
     """Records one row per training step of one rank (see the module docstring)."""
 
     def __init__(self, run_dir, rank, size=1, gpu_type=None, mode=None, host=None, group=0,
-                 flush_every=50, flush_seconds=10.0, metadata=None):
+                 flush_every=50, flush_seconds=10.0, metadata=None, node=None):
         self.run_dir = Path(run_dir)
         self.rank = int(rank)
         self.size = int(size)
@@ -110,16 +112,29 @@ class StepProfiler:
         self._last = self._t0
         self.attrs = {
             "rank": self.rank, "size": self.size,
-            "gpu_type": gpu_type or os.environ.get("EDDIS_GPU_TYPE") or "cpu",
-            "mode": mode or os.environ.get("EDDIS_MODE") or "unknown",
+            "gpu_type": gpu_type or identity.gpu_type() or "cpu",
+            "mode": mode or "unknown",  # set_mode() once the training mode is known
             "host": host or socket.gethostname(),
-            "node": os.environ.get("EDDIS_HOSTNAME") or socket.gethostname(),
+            "node": node or identity.node_name(),
             "pid": os.getpid(), "group": int(group), "start_wall": time.time(),
         }
         self.metadata = dict(metadata or {})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._create()
+        except OSError as exc:
+            self._fail(exc)
+
+    def set_mode(self, mode):
+        """The training mode the optimizer was given (known only once it built its reducer)."""
+        self.attrs["mode"] = str(mode)
+        if self.failed or self.closed:
+            return
+        import h5py
+
+        try:
+            with h5py.File(self.path, "a") as f:
+                f.attrs["mode"] = self.attrs["mode"]
         except OSError as exc:
             self._fail(exc)
 

@@ -23,13 +23,13 @@ Files, in the timeline directory:
 import json
 import os
 import socket
-import sys
 import threading
 import time
 import warnings
 from collections import deque
 from pathlib import Path
 
+from .. import identity
 from .events import DEFAULT_CATEGORY
 
 perf_ns = time.perf_counter_ns
@@ -95,7 +95,7 @@ class Timeline:
         perf_anchor, wall_anchor = clock_anchor()
         self.clock = {
             "role": role, "index": self.index, "label": self.label, "pid": self._pid,
-            "host": socket.gethostname(), "node": os.environ.get("EDDIS_HOSTNAME", socket.gethostname()),
+            "host": socket.gethostname(), "node": identity.node_name(),
             "clock_domain": clock_domain(), "perf_anchor_ns": perf_anchor, "wall_anchor_ns": wall_anchor,
             "offset_to_rank0_ns": 0 if (role == "rank" and self.index == 0) else None,
             "uncertainty_ns": 0 if (role == "rank" and self.index == 0) else None,
@@ -391,6 +391,16 @@ NULL_TIMELINE = NullTimeline()
 
 # ---------------------------------------------------------------- the process's active timeline
 _timeline = None
+_default_comm = None  # the EDDIS runtime's communicator, while it runs (set_default_comm)
+
+
+def set_default_comm(provider):
+    """``provider()`` gives the communicator start_timeline() uses when given none (None: stop).
+
+    The runtime sets it at eddis.init(), so a user's ``eddis.start_timeline()`` is
+    collective over the job and aligns the clocks, while this module stays a leaf."""
+    global _default_comm
+    _default_comm = provider
 
 
 def enabled():
@@ -445,7 +455,7 @@ def span(name, cat=None, args=None):
 
 def _identity(rank, role, index):
     if index is None:
-        index = rank if rank is not None else int(os.environ.get("EDDIS_RANK", "0") or 0)
+        index = rank if rank is not None else (identity.launcher_rank() or 0)
     return role, int(index)
 
 
@@ -457,11 +467,10 @@ def open_timeline(directory, role="rank", index=None, rank=None, label=None, met
     role, index = _identity(rank, role, index)
     if label is None:
         if role == "rank":
-            node = os.environ.get("EDDIS_HOSTNAME") or socket.gethostname()
-            gpu = os.environ.get("EDDIS_GPU_TYPE")
-            label = f"rank {index} ({node}{', ' + gpu if gpu else ''})"
+            gpu = identity.gpu_type()
+            label = f"rank {index} ({identity.node_name()}{', ' + gpu if gpu else ''})"
         else:
-            label = f"SMB {role} {index} ({os.environ.get('EDDIS_HOSTNAME') or socket.gethostname()})"
+            label = f"SMB {role} {index} ({identity.node_name()})"
     if capacity is None:
         capacity = settings.get("EDDIS_TIMELINE_BUFFER")
     try:
@@ -489,9 +498,8 @@ def start_timeline(directory=None, rank=None, role="rank", index=None, label=Non
 
     if directory is None:
         directory = settings.get("EDDIS_TIMELINE")
-    runtime = sys.modules.get("eddis.core.runtime")
-    if comm is None and role == "rank" and runtime is not None and runtime.is_initialized():
-        comm = runtime.comm()  # inside an EDDIS job: collective, so the clocks get aligned
+    if comm is None and role == "rank" and _default_comm is not None:
+        comm = _default_comm()  # inside an EDDIS job: collective, so the clocks get aligned
     if comm is not None and rank is None and index is None:
         rank = comm.Get_rank()
     if not directory:

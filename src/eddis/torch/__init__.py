@@ -20,6 +20,7 @@ differences). The machinery lives in :mod:`eddis.core`.
 """
 from ..core.runtime import (group, hostname, init, is_initialized, local_rank, local_size,
                             num_groups, rank, shutdown, size)
+from . import buffers  # noqa: F401  (torch tensors as SMB buffers, bfloat16 included)
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .hetero import (BalancedBatchSampler, balanced_slice, configure_progress, final_model,
@@ -28,6 +29,7 @@ from .ops import (Adasum, Average, Max, Min, ReduceOp, Sum, allgather, allgather
                   allreduce_, barrier, broadcast, broadcast_, broadcast_object)
 from .optimizer import DistributedOptimizer
 from .sampler import DistributedSampler
+from .timeline_hooks import trace_module  # FORWARD/BACKWARD events; EDDIS_TIMELINE_MODULE_HOOKS
 from ..timeline import start_timeline, stop_timeline  # collective after init(); see docs/profiling.md
 
 

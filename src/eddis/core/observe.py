@@ -1,11 +1,18 @@
-"""The few calls the EDDIS runtime makes into the timeline and the profile.
+"""The wiring of the runtime and its reducers into the timeline and the profile.
 
-    on_init(comm, rank, size, hostname)      # eddis.init(): EDDIS_TIMELINE / EDDIS_PROFILE
+The timeline's trace writer and the profile (:mod:`eddis.timeline`) are leaves
+that know nothing of the runtime; this module, in ``core``, feeds them:
+
+    on_init(comm, rank, size, hostname, group)   # eddis.init(): EDDIS_TIMELINE / EDDIS_PROFILE
     attach_reducer(reducer)                  # a gradient reducer was built
     reducer_waited(reducer, start_ns)        # the training thread waited in reducer.wait()
     on_shutdown(comm)                        # eddis.shutdown(): close, merge the profile
 
-and rank 0's automatic progress display (EDDIS_PROGRESS, see progress.py).
+and rank 0's automatic progress display (EDDIS_PROGRESS, see
+:mod:`eddis.timeline.progress`). A framework adapter that can see more (the
+torch module hooks of :mod:`eddis.torch.timeline_hooks`) plugs in through
+:func:`on_timeline_start` and :func:`on_backward_finished`, so that core names
+no framework.
 
 Everything here costs nothing measurable when both are off: the reducer
 observer and ``reducer_waited`` return after two global lookups.
@@ -20,11 +27,10 @@ step's gradient synchronisation): ``t_step`` runs from the previous one, so it
 holds the whole iteration (data, forward, backward, optimizer).
 """
 import logging
-import os
-import sys
 
-from . import trace
-from .events import ALLREDUCE, BUCKET_READY, PULL, PUSH, WAIT
+from .. import identity, settings
+from ..timeline import trace
+from ..timeline.events import ALLREDUCE, BUCKET_READY, PULL, PUSH, WAIT
 
 log = logging.getLogger("eddis.timeline")
 
@@ -33,6 +39,20 @@ _progress = None
 _primary = None  # the reducer whose wait() closes profile rows
 _batch = [0]     # samples of the current step noted by module hooks (0: unknown)
 _size = 1
+_timeline_start_hooks = []  # called once a rank's timeline has started
+_backward_finished_hooks = []  # called when the last bucket of the primary reducer's step is ready
+
+
+def on_timeline_start(hook):
+    """Call ``hook()`` whenever eddis.init() starts this rank's timeline (EDDIS_TIMELINE)."""
+    if hook not in _timeline_start_hooks:
+        _timeline_start_hooks.append(hook)
+
+
+def on_backward_finished(hook):
+    """Call ``hook()`` when every bucket of the step's gradient is ready (backward is over)."""
+    if hook not in _backward_finished_hooks:
+        _backward_finished_hooks.append(hook)
 
 
 def profiler():
@@ -45,26 +65,23 @@ def note_samples(n):
     _batch[0] = int(n)
 
 
-def on_init(comm, rank, size, hostname=None, run_dir=None):
+def on_init(comm, rank, size, hostname=None, group=0, run_dir=None):
     """Start the timeline (EDDIS_TIMELINE; collective clock sync over ``comm``) and the profile."""
     global _profiler, _progress, _size
-    from .. import settings
 
     _size = size
     if rank == 0 and settings.get("EDDIS_PROGRESS") != "off":
-        from . import progress
+        from ..timeline import progress
 
         _progress = progress.Progress(rank=rank, final_line=False)
         progress._active = _progress if _progress.mode != "off" else None
 
     if settings.get("EDDIS_TIMELINE"):
         trace.start_timeline(rank=rank, comm=comm, metadata={"size": size, "hostname": hostname})
-        if settings.get("EDDIS_TIMELINE_MODULE_HOOKS") and "torch" in sys.modules:
-            from . import torch_hooks
-
-            torch_hooks.install_global_hooks()
+        for hook in _timeline_start_hooks:
+            hook()
     if settings.get("EDDIS_PROFILE") and _profiler is None:
-        from .profile import StepProfiler
+        from ..timeline.profile import StepProfiler
 
         run_dir = run_dir or settings.get("EDDIS_RUN_DIR")
         if not run_dir:
@@ -74,14 +91,13 @@ def on_init(comm, rank, size, hostname=None, run_dir=None):
 
             run_dir = rundir.default_run_dir() if rank == 0 else None
             if comm is not None and size > 1:
-                from ..core import collectives
+                from . import collectives
 
                 run_dir = collectives.broadcast_object(str(run_dir) if run_dir else None, comm=comm,
                                                        what="eddis profile (run directory)")
-        _profiler = StepProfiler(run_dir, rank, size=size, host=hostname,
-                                 gpu_type=os.environ.get("EDDIS_GPU_TYPE"),
-                                 mode=settings.get("EDDIS_MODE") if "EDDIS_MODE" in settings.REGISTRY else None,
-                                 group=int(os.environ.get("EDDIS_GROUP") or 0))
+        # the mode is the primary reducer's, known once the optimizer builds it (attach_reducer)
+        _profiler = StepProfiler(run_dir, rank, size=size, host=hostname, node=hostname,
+                                 gpu_type=identity.gpu_type(), group=group)
 
 
 def on_shutdown(comm=None):
@@ -89,7 +105,7 @@ def on_shutdown(comm=None):
     global _profiler, _primary, _progress
     trace.stop_timeline()
     if _progress is not None:
-        from . import progress
+        from ..timeline import progress
 
         _progress.close()
         _progress = progress._active = None
@@ -109,7 +125,15 @@ def attach_reducer(reducer):
     global _primary
     if _primary is None:
         _primary = reducer
+        if _profiler is not None:
+            _profiler.set_mode(reducer.mode)  # what the optimizer was given, not EDDIS_MODE
     reducer.add_listener(_ReducerObserver(reducer))
+
+
+def reducer_built(reducer, mode):
+    """``reducer`` serves training mode ``mode`` (a 1-rank job's local reducer serves any)."""
+    if reducer is _primary and _profiler is not None:
+        _profiler.set_mode(mode)
 
 
 def reducer_waited(reducer, start_ns):
@@ -153,8 +177,9 @@ class _ReducerObserver:
             self.ready += 1
             if self.ready == self.reducer.num_buckets:
                 self.ready = 0
-                if self.reducer is _primary and "eddis.timeline.torch_hooks" in sys.modules:
-                    sys.modules["eddis.timeline.torch_hooks"].backward_finished()
+                if self.reducer is _primary:
+                    for hook in _backward_finished_hooks:
+                        hook()
         elif event == "push_start":
             self.push_start[bucket] = t_ns
         elif event == "push_end":

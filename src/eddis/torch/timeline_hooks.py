@@ -1,6 +1,6 @@
 """Optional FORWARD / BACKWARD timeline events from PyTorch module hooks.
 
-    from eddis.timeline.torch_hooks import trace_module
+    from eddis.torch import trace_module
     handles = trace_module(model)      # one model, explicitly
 
 or ``EDDIS_TIMELINE_MODULE_HOOKS=1``: ``eddis.init()`` installs global module
@@ -18,14 +18,16 @@ was given sample counts.
 The hooks cost one Python call each per forward/backward, on or off; when the
 timeline is off they return after one global lookup.
 """
-from . import instrument, trace
-from .events import BACKWARD, FORWARD
+import torch
+
+from .. import settings
+from ..core import observe
+from ..timeline import trace
+from ..timeline.events import BACKWARD, FORWARD
 
 
 def trace_module(module, note_batch=True):
     """Register the hooks on ``module``; returns the handles (``h.remove()`` to undo)."""
-    import torch
-
     state = {"forward": 0, "backward": 0, "step": 0}
 
     def forward_pre(mod, args):
@@ -33,7 +35,7 @@ def trace_module(module, note_batch=True):
         if note_batch:
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.dim() > 0:
-                instrument.note_samples(first.shape[0])
+                observe.note_samples(first.shape[0])
 
     def forward_post(mod, args, output):
         tl = trace._timeline
@@ -67,7 +69,6 @@ _global = {"installed": False, "depth": 0, "start": 0, "backward": 0, "step": 0}
 
 def install_global_hooks():
     """Hooks on every module (torch's global module hooks); idempotent. Returns True if installed."""
-    import torch
     from torch.nn.modules import module as module_mod
 
     if _global["installed"]:
@@ -79,7 +80,7 @@ def install_global_hooks():
             state["start"] = trace.perf_ns()
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.dim() > 0:
-                instrument.note_samples(first.shape[0])
+                observe.note_samples(first.shape[0])
         state["depth"] += 1
 
     def post(mod, args, output):
@@ -112,7 +113,7 @@ def _backward_started(grad):
 
 
 def backward_finished():
-    """The last gradient bucket of the step is ready: close BACKWARD (called by the reducer observer)."""
+    """The last gradient bucket of the step is ready: close BACKWARD (the reducer observer calls it)."""
     start = _global["backward"]
     if start:
         _global["backward"] = 0
@@ -120,3 +121,12 @@ def backward_finished():
         if tl is not None:
             tl.record("X", BACKWARD, None, start, trace.perf_ns() - start, {"step": _global["step"]})
     _global["step"] += 1
+
+
+def _on_timeline_start():
+    if settings.get("EDDIS_TIMELINE_MODULE_HOOKS"):
+        install_global_hooks()
+
+
+observe.on_timeline_start(_on_timeline_start)
+observe.on_backward_finished(backward_finished)
