@@ -2,9 +2,12 @@
 
 Each optional C library has a three-state switch, read from the environment:
 ``EDDIS_WITH_<X>=1`` makes it required (the build stops if it is missing),
-``EDDIS_WITHOUT_<X>=1`` skips it, and leaving both unset auto-detects it.
-The build prints a configuration summary either way.
+``EDDIS_WITHOUT_<X>=1`` skips it, and leaving both unset (or false) auto-detects
+it. The switches take the same words as every boolean setting of EDDIS
+(1/0, true/false, yes/no, on/off). The build prints a configuration summary
+either way.
 """
+import importlib.util
 import os
 import shlex
 import shutil
@@ -16,6 +19,30 @@ from setuptools import Extension, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CYTHON_DIR = "cython"
+
+
+def _load_boolenv():
+    """eddis/_boolenv.py by path: the package cannot be imported before it is built, and the
+    settings registry must not read a switch differently from the build."""
+    path = os.path.join(HERE, "src", "eddis", "_boolenv.py")
+    spec = importlib.util.spec_from_file_location("eddis_build_boolenv", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+boolenv = _load_boolenv()
+
+
+def switch_on(name, environ=None):
+    """The value of the yes/no switch ``name`` (unset: False); stops the build on a value
+    that is no yes/no word, naming the variable, rather than guess what was meant."""
+    text = (os.environ if environ is None else environ).get(name, "")
+    value = boolenv.parse_bool(text)
+    if value is None:
+        sys.exit(f"error: {name}={text!r} is not a yes/no switch; set it to one of "
+                 f"{boolenv.ACCEPTED} or unset it.")
+    return value
 
 
 class Dependency:
@@ -39,8 +66,8 @@ class Dependency:
         self.reason = ""
 
     def switch_state(self):
-        want = os.environ.get("EDDIS_WITH_" + self.key, "") not in ("", "0")
-        skip = os.environ.get("EDDIS_WITHOUT_" + self.key, "") not in ("", "0")
+        want = switch_on("EDDIS_WITH_" + self.key)
+        skip = switch_on("EDDIS_WITHOUT_" + self.key)
         if want and skip:
             sys.exit(
                 f"error: EDDIS_WITH_{self.key} and EDDIS_WITHOUT_{self.key} are both set; "
@@ -202,14 +229,15 @@ def configure():
             continue
         dep.found = DETECTORS.get(dep.key, detect_c_library)(dep)
         if dep.state == "required" and not dep.found:
-            sys.exit("error: EDDIS_WITH_%s=1 but %s" % (dep.key, dep.missing_message()))
+            sys.exit("error: EDDIS_WITH_%s=%s but %s" % (dep.key, os.environ["EDDIS_WITH_" + dep.key],
+                                                        dep.missing_message()))
 
 
 def summary(built, left_out=()):
     lines = ["", "EDDIS build configuration", "-" * 60]
     for dep in DEPENDENCIES.values():
         if dep.state == "skipped":
-            status = "skipped (EDDIS_WITHOUT_%s=1)" % dep.key
+            status = "skipped (EDDIS_WITHOUT_%s=%s)" % (dep.key, os.environ["EDDIS_WITHOUT_" + dep.key])
         elif dep.found:
             status = "yes" + (f" ({dep.version})" if dep.version else "")
         else:

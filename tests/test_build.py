@@ -71,6 +71,54 @@ def test_with_and_without_together_is_refused(build, monkeypatch):
         build.configure()
 
 
+@pytest.mark.parametrize("word", ["0", "false", "False", "no", "off", "OFF", " off ", ""])
+def test_a_false_with_switch_means_not_required(build, monkeypatch, word):
+    monkeypatch.setenv("EDDIS_WITH_UCX", word)
+    assert build.DEPENDENCIES["UCX"].switch_state() == "auto"
+
+
+@pytest.mark.parametrize("word", ["1", "true", "yes", "on", "ON"])
+def test_a_true_with_switch_means_required(build, monkeypatch, word):
+    monkeypatch.setenv("EDDIS_WITH_UCX", word)
+    assert build.DEPENDENCIES["UCX"].switch_state() == "required"
+
+
+def test_a_false_without_switch_does_not_skip(build, monkeypatch):
+    monkeypatch.setenv("EDDIS_WITHOUT_VERBS", "false")
+    assert build.DEPENDENCIES["VERBS"].switch_state() == "auto"
+
+
+def test_an_unreadable_switch_stops_the_build_naming_it(build, monkeypatch):
+    monkeypatch.setenv("EDDIS_WITH_UCX", "maybe")
+    with pytest.raises(SystemExit) as stop:
+        build.DEPENDENCIES["UCX"].switch_state()
+    message = str(stop.value)
+    assert "EDDIS_WITH_UCX='maybe'" in message
+    assert "1/0, true/false, yes/no, on/off" in message
+
+
+@pytest.mark.parametrize("word", ["1", "0", "true", "false", "yes", "no", "on", "off", "TRUE", " no ",
+                                  "", "maybe", "2"])
+def test_setup_py_and_the_settings_registry_read_switches_alike(build, word):
+    from eddis import settings
+    from eddis.errors import ConfigError
+
+    try:
+        registry = settings.REGISTRY["EDDIS_WITH_UCX"].parse(word)
+    except ConfigError:
+        with pytest.raises(SystemExit):
+            build.switch_on("EDDIS_WITH_UCX", {"EDDIS_WITH_UCX": word})
+    else:
+        assert build.switch_on("EDDIS_WITH_UCX", {"EDDIS_WITH_UCX": word}) is registry
+
+
+def test_setup_py_loads_the_one_boolean_parser_of_the_package(build):
+    from eddis import _boolenv
+
+    assert build.boolenv.__file__ == _boolenv.__file__
+    assert build.boolenv.ACCEPTED == _boolenv.ACCEPTED
+
+
 @pytest.mark.timeout(120)
 def test_required_verbs_without_headers_stops_the_real_build():
     # -nostdinc hides every system header from the compiler, as on a machine

@@ -10,16 +10,15 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from ._boolenv import ACCEPTED as _BOOL_WORDS, parse_bool as _parse_bool
 from .errors import ConfigError
 
 
 def _bool(text):
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+    value = _parse_bool(text)
+    if value is None:
+        raise ConfigError(f"expected one of {_BOOL_WORDS}")
+    return value
 
 
 def _size(text):
@@ -32,7 +31,7 @@ def _size(text):
             break
     value = int(float(t) * mult)
     if value < 0:
-        raise ValueError("must not be negative")
+        raise ConfigError("must not be negative")
     return value
 
 
@@ -52,7 +51,7 @@ class Setting:
     def parse(self, text):
         try:
             value = PARSERS[self.type](text)
-        except ValueError as exc:
+        except ValueError as exc:  # int() and float() raise it; our parsers a ConfigError
             raise ConfigError(
                 f"{self.name}={text!r} is not a valid {self.type}: {exc}. "
                 f"Set it to a {self.type} (default {self.default!r}) or unset it."
