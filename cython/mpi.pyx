@@ -19,11 +19,8 @@ from libc.limits cimport INT_MAX
 from mpi4py.libmpi cimport *
 from mpi4py cimport MPI
 
-from eddis.errors import EddisError
-
-
-class MPIError(EddisError, RuntimeError):
-    """An MPI call failed; ``code`` is the MPI error code."""
+# MPIError: also importable from here (eddis._mpi.MPIError), its old address
+from eddis.errors import ConfigError, MPIError
 
 
 cdef str _error_string(int code):
@@ -73,11 +70,11 @@ def allreduce_sum_inplace(MPI.Comm comm not None, object buf):
     cdef Py_ssize_t count, done = 0, piece, itemsize
     cdef char *data
     if c_comm == MPI_COMM_NULL:
-        raise ValueError("allreduce_sum_inplace: the communicator is MPI.COMM_NULL; pass a valid communicator")
+        raise ConfigError("allreduce_sum_inplace: the communicator is MPI.COMM_NULL; pass a valid communicator")
     try:
         PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
     except (BufferError, TypeError, ValueError) as exc:
-        raise ValueError(f"allreduce_sum_inplace needs a writable C-contiguous float32/float64 buffer: {exc}") from None
+        raise ConfigError(f"allreduce_sum_inplace needs a writable C-contiguous float32/float64 buffer: {exc}") from None
     try:
         fmt = (view.format or b"B").lstrip(b"@=<")
         if fmt == b"f" and view.itemsize == 4:
@@ -85,8 +82,8 @@ def allreduce_sum_inplace(MPI.Comm comm not None, object buf):
         elif fmt == b"d" and view.itemsize == 8:
             dtype = MPI_DOUBLE
         else:
-            raise ValueError(f"allreduce_sum_inplace supports float32 and float64 buffers, "
-                             f"not format {fmt.decode()!r}; convert with .astype('float32')")
+            raise ConfigError(f"allreduce_sum_inplace supports float32 and float64 buffers, "
+                              f"not format {fmt.decode()!r}; convert with .astype('float32')")
         itemsize = view.itemsize
         count = view.len // itemsize
         data = <char *>view.buf

@@ -196,7 +196,7 @@ DEF WAIT_CLOSED = 3
 cdef void *realloc_or_raise(void *p, size_t n) except NULL:
     cdef void *q = realloc(p, n)
     if q == NULL:
-        raise MemoryError()
+        raise _no_memory("the table of requests in flight")
     return q
 
 
@@ -403,7 +403,7 @@ cdef class ClientCore:
         self.cl = <client_t*>calloc(1, sizeof(client_t))
         self.conns = <client_conn_t*>calloc(MAX_CONNS, sizeof(client_conn_t))
         if self.cl == NULL or self.conns == NULL:
-            raise MemoryError()
+            raise _no_memory("the SMB client's state")
         for i in range(MAX_CONNS):
             self.conns[i].fd = -1
         sk.pthread_mutex_init(&self.cl.io_lock, NULL)
@@ -498,14 +498,14 @@ cdef class ClientCore:
             sk.pthread_mutex_unlock(&self.cl.io_lock)
         self._leave()
         if rc != 0:
-            raise MemoryError()
+            raise _no_memory("a request on the send queue")
         return 0
 
     cdef char *_data_head(self, int op, uint64_t slot_id, size_t length, const void *desc,
                           size_t desc_len) except NULL:
         cdef char *head = <char*>malloc(sizeof(smb_hdr_t) + desc_len)
         if head == NULL:
-            raise MemoryError()
+            raise _no_memory("a transfer's request header")
         cdef smb_hdr_t *h = <smb_hdr_t*>head
         h.magic = SMB_MAGIC
         h.op = op
@@ -698,7 +698,7 @@ cdef class ClientCore:
         cdef size_t total = sizeof(smb_hdr_t) + plen
         cdef char *buf = <char*>malloc(total)
         if buf == NULL:
-            raise MemoryError()
+            raise _no_memory(f"a {total}-byte request")
         cdef uint64_t slot_id
         try:
             slot_id = self._alloc_slot()

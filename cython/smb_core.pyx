@@ -27,6 +27,7 @@ cimport smb_vecpool as vp
 cimport smb_sock as sk
 
 import errno as _errno
+import logging as _logging
 import os as _os
 import threading as _threading
 
@@ -160,11 +161,29 @@ cdef str _status_text(ucs_status_t status):
     return (<bytes>ucp.ucs_status_string(status)).decode()
 
 
-cdef int CHKERR(ucs_status_t status, str what) except -1:
-    """Raise the eddis.errors exception for a failed UCX call."""
+_log = _logging.getLogger("eddis.smb.core")
+
+
+cdef int CHKERR(ucs_status_t status, str what, bint warn_only=False) except -1:
+    """Raise the eddis.errors exception for a failed UCX call.
+
+    ``warn_only``: log it and return 1 instead, where raising cannot help: a teardown
+    call (what it releases is gone for its users either way, and raising would skip
+    the rest of the teardown and leak more than the failed call did) and a UCX
+    callback (nobody to raise to)."""
     if status == ucp.UCS_OK or status == ucp.UCS_INPROGRESS:
         return 0
-    raise _errors.from_ucs_status(status, f"{what}: {_status_text(status)}")
+    error = _errors.from_ucs_status(status, f"{what}: {_status_text(status)}")
+    if warn_only:
+        _log.warning("%s; carrying on", error)
+        return 1
+    raise error
+
+
+cdef object _no_memory(str what):
+    """The error for an allocation of the process's own heap that failed."""
+    return _errors.from_errno(_errno.ENOMEM, f"out of memory for {what}: this process cannot allocate "
+                                             f"it; free memory on this node")
 
 
 def status_text(int status):

@@ -130,12 +130,17 @@ cdef void _server_ep_error(void *arg, ucp.ucp_ep_h ep, ucs_status_t status) noex
 cdef void _server_conn_request(ucp.ucp_conn_request_h request, void *arg) noexcept nogil:
     cdef server_t *st = <server_t*>arg
     cdef int i, slot = -1
+    cdef ucs_status_t status
     for i in range(MAX_CONNS):
         if st.conns[i].state == CONN_FREE:
             slot = i
             break
     if slot < 0 or st.stop:
-        ucp.ucp_listener_reject(st.listener, request)
+        status = ucp.ucp_listener_reject(st.listener, request)
+        if status != ucp.UCS_OK:
+            with gil:
+                CHKERR(status, "ucp_listener_reject (a connection beyond the table, or while stopping)",
+                       warn_only=True)
         return
     cdef server_conn_t *c = &st.conns[slot]
     cdef ucp.ucp_ep_params_t params
@@ -690,10 +695,10 @@ cdef class ServerCore:
     def __cinit__(self):
         self.st = <server_t*>calloc(1, sizeof(server_t))
         if self.st == NULL:
-            raise MemoryError()
+            raise _no_memory("the SMB server's state")
         self.st.regions = <region_t*>calloc(MAX_REGIONS, sizeof(region_t))
         if self.st.regions == NULL:
-            raise MemoryError()
+            raise _no_memory("the SMB server's region table")
         self.st.efd = -1
         self.st.adopt_fds[0] = -1
         self.st.adopt_fds[1] = -1
@@ -802,7 +807,7 @@ cdef class ServerCore:
         self.st.reduce_threads = reduce_threads
         self.st.hello_reply = <char*>malloc(len(hello_reply) + 1)
         if self.st.hello_reply == NULL:
-            raise MemoryError()
+            raise _no_memory("the SMB server's hello reply")
         memcpy(self.st.hello_reply, <const char*>hello_reply, len(hello_reply))
         self.st.hello_reply_len = len(hello_reply)
         self.handler = handler
@@ -869,7 +874,7 @@ cdef class ServerCore:
         self.st.pfd_conns = <int*>calloc(MAX_CONNS + 1, sizeof(int))
         self.st.scratch = <char*>malloc(SOCK_SCRATCH)
         if self.st.pfds == NULL or self.st.pfd_conns == NULL or self.st.scratch == NULL:
-            raise MemoryError()
+            raise _no_memory("the SMB server's socket tables")
         if sk.smb_pipe_nonblocking(self.st.adopt_fds) != 0:
             err = smb_errno()
             raise _errors.from_errno(err, f"cannot create the socket hand-over pipe: {_os.strerror(err)}")
@@ -904,7 +909,9 @@ cdef class ServerCore:
             return
         self.st.stop = 1
         if self.st.worker != NULL:
-            ucp.ucp_worker_signal(self.st.worker)
+            # unwoken, the loop still sees the stop flag within its 100 ms poll
+            CHKERR(ucp.ucp_worker_signal(self.st.worker), "ucp_worker_signal (waking the loop to stop)",
+                   warn_only=True)
         if self.thread is not None:
             self.thread.join(10)
             self.thread = None
@@ -930,7 +937,8 @@ cdef class ServerCore:
         for i in range(MAX_REGIONS):
             if self.st.regions[i].valid:
                 if self.st.context != NULL:
-                    ucp.ucp_mem_unmap(self.st.context, self.st.regions[i].memh)
+                    CHKERR(ucp.ucp_mem_unmap(self.st.context, self.st.regions[i].memh),
+                           f"ucp_mem_unmap of region slot {i} (server stop)", warn_only=True)
                 self.st.regions[i].valid = 0
         if self.st.worker != NULL:
             ucp.ucp_worker_destroy(self.st.worker)
@@ -975,7 +983,8 @@ cdef class ServerCore:
             CHKERR(ucp.ucp_mem_map(self.st.context, &mp, &r.memh), "ucp_mem_map")
             status = ucp.ucp_rkey_pack(self.st.context, r.memh, &rkey_buf, &rkey_len)
             if status != ucp.UCS_OK:
-                ucp.ucp_mem_unmap(self.st.context, r.memh)
+                CHKERR(ucp.ucp_mem_unmap(self.st.context, r.memh), "ucp_mem_unmap after a failed ucp_rkey_pack",
+                       warn_only=True)
                 CHKERR(status, "ucp_rkey_pack")
             rkey = PyBytes_FromStringAndSize(<char*>rkey_buf, rkey_len)
             ucp.ucp_rkey_buffer_release(rkey_buf)
@@ -1002,7 +1011,10 @@ cdef class ServerCore:
         if self.st.arena_size >= GEN_TABLE_BYTES:
             smb_store_u32(<uint32_t*>self.st.arena + (rid & 0xFFFF), 0)
         if self.st.context != NULL:
-            ucp.ucp_mem_unmap(self.st.context, r.memh)
+            # the region is gone for every client already; raising would also lose its
+            # arena range and slot in the Python allocator (server._release)
+            CHKERR(ucp.ucp_mem_unmap(self.st.context, r.memh), f"ucp_mem_unmap of region {rid}",
+                   warn_only=True)
 
     def write_int64(self, uint32_t rid, uint64_t index, int64_t value):
         cdef region_t *r = get_region(self.st, rid)
@@ -1036,7 +1048,7 @@ cdef class ServerCore:
         cdef int threads_used = 0
         cdef const char *err
         if srcs == NULL:
-            raise MemoryError()
+            raise _no_memory(f"weighted_sum's {n} source descriptors")
         q.kind = VEC_WEIGHTED_SUM
         q.nsrc = <uint32_t>n
         q.dst_region = dst_region

@@ -20,11 +20,12 @@ from cpython.mem cimport PyMem_Malloc, PyMem_Free
 from libc.stdint cimport uintptr_t
 
 cimport numpy as cnp
+import errno as _errno
 import numpy as np
 
 from smb_vecops cimport *
 
-from eddis.errors import SMBNotImplementedError, SMBValueError
+from eddis.errors import SMBMemoryError, SMBNotImplementedError, SMBValueError
 
 cnp.import_array()
 
@@ -168,7 +169,8 @@ def weighted_sum(dst, srcs, weights, *, dtype=None, src_dtypes=None):
     cdef size_t count = d.count
     if ptrs == NULL or codes == NULL or wts == NULL:
         PyMem_Free(ptrs); PyMem_Free(codes); PyMem_Free(wts)
-        raise MemoryError()
+        raise SMBMemoryError(f"weighted_sum: out of memory for the tables of {nsrc} sources; "
+                             "free memory on this node", _errno.ENOMEM)
     try:
         for k in range(nsrc):
             s = ops[k]

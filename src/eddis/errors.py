@@ -1,9 +1,14 @@
 """The one exception family of EDDIS.
 
 Every failure raised by EDDIS is an :class:`EddisError` carrying a numeric
-``code`` (a UCS status, an errno, or an EDDIS code) and a ``message``. Where a
-Python built-in exception means the same thing, the raised class also derives
-from it, so ``except TimeoutError`` works on an SMB wait that timed out.
+``code`` (a UCS status, an errno, an MPI error code, or -1) and a ``message``.
+Where a Python built-in exception means the same thing, the raised class also
+derives from it, so ``except TimeoutError`` works on an SMB wait that timed out.
+
+Every exception class of EDDIS is defined here, the native extensions' too;
+the modules that raise one may re-export it under its old address
+(``eddis.core.reducer.ReductionError``). tests/test_errors.py holds the package
+to that.
 """
 import errno as _errno
 
@@ -65,8 +70,50 @@ class UsageError(EddisError, RuntimeError):
     """The API was used out of order (for example ``init()`` not called)."""
 
 
-class RankFailedError(EddisError, RuntimeError):
-    """Another rank of the job failed; the message names rank, host and exit code."""
+class SMBServerError(SMBError, RuntimeError):
+    """An smb-server process ended before it published its address; the message has its output."""
+
+
+# ---------------------------------------------------------------- the runtime's collectives
+class CollectiveTimeoutError(EddisError, TimeoutError):
+    """Other ranks did not join a collective call in time."""
+
+
+class MPIError(EddisError, RuntimeError):
+    """An MPI call failed; ``code`` is the MPI error code (extension ``eddis._mpi``)."""
+
+
+class ReductionError(EddisError, RuntimeError):
+    """The background communication failed; the cause is chained."""
+
+
+class ReductionTimeoutError(EddisError, TimeoutError):
+    """A step's reduction did not finish within EDDIS_COMM_TIMEOUT."""
+
+
+class ProgressTimeoutError(EddisError, TimeoutError):
+    """The staleness bound kept a rank waiting longer than EDDIS_COMM_TIMEOUT."""
+
+
+class ProgressError(EddisError, RuntimeError):
+    """The global learning counter does not hold what this job's claims left in it."""
+
+
+class CheckpointError(EddisError, OSError):
+    """Saving a checkpoint or model failed on rank 0; every rank raises it, naming rank 0's error."""
+
+
+# ---------------------------------------------------------------- profiles and timelines
+class TimelineError(EddisError):
+    """A failure reading what EDDIS_PROFILE or EDDIS_TIMELINE left on disk."""
+
+
+class TimelineNotFoundError(TimelineError, FileNotFoundError):
+    """No profile or trace files where the run should have left them."""
+
+
+class TimelineFormatError(TimelineError, ValueError):
+    """A file that is not an EDDIS profile or trace, or one that holds no ranks."""
 
 
 # UCS status codes (ucs/type/status.h), mapped to the closest built-in.

@@ -20,12 +20,9 @@ import time
 import numpy as np
 
 from .. import settings, timeline
-from ..errors import ConfigError, EddisError
+# CollectiveTimeoutError: also importable from here, its old address
+from ..errors import CollectiveTimeoutError, ConfigError
 from . import runtime
-
-
-class CollectiveTimeoutError(EddisError, TimeoutError):
-    """Other ranks did not join a collective call in time."""
 
 
 def _timeout(timeout):

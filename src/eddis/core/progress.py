@@ -59,21 +59,14 @@ import time
 import warnings
 
 from .. import settings, timeline
-from ..errors import ConfigError, EddisError, SMBTimeoutError, UsageError
+# ProgressError, ProgressTimeoutError: also importable from here, their old address
+from ..errors import ConfigError, ProgressError, ProgressTimeoutError, SMBTimeoutError, UsageError
 from . import collectives, runtime
 
 log = logging.getLogger("eddis.core.progress")
 
 DONE = 1 << 60   # the progress a finished rank publishes: larger than any step
 LOCKSTEP_MODES = ("sync", "allreduce")
-
-
-class ProgressTimeoutError(EddisError, TimeoutError):
-    """The staleness bound kept a rank waiting longer than EDDIS_COMM_TIMEOUT."""
-
-
-class ProgressError(EddisError, RuntimeError):
-    """The global learning counter does not hold what this job's claims left in it."""
 
 
 def usable_iterations(old, requested, total, unit=1):

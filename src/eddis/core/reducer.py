@@ -39,19 +39,12 @@ import time
 import numpy as np
 
 from .. import settings
-from ..errors import ConfigError, EddisError, UsageError
+# ReductionError, ReductionTimeoutError: also importable from here, their old address
+from ..errors import ConfigError, ReductionError, ReductionTimeoutError, UsageError
 from . import observe, runtime
 from .compression import get_codec
 
 log = logging.getLogger("eddis.core.reducer")
-
-
-class ReductionError(EddisError, RuntimeError):
-    """The background communication failed; the cause is chained."""
-
-
-class ReductionTimeoutError(EddisError, TimeoutError):
-    """A step's reduction did not finish within EDDIS_COMM_TIMEOUT."""
 
 
 INNER_ERROR_GRACE = 1.0

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .. import settings
-from ..errors import SMBTimeoutError
+from ..errors import SMBServerError, SMBTimeoutError
 from .report import (LAUNCH_DIR, describe_exit, exit_status, format_report, launches, read_records,
                      root_cause)
 
@@ -56,27 +56,23 @@ def process_alive(pid):
         return True
 
 
-class _ServerStepEnded(Exception):
-    pass
-
-
 def wait_servers(path, count, timeout=None, watch_pids=()):
     """Exit 0 once ``count`` servers published; 1 with a clear message on timeout or a dead server step."""
     from ..smb.rundir import wait_for_servers
 
     timeout = settings.get("SMB_CONNECT_TIMEOUT") if timeout is None else timeout
 
-    def no_server_step_ended():
+    def no_server_step_ended():  # wait_for_servers stops waiting on what its check raises
         dead = [pid for pid in watch_pids if not process_alive(pid)]
         if dead:
-            raise _ServerStepEnded(", ".join(map(str, dead)))
+            raise SMBServerError(f"the smb-server step (pid {', '.join(map(str, dead))}) ended before all "
+                                 f"{count} servers published in {path}/servers; see its output above.")
 
     try:
         no_server_step_ended()
         servers = wait_for_servers(path, count, timeout=timeout, check=no_server_step_ended)
-    except _ServerStepEnded as exc:
-        print(f"eddis-train: error: the smb-server step (pid {exc}) ended before all {count} servers "
-              f"published in {path}/servers; see its output above.", file=sys.stderr, flush=True)
+    except SMBServerError as exc:
+        print(f"eddis-train: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except SMBTimeoutError as exc:
         print(f"eddis-train: error: {exc}. The servers did not publish within {timeout:.0f} s "

@@ -68,12 +68,13 @@ def describe_state(state):
 def _signal_main_thread(pid, sig):
     """The dump signal to the main thread (tid == pid): faulthandler walking every thread's
     frames from a native thread of the process (UCX's, the SMB core's) crashed it (SIGSEGV
-    in _Py_DumpTracebackThreads), while on the main thread it is what faulthandler expects."""
+    in _Py_DumpTracebackThreads), while on the main thread it is what faulthandler expects.
+    False when the thread is gone: there is no stack to wait for."""
     tgkill = getattr(ctypes.CDLL(None, use_errno=True), "tgkill", None)  # glibc >= 2.30
     if tgkill is None:
         os.kill(pid, sig)
-    elif tgkill(pid, pid, sig) != 0:
-        raise OSError(ctypes.get_errno(), f"tgkill({pid}) failed")
+        return True
+    return tgkill(pid, pid, sig) == 0
 
 
 def start_in_child():
@@ -181,7 +182,8 @@ class LivenessWatch:
         self._stack.seek(0, os.SEEK_END)
         before = self._stack.tell()
         try:
-            _signal_main_thread(self.pid, STACK_DUMP_SIGNAL)
+            if not _signal_main_thread(self.pid, STACK_DUMP_SIGNAL):
+                return None
             os.kill(self.pid, signal.SIGCONT)  # a stopped process runs its handler only when continued
         except OSError:
             return None

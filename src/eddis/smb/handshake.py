@@ -112,9 +112,10 @@ class Gate:
             nonce = os.urandom(NONCE_BYTES)
             try:
                 sock.setblocking(False)
-                if sock.send(PROTOCOL + nonce) != CHALLENGE_BYTES:
-                    raise OSError("challenge not sent whole")
+                sent_whole = sock.send(PROTOCOL + nonce) == CHALLENGE_BYTES
             except OSError:
+                sent_whole = False
+            if not sent_whole:
                 sock.close()
                 continue
             self._pending[sock] = (time.monotonic(), nonce, b"")
@@ -225,8 +226,8 @@ def _receive_exactly(sock, n, deadline, where):
     data = b""
     while len(data) < n:
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise socket.timeout()
+        if left <= 0:  # the caller names the timeout, as for a recv() that ran out
+            raise SMBTimeoutError(f"{where} did not finish the token handshake in time")
         sock.settimeout(left)
         chunk = sock.recv(n - len(data))
         if not chunk:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..errors import SMBServerError
 from . import rundir
 
 
@@ -75,8 +76,8 @@ class LocalServers:
         """Raise, with its stderr, for a server that exited before publishing."""
         for index, proc in enumerate(self.procs):
             if proc.poll() is not None:
-                raise RuntimeError(f"smb-server {index} exited with {proc.returncode} before "
-                                   f"publishing:\n{proc.stderr.read()[-3000:]}")
+                raise SMBServerError(f"smb-server {index} exited with {proc.returncode} before "
+                                     f"publishing:\n{proc.stderr.read()[-3000:]}")
 
     def kill(self, index, sig=signal.SIGKILL):
         self.killed.append(index)

@@ -15,6 +15,7 @@ import os
 
 from ..core import collectives, hetero, progress, runtime
 from ..core.progress import global_step, progress_counts  # noqa: F401  (re-exported)
+from ..errors import CheckpointError
 
 
 def configure_progress(total=None, chunk=None, staleness=None, record=False):
@@ -72,5 +73,5 @@ def save_model(path, model, optimizer=None):
             error = f"{type(exc).__name__}: {exc}"
     error = collectives.broadcast_object(error, root=0, what="save_model")
     if error is not None:
-        raise OSError(f"save_model({path!r}) failed on rank 0: {error}")
+        raise CheckpointError(f"save_model({path!r}) failed on rank 0: {error}")
     return path

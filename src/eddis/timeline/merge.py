@@ -15,6 +15,7 @@ import json
 import warnings
 from pathlib import Path
 
+from ..errors import TimelineNotFoundError
 from .trace import TimelineWarning
 
 SERVER_PID_BASE = 100000
@@ -93,7 +94,7 @@ def merge_timeline(directory, output=None):
     directory = Path(directory)
     clocks = _read_clocks(directory)
     if not clocks:
-        raise FileNotFoundError(
+        raise TimelineNotFoundError(
             f"no timeline in {directory}: expected <role>-<index>.clock.json and .trace.json files "
             f"written by a run with EDDIS_TIMELINE={directory}")
     ref, alignment = _alignment(clocks)

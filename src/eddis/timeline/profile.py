@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import identity
+from ..errors import TimelineFormatError, TimelineNotFoundError
 
 FIELDS = (
     ("step", np.int64), ("time", np.float64), ("t_step", np.float64), ("t_compute", np.float64),
@@ -270,8 +271,8 @@ def merge_profiles(run_dir, output=None):
 
     files = rank_files(run_dir)
     if not files:
-        raise FileNotFoundError(f"no per-rank profiles under {Path(run_dir) / 'profile'}: was the run "
-                                f"started with EDDIS_PROFILE=1 and EDDIS_RUN_DIR={run_dir}?")
+        raise TimelineNotFoundError(f"no per-rank profiles under {Path(run_dir) / 'profile'}: was the run "
+                                    f"started with EDDIS_PROFILE=1 and EDDIS_RUN_DIR={run_dir}?")
     output = Path(output or settings.get("EDDIS_PROFILE_FILE") or Path(run_dir) / "profile.h5")
     tmp = output.with_name(output.name + ".tmp")
     nodes, gpu_types, modes = [], [], []
@@ -298,7 +299,8 @@ def merge_profiles(run_dir, output=None):
                 gpu_types.append(str(attrs.get("gpu_type")))
                 modes.append(str(attrs.get("mode")))
         if first_attrs is None:
-            raise FileNotFoundError(f"no readable per-rank profile under {Path(run_dir) / 'profile'}")
+            raise TimelineNotFoundError(f"no readable per-rank profile under {Path(run_dir) / 'profile'}: "
+                                        "every rank file failed to open (see the warnings above)")
         out.attrs["size"] = int(first_attrs.get("size", len(files)))
         out.attrs["ranks_recorded"] = len(ranks)
         out.attrs["nodes"] = json.dumps(sorted(set(nodes)))
@@ -326,8 +328,8 @@ def load_profile(path):
     with h5py.File(path, "r") as f:
         run_attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
         if "ranks" not in f:
-            raise ValueError(f"{path} is not an EDDIS profile (no /ranks group); "
-                             f"give `eddis prof report` the profile.h5 of a run or its run directory")
+            raise TimelineFormatError(f"{path} is not an EDDIS profile (no /ranks group); "
+                                      f"give `eddis prof report` the profile.h5 of a run or its run directory")
         for key in f["ranks"]:
             g = f["ranks"][key]
             data = {name: g[name][()] for name in FIELD_NAMES if name in g}

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import TimelineFormatError
 from .profile import load_profile
 
 
@@ -218,7 +219,8 @@ def report(path, out_dir=None, skip=None, plots=True):
     path = Path(path)
     run_attrs, ranks = load_profile(path)
     if not ranks:
-        raise ValueError(f"{path} holds no rank profiles")
+        raise TimelineFormatError(f"{path} holds no rank profiles: give `eddis prof report` the "
+                                  f"profile.h5 of a run with EDDIS_PROFILE=1, or its run directory")
     summary = summarize(ranks, skip=skip)
     text = format_table(summary, run_attrs)
     paths = []

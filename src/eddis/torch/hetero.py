@@ -36,7 +36,7 @@ import torch.utils.data
 
 from ..core import collectives, hetero, progress, runtime
 from ..core.progress import global_step, progress_counts  # noqa: F401  (re-exported)
-from ..errors import ConfigError, UsageError
+from ..errors import CheckpointError, ConfigError, UsageError
 
 
 class HeteroState(hetero.HeteroStep):
@@ -127,7 +127,7 @@ def save_checkpoint(path, model, optimizer=None, **extra):
             error = f"{type(exc).__name__}: {exc}"
     error = collectives.broadcast_object(error, root=0, what="save_checkpoint")
     if error is not None:
-        raise OSError(f"save_checkpoint({path!r}) failed on rank 0: {error}")
+        raise CheckpointError(f"save_checkpoint({path!r}) failed on rank 0: {error}")
     return path
 
 
