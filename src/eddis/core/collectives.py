@@ -23,6 +23,7 @@ from .. import settings, timeline
 # CollectiveTimeoutError: also importable from here, its old address
 from ..errors import CollectiveTimeoutError, ConfigError
 from . import runtime
+from .ops import resolve_op
 
 
 def _timeout(timeout):
@@ -58,7 +59,7 @@ def _comm(comm):
     return runtime.comm() if comm is None else comm
 
 
-_OPS = {"sum": "SUM", "average": "SUM", "mean": "SUM", "min": "MIN", "max": "MAX"}
+_MPI_OPS = {"sum": "SUM", "average": "SUM", "min": "MIN", "max": "MAX"}  # average: SUM, then / size
 
 
 def allreduce_array(array, op="sum", out=None, comm=None, timeout=None, what="allreduce"):
@@ -69,18 +70,16 @@ def allreduce_array(array, op="sum", out=None, comm=None, timeout=None, what="al
     """
     from mpi4py import MPI
 
-    key = str(op).lower()
-    if key not in _OPS:
-        raise ConfigError(f"unknown reduction op {op!r}; use sum, average, min or max")
+    key = resolve_op(op).name  # one spelling of the ops for every caller
     comm = _comm(comm)
     src = np.ascontiguousarray(array)
     if out is None:
         out = src.copy()
     elif out is not src:
         np.copyto(out, src)
-    req = _start(comm.Iallreduce, MPI.IN_PLACE, out, getattr(MPI, _OPS[key]))
+    req = _start(comm.Iallreduce, MPI.IN_PLACE, out, getattr(MPI, _MPI_OPS[key]))
     wait_request(req, _timeout(timeout), what)
-    if key in ("average", "mean"):
+    if key == "average":
         if np.issubdtype(out.dtype, np.integer):
             raise ConfigError("average of an integer array: use op='sum' or a float array")
         out /= comm.Get_size()

@@ -61,7 +61,7 @@ class _CommCloser:
 
 
 def _cached(key, make):
-    st = runtime._require("eddis group communicators")
+    st = runtime.require("eddis group communicators")
     entry = _comms.get(key)
     if entry is not None and entry[0] is st:
         return entry[1]

@@ -293,7 +293,7 @@ def _lockstep_comm(mode):
 def configure(total=None, chunk=None, staleness=None, mode=None, record=False):
     """Set up the global learning counter (collective). Returns the controller."""
     global _controller
-    runtime._require("eddis progress control")
+    runtime.require("eddis progress control")
     if total is None:
         total = settings.get("EDDIS_TOTAL_ITERATIONS")
         if total is None:

@@ -45,6 +45,12 @@ from . import observe, runtime
 from .compression import get_codec
 
 log = logging.getLogger("eddis.core.reducer")
+_built = [0]  # gradient reducers built in this process: something synchronises the ranks
+
+
+def any_built():
+    """Whether this process built a gradient reducer (a DistributedOptimizer or gradient tape)."""
+    return _built[0] > 0
 
 
 INNER_ERROR_GRACE = 1.0
@@ -90,7 +96,12 @@ class Reducer:
         self._error = None
         self._closed = False
         self._threads = []
+        _built[0] += 1
         observe.attach_reducer(self)  # timeline/profile listener, only when on
+
+    @property
+    def closed(self):
+        return self._closed
 
     # ------------------------------------------------------------ lifecycle
     def _start_threads(self):

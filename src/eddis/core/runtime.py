@@ -82,7 +82,7 @@ class _Runtime:
                     "1-process MPI job); outside Slurm use `eddis-train --local -n N` or mpirun.")
 
 
-def _require(what="this call"):
+def require(what="this call"):
     if _state is None:
         raise UsageError(f"{what} needs the EDDIS runtime: call eddis.init() first "
                          "(once per process, before creating the DistributedOptimizer).")
@@ -113,40 +113,40 @@ def is_initialized():
 
 
 def rank():
-    return _require("eddis.rank()").rank
+    return require("eddis.rank()").rank
 
 
 def size():
-    return _require("eddis.size()").size
+    return require("eddis.size()").size
 
 
 def local_rank():
-    return _require("eddis.local_rank()").local_rank
+    return require("eddis.local_rank()").local_rank
 
 
 def local_size():
-    return _require("eddis.local_size()").local_size
+    return require("eddis.local_size()").local_size
 
 
 def group():
-    return _require("eddis.group()").group
+    return require("eddis.group()").group
 
 
 def num_groups():
-    return _require("eddis.num_groups()").num_groups
+    return require("eddis.num_groups()").num_groups
 
 
 def hostname():
-    return _require("eddis.hostname()").hostname
+    return require("eddis.hostname()").hostname
 
 
 def comm():
     """The runtime's private communicator (a duplicate of MPI COMM_WORLD)."""
-    return _require("eddis collectives").comm
+    return require("eddis collectives").comm
 
 
 def thread_multiple():
-    return _require().thread_multiple
+    return require().thread_multiple
 
 
 def mpi_lock():
@@ -165,7 +165,7 @@ def mark_broken(reason):
 
 def register_closable(obj):
     """Objects with ``close()`` (reducers) closed by shutdown(), newest first."""
-    _require().closables.append(obj)
+    require().closables.append(obj)
 
 
 def unregister_closable(obj):
@@ -183,7 +183,7 @@ def _published_servers(run_dir):
 
 def smb_client():
     """The job's SMB client, connected on first use (collective on that first call)."""
-    st = _require("the SMB connection")
+    st = require("the SMB connection")
     with _state_lock:
         if st.client is None:
             st.client = _connect(st)

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import ConfigError
 
 
-def _check_weights(weights, size):
+def check_weights(weights, size):
     w = np.asarray(weights, dtype=np.float64)
     if w.shape != (size,):
         raise ConfigError(f"need one weight per rank ({size}), got {len(w)}; pass weights=[w0, ..., w{size - 1}]")
@@ -30,7 +30,7 @@ def _check_weights(weights, size):
 
 def split_sizes(total, weights):
     """Integer shares of ``total`` proportional to ``weights`` (sum == total)."""
-    w = _check_weights(weights, len(weights))
+    w = check_weights(weights, len(weights))
     exact = total * w / w.sum()
     sizes = np.floor(exact).astype(np.int64)
     short = int(total - sizes.sum())
@@ -41,7 +41,7 @@ def split_sizes(total, weights):
 
 def batch_slice(global_batch, rank, size, weights=None):
     """The slice of a global batch of ``global_batch`` samples that ``rank`` takes."""
-    sizes = split_sizes(global_batch, _check_weights(weights, size) if weights is not None else [1.0] * size)
+    sizes = split_sizes(global_batch, check_weights(weights, size) if weights is not None else [1.0] * size)
     start = sum(sizes[:rank])
     return slice(start, start + sizes[rank])
 
@@ -55,7 +55,7 @@ def shard_indices(num_samples, rank, size, weights=None, epoch=0, seed=0, shuffl
     else:
         order = np.arange(num_samples)
     if weights is not None:
-        sizes = split_sizes(num_samples, _check_weights(weights, size))
+        sizes = split_sizes(num_samples, check_weights(weights, size))
         start = sum(sizes[:rank])
         return order[start:start + sizes[rank]].astype(np.int64)
     if drop_last:

@@ -32,8 +32,7 @@ import os as _os
 
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from ..core.runtime import (group, hostname, init, is_initialized, local_rank, local_size,  # noqa: E402
-                            num_groups, rank, shutdown, size)
+from ..core.basics import basics as _basics  # noqa: E402
 from . import callbacks, data  # noqa: E402
 from .compression import Compression  # noqa: E402
 from .data import balanced_batches, local_batch_size, shard, shard_batches  # noqa: E402
@@ -46,21 +45,11 @@ from .optimizer import DistributedOptimizer  # noqa: E402
 from ..timeline import start_timeline, stop_timeline  # noqa: E402  (collective after init())
 
 
-def cross_rank():
-    """Index of this rank's node (Horovod's cross_rank)."""
-    from ..core import runtime
-    return runtime._require("eddis.cross_rank()").node_index
-
-
-def cross_size():
-    """Number of nodes (Horovod's cross_size)."""
-    from ..core import runtime
-    return runtime._require("eddis.cross_size()").num_nodes
-
-
-def mpi_threads_supported():
-    from ..core import runtime
-    return runtime.thread_multiple()
+init, shutdown, is_initialized = _basics.init, _basics.shutdown, _basics.is_initialized
+rank, size, local_rank, local_size = _basics.rank, _basics.size, _basics.local_rank, _basics.local_size
+group, num_groups, hostname = _basics.group, _basics.num_groups, _basics.hostname
+cross_rank, cross_size = _basics.cross_rank, _basics.cross_size
+mpi_threads_supported = _basics.mpi_threads_supported
 
 
 __all__ = [

@@ -42,7 +42,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if self.broadcast_done:
             ensure_no_xla(self.model)
             return
-        runtime._require("BroadcastGlobalVariablesCallback")
+        runtime.require("BroadcastGlobalVariablesCallback")
         ensure_no_xla(self.model)
         broadcast_variables(self.model.variables, root_rank=self.root_rank)
         optimizer = getattr(self.model, "optimizer", None)
@@ -118,7 +118,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         return optimizer
 
     def on_train_begin(self, logs=None):
-        runtime._require("LearningRateWarmupCallback")
+        runtime.require("LearningRateWarmupCallback")
         if self.steps_per_epoch is None:
             self.steps_per_epoch = (self.params or {}).get("steps")
         if not self.steps_per_epoch:
@@ -182,7 +182,7 @@ class ProgressControlCallback(keras.callbacks.Callback):
 
         from ..core import progress
 
-        runtime._require("ProgressControlCallback")
+        runtime.require("ProgressControlCallback")
         ensure_no_xla(self.model)
         self.steps = 0
         previous = progress.controller()

@@ -37,7 +37,7 @@ from ..errors import ConfigError
 
 def _rank_size(rank, size):
     if rank is None or size is None:
-        runtime._require("eddis.data.shard() without rank/size")
+        runtime.require("eddis.data.shard() without rank/size")
     return (runtime.rank() if rank is None else int(rank), runtime.size() if size is None else int(size))
 
 

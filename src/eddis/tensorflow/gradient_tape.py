@@ -16,8 +16,9 @@ from .. import settings
 from ..core import runtime
 from ..errors import ConfigError
 from .compression import codec_of
+from ..core.basics import basics as _basics
 from ..core.ops import reject_unsupported_horovod_options
-from .ops import Average, resolve_op
+from .ops import Average
 from .reduction import ReducerCache
 
 _reducers = ReducerCache()
@@ -62,14 +63,12 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     always made dense. ``device_dense``/``device_sparse`` are ignored (the
     reduction runs on the host).
     """
-    runtime._require("eddis.DistributedGradientTape()")
+    runtime.require("eddis.DistributedGradientTape()")
     if not isinstance(gradtape, tf.GradientTape):
         raise ConfigError(f"DistributedGradientTape needs a tf.GradientTape, got {type(gradtape).__name__}")
     if isinstance(gradtape, _DistributedGradientTape):
         raise ConfigError("this tape is already a DistributedGradientTape; wrap the plain tape once")
-    op = resolve_op(op)
-    if op.name not in ("average", "sum"):
-        raise ConfigError(f"DistributedGradientTape reduces gradients with op=Average or Sum, not {op!r}")
+    op = _basics.gradient_op(op, "DistributedGradientTape")
     reject_unsupported_horovod_options(gradient_predivide_factor, groups, num_groups, process_set)
     mode = settings.get("EDDIS_MODE") if mode is None else str(mode).lower()
     if mode in ("easgd", "hybrid"):

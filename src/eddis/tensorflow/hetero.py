@@ -11,67 +11,37 @@ The optimizer does the elastic exchange itself every ``tau`` steps (after its
 update); the algorithms are :mod:`eddis.core`'s, driven through
 :class:`eddis.core.hetero.HeteroStep`.
 """
-import os
-
-from ..core import collectives, hetero, progress, runtime
-from ..core.progress import global_step, progress_counts  # noqa: F401  (re-exported)
-from ..errors import CheckpointError
+from ..core.basics import basics as _basics
 
 
-def configure_progress(total=None, chunk=None, staleness=None, record=False):
-    """Set up the global learning counter (collective; optional: the first
-    should_stop() does it from EDDIS_TOTAL_ITERATIONS, EDDIS_CLAIM_CHUNK, EDDIS_STALENESS)."""
-    state = hetero.current()
-    return progress.configure(total=total, chunk=chunk, staleness=staleness,
-                              mode=state.mode if state is not None else None, record=record)
-
-
-def should_stop():
-    """True once the job's iterations are used up; else this rank runs one more step.
-    Call it once per step, as the loop condition (ProgressControlCallback does it for fit)."""
-    return hetero.should_stop()
-
-
-def reset_progress():
-    """Forget the global learning counter after training, so another run can configure anew."""
-    progress.reset()
+configure_progress = _basics.configure_progress
+should_stop = _basics.should_stop
+global_step = _basics.global_step
+progress_counts = _basics.progress_counts
+reset_progress = _basics.reset_progress
 
 
 def _state_of(optimizer):
     if optimizer is None:
-        return hetero.current()
+        return _basics.training_state()
     from .optimizer import _DistributedOptimizer
 
     if not isinstance(optimizer, _DistributedOptimizer):
-        # a plain optimizer (e.g. beside a DistributedGradientTape) trains synchronously
-        return None
+        # a plain optimizer beside a DistributedGradientTape trains synchronously: nothing to load,
+        # unless no tape exists either (training_state says so)
+        return _basics.training_state()
     return optimizer.hetero
 
 
 def final_model(optimizer=None):
     """Collective: load the job's final model into the variables on every rank
     (easgd/hybrid: the centre variable; sync: nothing to do)."""
-    state = _state_of(optimizer)
-    if state is not None:
-        state.final_model()
+    _basics.final_model(_state_of(optimizer))
 
 
 def save_model(path, model, optimizer=None):
     """Collective: load the final model (``final_model``) and write ``model`` once
     (rank 0, atomically) with ``model.save(path)``; returns ``path``."""
-    runtime._require("eddis.save_model()")
+    _basics.require("eddis.save_model()")
     final_model(optimizer)
-    path = os.fspath(path)
-    error = None
-    if runtime.rank() == 0:
-        try:
-            base, ext = os.path.splitext(path)
-            tmp = f"{base}.tmp-{os.getpid()}{ext}"
-            model.save(tmp)
-            os.replace(tmp, path)
-        except Exception as exc:  # the other ranks must hear about it too
-            error = f"{type(exc).__name__}: {exc}"
-    error = collectives.broadcast_object(error, root=0, what="save_model")
-    if error is not None:
-        raise CheckpointError(f"save_model({path!r}) failed on rank 0: {error}")
-    return path
+    return _basics.save_on_rank0(path, model.save, "save_model")

@@ -10,7 +10,8 @@ start-up synchronization; gradients go through ``DistributedGradientTape`` or
 import numpy as np
 import tensorflow as tf
 
-from ..core import collectives, runtime
+from ..core import collectives
+from ..core.basics import basics as _basics
 from ..core.ops import Adasum, Average, Max, Min, ReduceOp, Sum, resolve_op  # noqa: F401
 from ..errors import ConfigError
 
@@ -33,24 +34,15 @@ def _as_tensor(value):
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
               postscale_factor=1.0, compression=None, process_set=None):
     """A new tensor: ``tensor`` reduced over all ranks (default: averaged)."""
-    runtime._require("eddis.allreduce()")
+    _basics.require("eddis.allreduce()")
     if process_set is not None:
         raise ConfigError("process sets are not supported by EDDIS; reduce over all ranks")
-    op = resolve_op(op, average)
+    resolve_op(op, average)  # a bad op fails here, at the call, even inside tf.function
     tensor = _as_tensor(tensor)
-    what = f"eddis.allreduce({name or ''})"
 
     def reduce(array):
-        data = np.asarray(array)
-        work = data.astype(np.float64) if data.dtype.kind == "f" or data.dtype.name == "bfloat16" else data.copy()
-        if prescale_factor != 1.0:
-            work = work * prescale_factor
-        if op.name == "average" and work.dtype.kind != "f":
-            work = work.astype(np.float64)
-        out = collectives.allreduce_array(np.ascontiguousarray(work), op=op.name, what=what)
-        if postscale_factor != 1.0:
-            out = out * postscale_factor
-        return np.asarray(out).reshape(data.shape).astype(data.dtype)
+        return _basics.allreduce_array(array, op=op, average=average, name=name,
+                                       prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
     if tf.executing_eagerly():
         return tf.convert_to_tensor(reduce(tensor.numpy()))
@@ -61,7 +53,7 @@ def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 def broadcast(tensor, root_rank=0, name=None):
     """A new tensor holding root_rank's ``tensor``."""
-    runtime._require("eddis.broadcast()")
+    _basics.require("eddis.broadcast()")
     tensor = _as_tensor(tensor)
     what = f"eddis.broadcast({name or ''})"
 
@@ -79,24 +71,14 @@ def broadcast(tensor, root_rank=0, name=None):
 
 def allgather(tensor, name=None):
     """Concatenation of every rank's ``tensor`` along axis 0 (sizes may differ). Eager only."""
-    runtime._require("eddis.allgather()")
+    _basics.require("eddis.allgather()")
     parts = collectives.allgather_object(_as_tensor(tensor).numpy(), what=f"eddis.allgather({name or ''})")
     return tf.convert_to_tensor(np.concatenate(parts, axis=0))
 
 
-def broadcast_object(obj, root_rank=0, name=None):
-    runtime._require("eddis.broadcast_object()")
-    return collectives.broadcast_object(obj, root=root_rank, what=f"eddis.broadcast_object({name or ''})")
-
-
-def allgather_object(obj, name=None):
-    runtime._require("eddis.allgather_object()")
-    return collectives.allgather_object(obj, what=f"eddis.allgather_object({name or ''})")
-
-
-def barrier():
-    runtime._require("eddis.barrier()")
-    collectives.barrier(what="eddis.barrier()")
+broadcast_object = _basics.broadcast_object
+allgather_object = _basics.allgather_object
+barrier = _basics.barrier
 
 
 def _variable_list(variables):
@@ -136,7 +118,7 @@ def broadcast_variables(variables, root_rank=0):
     built before); shapes and dtypes, in order, must agree (checked). Eagerly
     the values are assigned at once; inside ``tf.function`` an op is returned.
     """
-    runtime._require("eddis.broadcast_variables()")
+    _basics.require("eddis.broadcast_variables()")
     variables = _variable_list(variables)
     what = "eddis.broadcast_variables"
     signature = "\n".join(f"{i}:{tuple(v.shape)}:{tf.as_dtype(v.dtype).name}" for i, v in enumerate(variables))

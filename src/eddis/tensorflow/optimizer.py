@@ -27,8 +27,9 @@ from .. import settings
 from ..core import hetero, runtime
 from ..errors import ConfigError, UsageError
 from .compression import codec_of
+from ..core.basics import basics as _basics
 from ..core.ops import reject_unsupported_horovod_options
-from .ops import Average, resolve_op
+from .ops import Average
 from .reduction import GradientReducer
 
 
@@ -236,7 +237,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     same object, or a ``LossScaleOptimizer`` around it under ``mixed_float16``);
     compile the model with it and ``jit_compile=False``.
     """
-    runtime._require("eddis.DistributedOptimizer()")
+    runtime.require("eddis.DistributedOptimizer()")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         hint = ""
         if isinstance(optimizer, str):
@@ -248,9 +249,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                           f"{type(optimizer).__name__}{hint}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise UsageError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    op = resolve_op(op)
-    if op.name not in ("average", "sum"):
-        raise ConfigError(f"DistributedOptimizer reduces gradients with op=Average or Sum, not {op!r}")
+    op = _basics.gradient_op(op, "DistributedOptimizer")
     if backward_passes_per_step != 1:
         raise ConfigError("backward_passes_per_step is not supported with Keras 3: create the optimizer "
                           "with gradient_accumulation_steps=N instead (Keras accumulates the reduced "

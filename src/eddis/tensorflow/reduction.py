@@ -64,7 +64,7 @@ class GradientReducer:
 
     @property
     def closed(self):
-        return self.reducer._closed
+        return self.reducer.closed
 
     def close(self):
         self.reducer.close()

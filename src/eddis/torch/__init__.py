@@ -18,13 +18,12 @@
 Names and signatures follow Horovod's (see docs/pytorch-conversion.md for the
 differences). The machinery lives in :mod:`eddis.core`.
 """
-from ..core.runtime import (group, hostname, init, is_initialized, local_rank, local_size,
-                            num_groups, rank, shutdown, size)
+from ..core.basics import basics as _basics
 from . import buffers  # noqa: F401  (torch tensors as SMB buffers, bfloat16 included)
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .hetero import (BalancedBatchSampler, balanced_slice, configure_progress, final_model,
-                     global_step, progress_counts, save_checkpoint, should_stop)
+                     global_step, progress_counts, reset_progress, save_checkpoint, should_stop)
 from .ops import (Adasum, Average, Max, Min, ReduceOp, Sum, allgather, allgather_object, allreduce,
                   allreduce_, barrier, broadcast, broadcast_, broadcast_object)
 from .optimizer import DistributedOptimizer
@@ -33,21 +32,11 @@ from .timeline_hooks import trace_module  # FORWARD/BACKWARD events; EDDIS_TIMEL
 from ..timeline import start_timeline, stop_timeline  # collective after init(); see docs/profiling.md
 
 
-def cross_rank():
-    """Index of this rank's node (Horovod's cross_rank)."""
-    from ..core import runtime
-    return runtime._require("eddis.cross_rank()").node_index
-
-
-def cross_size():
-    """Number of nodes (Horovod's cross_size)."""
-    from ..core import runtime
-    return runtime._require("eddis.cross_size()").num_nodes
-
-
-def mpi_threads_supported():
-    from ..core import runtime
-    return runtime.thread_multiple()
+init, shutdown, is_initialized = _basics.init, _basics.shutdown, _basics.is_initialized
+rank, size, local_rank, local_size = _basics.rank, _basics.size, _basics.local_rank, _basics.local_size
+group, num_groups, hostname = _basics.group, _basics.num_groups, _basics.hostname
+cross_rank, cross_size = _basics.cross_rank, _basics.cross_size
+mpi_threads_supported = _basics.mpi_threads_supported
 
 
 __all__ = [
@@ -57,6 +46,6 @@ __all__ = [
     "broadcast_parameters", "broadcast_optimizer_state", "allreduce", "allreduce_", "broadcast",
     "broadcast_", "allgather", "allgather_object", "broadcast_object", "barrier",
     "DistributedSampler",
-    "should_stop", "global_step", "configure_progress", "progress_counts", "final_model",
-    "save_checkpoint", "balanced_slice", "BalancedBatchSampler", "start_timeline", "stop_timeline",
+    "should_stop", "global_step", "configure_progress", "progress_counts", "reset_progress", "final_model",
+    "save_checkpoint", "balanced_slice", "BalancedBatchSampler", "start_timeline", "stop_timeline", "trace_module",
 ]

@@ -24,7 +24,7 @@ def broadcast_parameters(params, root_rank=0):
     tensors. Tensors of one dtype travel as one message. Names, shapes and dtypes
     must agree on every rank (checked; a mismatch raises ConfigError on all ranks).
     """
-    runtime._require("eddis.broadcast_parameters()")
+    runtime.require("eddis.broadcast_parameters()")
     named = [(n, t) for n, t in _named_tensors(params) if torch.is_tensor(t)]
     signature = "\n".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in named)
     collectives.check_same(signature, "broadcast_parameters: the tensors (names, shapes, dtypes)",
@@ -69,7 +69,7 @@ def _to_cpu(obj):
 def broadcast_optimizer_state(optimizer, root_rank=0):
     """Give every rank root_rank's optimizer state (moments, step counts, and
     hyper-parameters such as the learning rate)."""
-    runtime._require("eddis.broadcast_optimizer_state()")
+    runtime.require("eddis.broadcast_optimizer_state()")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"broadcast_optimizer_state needs a torch.optim.Optimizer, got "
                           f"{type(optimizer).__name__}")

@@ -28,15 +28,13 @@ optimizer's step (the elastic exchange; rebalancing). They are the core's
 framework-agnostic :class:`eddis.core.hetero.HeteroStep`; the algorithms live in
 ``eddis.core`` (easgd, hybrid, balance, progress, simulate).
 """
-import os
-
 import numpy as np
 import torch
 import torch.utils.data
 
-from ..core import collectives, hetero, progress, runtime
-from ..core.progress import global_step, progress_counts  # noqa: F401  (re-exported)
-from ..errors import CheckpointError, ConfigError, UsageError
+from ..core import hetero
+from ..core.basics import basics as _basics
+from ..errors import ConfigError
 
 
 class HeteroState(hetero.HeteroStep):
@@ -71,10 +69,7 @@ def attach(optimizer, mode, balance):
 
 def _state_of(optimizer):
     if optimizer is None:
-        state = hetero.current()
-        if state is None:
-            raise UsageError("no eddis.DistributedOptimizer exists yet: create it first (or pass optimizer=)")
-        return state
+        return _basics.training_state()
     state = getattr(optimizer, "_eddis_hetero", None)
     if state is None:
         raise ConfigError("pass the optimizer returned by eddis.DistributedOptimizer(...)")
@@ -82,24 +77,17 @@ def _state_of(optimizer):
 
 
 # ---------------------------------------------------------------- public API
-def configure_progress(total=None, chunk=None, staleness=None, record=False):
-    """Set up the global learning counter (collective; optional: the first
-    should_stop() does it from EDDIS_TOTAL_ITERATIONS, EDDIS_CLAIM_CHUNK, EDDIS_STALENESS)."""
-    state = hetero.current()
-    return progress.configure(total=total, chunk=chunk, staleness=staleness,
-                              mode=state.mode if state is not None else None, record=record)
-
-
-def should_stop():
-    """True once the job's iterations (EDDIS_TOTAL_ITERATIONS) are used up; else this
-    rank runs one more step. Call it once per step, as the loop condition."""
-    return hetero.should_stop()   # notes when the loop's waiting ended: not compute time
+configure_progress = _basics.configure_progress
+should_stop = _basics.should_stop
+global_step = _basics.global_step
+progress_counts = _basics.progress_counts
+reset_progress = _basics.reset_progress
 
 
 def final_model(optimizer=None):
     """Collective: load the job's final model into the parameters on every rank
     (easgd/hybrid: the centre variable; sync: nothing to do)."""
-    _state_of(optimizer).final_model()
+    _basics.final_model(_state_of(optimizer))
 
 
 def save_checkpoint(path, model, optimizer=None, **extra):
@@ -111,24 +99,16 @@ def save_checkpoint(path, model, optimizer=None, **extra):
     ``global_step`` and any ``extra`` keyword values; ``torch.load`` reads it.
     """
     state = _state_of(optimizer)
-    state.final_model()
-    path = os.fspath(path)
-    error = None
-    if runtime.rank() == 0:
-        try:
-            payload = {"model": model.state_dict(), "mode": state.mode,
-                       "global_step": progress.global_step(), "size": runtime.size(), **extra}
-            if optimizer is not None:
-                payload["optimizer"] = optimizer.state_dict()
-            tmp = f"{path}.tmp-{os.getpid()}"
-            torch.save(payload, tmp)
-            os.replace(tmp, path)
-        except Exception as exc:  # the other ranks must hear about it too
-            error = f"{type(exc).__name__}: {exc}"
-    error = collectives.broadcast_object(error, root=0, what="save_checkpoint")
-    if error is not None:
-        raise CheckpointError(f"save_checkpoint({path!r}) failed on rank 0: {error}")
-    return path
+    _basics.final_model(state)
+
+    def write(tmp):
+        payload = {"model": model.state_dict(), "mode": state.mode if state is not None else "sync",
+                   "global_step": _basics.global_step(), "size": _basics.size(), **extra}
+        if optimizer is not None:
+            payload["optimizer"] = optimizer.state_dict()
+        torch.save(payload, tmp)
+
+    return _basics.save_on_rank0(path, write, "save_checkpoint")
 
 
 def balanced_slice(global_batch_size, optimizer=None):
@@ -183,5 +163,5 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             yield idx[part].tolist()
 
 
-__all__ = ["configure_progress", "should_stop", "global_step", "progress_counts", "final_model",
+__all__ = ["configure_progress", "should_stop", "global_step", "progress_counts", "reset_progress", "final_model",
            "save_checkpoint", "balanced_slice", "BalancedBatchSampler"]

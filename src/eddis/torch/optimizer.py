@@ -26,8 +26,9 @@ from ..core import BucketPlan, LocalReducer, collectives, make_reducer, runtime
 from ..errors import ConfigError, UsageError
 from . import hetero
 from .compression import codec_of
+from ..core.basics import basics as _basics
 from ..core.ops import reject_unsupported_horovod_options
-from .ops import Average, resolve_op
+from .ops import Average
 
 
 class _CudaFence:
@@ -55,9 +56,7 @@ class _DistributedOptimizer:
         names = _parameter_names(params, named_parameters)
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        op = resolve_op(op)
-        if op.name not in ("average", "sum"):
-            raise ConfigError(f"DistributedOptimizer reduces gradients with op=Average or Sum, not {op!r}")
+        op = _basics.gradient_op(op, "DistributedOptimizer")
         bucket_bytes = settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes)
         plan = BucketPlan([(n, tuple(p.shape)) for n, p in zip(names, params)], bucket_bytes)
         devices = {p.device.type for p in params}
@@ -293,7 +292,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     average over ranks. The returned object is an instance of a subclass of the
     optimizer's class sharing its state; use it instead of the original.
     """
-    runtime._require("eddis.DistributedOptimizer()")
+    runtime.require("eddis.DistributedOptimizer()")
     if not isinstance(optimizer, torch.optim.Optimizer):
         hint = (" (you passed the model: wrap the optimizer, "
                 "e.g. eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)))"

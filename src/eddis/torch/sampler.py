@@ -18,7 +18,7 @@ class DistributedSampler(torch.utils.data.Sampler):
     def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0,
                  drop_last=False, weights=None):
         if num_replicas is None or rank is None:
-            runtime._require("eddis.DistributedSampler() without num_replicas/rank")
+            runtime.require("eddis.DistributedSampler() without num_replicas/rank")
         self.dataset = dataset
         self.num_replicas = runtime.size() if num_replicas is None else int(num_replicas)
         self.rank = runtime.rank() if rank is None else int(rank)
@@ -31,7 +31,7 @@ class DistributedSampler(torch.utils.data.Sampler):
 
     def set_weights(self, weights):
         if weights is not None:
-            sampler._check_weights(weights, self.num_replicas)
+            sampler.check_weights(weights, self.num_replicas)
             weights = [float(w) for w in weights]
         self.weights = weights
         self._indices = None

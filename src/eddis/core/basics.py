@@ -1,0 +1,167 @@
+"""The framework-agnostic surface that ``eddis.torch`` and ``eddis.tensorflow`` both bind.
+
+As Horovod's ``HorovodBasics``: one object holds every call whose meaning does
+not depend on the framework (who am I, object collectives, the global learning
+counter, the final model, rank 0's atomic save, which reduction ops a gradient
+may use), and each adapter binds its methods as module functions::
+
+    from ..core.basics import basics as _basics
+    rank = _basics.rank
+    should_stop = _basics.should_stop
+
+so the two adapters cannot drift apart, and neither reaches into core's
+private names. Tensor conversions stay in the adapters.
+"""
+import os
+
+from ..errors import CheckpointError, ConfigError, UsageError
+from . import collectives, hetero, progress, reducer, runtime
+from .ops import Average, resolve_op
+
+
+class EddisBasics:
+    # ------------------------------------------------------------ the job and this rank
+    init = staticmethod(runtime.init)
+    shutdown = staticmethod(runtime.shutdown)
+    is_initialized = staticmethod(runtime.is_initialized)
+    rank = staticmethod(runtime.rank)
+    size = staticmethod(runtime.size)
+    local_rank = staticmethod(runtime.local_rank)
+    local_size = staticmethod(runtime.local_size)
+    group = staticmethod(runtime.group)
+    num_groups = staticmethod(runtime.num_groups)
+    hostname = staticmethod(runtime.hostname)
+
+    @staticmethod
+    def require(what):
+        """The running runtime, or a UsageError saying ``what`` needs eddis.init() first."""
+        return runtime.require(what)
+
+    def cross_rank(self):
+        """Index of this rank's node (Horovod's cross_rank)."""
+        return self.require("eddis.cross_rank()").node_index
+
+    def cross_size(self):
+        """Number of nodes (Horovod's cross_size)."""
+        return self.require("eddis.cross_size()").num_nodes
+
+    def mpi_threads_supported(self):
+        return runtime.thread_multiple()
+
+    # ------------------------------------------------------------ object collectives
+    def broadcast_object(self, obj, root_rank=0, name=None):
+        self.require("eddis.broadcast_object()")
+        return collectives.broadcast_object(obj, root=root_rank, what=f"eddis.broadcast_object({name or ''})")
+
+    def allgather_object(self, obj, name=None):
+        self.require("eddis.allgather_object()")
+        return collectives.allgather_object(obj, what=f"eddis.allgather_object({name or ''})")
+
+    def barrier(self):
+        self.require("eddis.barrier()")
+        collectives.barrier(what="eddis.barrier()")
+
+    # ------------------------------------------------------------ tensor reductions (metrics)
+    def allreduce_array(self, data, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0,
+                        name=None):
+        """``data`` (numpy) reduced over all ranks, in its dtype and shape: the numeric rules of
+        every adapter's ``allreduce``. Floats are summed in float64 (metrics, not gradients:
+        exactness over speed); an integer average is refused rather than truncated."""
+        import numpy as np
+
+        self.require("eddis.allreduce()")
+        op = resolve_op(op, average)
+        data = np.asarray(data)
+        floating = data.dtype.kind == "f" or data.dtype.name == "bfloat16"
+        if not floating and (op.name == "average" or prescale_factor != 1.0 or postscale_factor != 1.0):
+            raise ConfigError(f"allreduce of an integer tensor ({data.dtype.name}) with op={op!r} and "
+                              f"scale factors {prescale_factor}, {postscale_factor} would have to round: "
+                              "use op=Sum without factors, or reduce a float tensor")
+        work = data.astype(np.float64) if floating else np.array(data, copy=True)
+        if prescale_factor != 1.0:
+            work *= prescale_factor
+        out = collectives.allreduce_array(np.ascontiguousarray(work), op=op.name, out=None,
+                                          what=f"eddis.allreduce({name or ''})")
+        if postscale_factor != 1.0:
+            out *= postscale_factor
+        return np.asarray(out).reshape(data.shape).astype(data.dtype, copy=False)
+
+    # ------------------------------------------------------------ reduction ops
+    @staticmethod
+    def gradient_op(op, what):
+        """The ReduceOp a gradient reduction may use (Average or Sum), or a ConfigError naming ``what``."""
+        op = resolve_op(Average if op is None else op)
+        if op.name not in ("average", "sum"):
+            raise ConfigError(f"{what} reduces gradients with op=Average or Sum, not {op!r}")
+        return op
+
+    # ------------------------------------------------------------ the global learning counter
+    def configure_progress(self, total=None, chunk=None, staleness=None, record=False):
+        """Set up the global learning counter (collective; optional: the first
+        should_stop() does it from EDDIS_TOTAL_ITERATIONS, EDDIS_CLAIM_CHUNK, EDDIS_STALENESS)."""
+        state = hetero.current()
+        return progress.configure(total=total, chunk=chunk, staleness=staleness,
+                                  mode=state.mode if state is not None else None, record=record)
+
+    @staticmethod
+    def should_stop():
+        """True once the job's iterations (EDDIS_TOTAL_ITERATIONS) are used up; else this
+        rank runs one more step. Call it once per step, as the loop condition."""
+        return hetero.should_stop()  # notes when the loop's waiting ended: not compute time
+
+    global_step = staticmethod(progress.global_step)
+    progress_counts = staticmethod(progress.progress_counts)
+
+    @staticmethod
+    def reset_progress():
+        """Forget the global learning counter after training, so another run can configure anew."""
+        progress.reset()
+
+    # ------------------------------------------------------------ the final model
+    @staticmethod
+    def training_state(state=None):
+        """``state``, else the current DistributedOptimizer's heterogeneity state; None when
+        only a synchronous reducer (a gradient tape) trains; a UsageError when nothing
+        synchronises the ranks at all (their models would differ)."""
+        if state is not None:
+            return state
+        state = hetero.current()
+        if state is None and not reducer.any_built():
+            raise UsageError("no eddis.DistributedOptimizer (or DistributedGradientTape) was created, "
+                             "so nothing trained across the ranks: wrap the optimizer with "
+                             "eddis.DistributedOptimizer(...) before training")
+        return state
+
+    def final_model(self, state=None):
+        """Collective: load the job's final model into the parameters on every rank
+        (easgd/hybrid: the centre variable; sync: nothing to do)."""
+        state = self.training_state(state)
+        if state is not None:
+            state.final_model()
+
+    def save_on_rank0(self, path, write, what):
+        """Collective: rank 0 calls ``write(temporary path)``, then renames it to ``path``, so a
+        crash mid-write never leaves a file that looks complete; every rank learns how it went.
+        The temporary name keeps ``path``'s extension (Keras picks the format by it)."""
+        self.require(f"eddis.{what}()")
+        path = os.fspath(path)
+        error = None
+        if runtime.rank() == 0:
+            base, ext = os.path.splitext(path)
+            tmp = f"{base}.tmp-{os.getpid()}{ext}"
+            try:
+                write(tmp)
+                os.replace(tmp, path)
+            except Exception as exc:  # the other ranks must hear about it too
+                error = f"{type(exc).__name__}: {exc}"
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        error = collectives.broadcast_object(error, root=0, what=what)
+        if error is not None:
+            raise CheckpointError(f"{what}({path!r}) failed on rank 0: {error}")
+        return path
+
+
+basics = EddisBasics()
