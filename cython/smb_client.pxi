@@ -186,6 +186,13 @@ cdef long client_sock_progress(client_t *cl, client_conn_t *conns, int nconns,
     return total
 
 
+# what ClientCore._post_transfer does
+cdef enum transfer_t:
+    TRANSFER_PUT
+    TRANSFER_GET
+    TRANSFER_FLUSH
+
+
 # wait results
 DEF WAIT_DONE = 0
 DEF WAIT_TIMEOUT = 1
@@ -763,82 +770,76 @@ cdef class ClientCore:
                  uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey):
         """Write nbytes at `local` to region rid at byte `offset` (socket: a checked
         request per GiB; UCX: a one-sided put to `remote` with `rkey`)."""
-        cdef ucp.ucp_request_param_t param
-        cdef ucs_status_ptr_t p
-        cdef put_desc_t desc
-        cdef size_t done = 0, piece
-        cdef uint64_t slot_id
-        if self.conns[ci].fd >= 0:
-            self._check_open()
-            while True:
-                piece = min(nbytes - done, <size_t>(1 << 30))
-                slot_id = self._alloc_slot()
-                pending.add_slot(slot_id, ci, True)
-                desc.region = rid
-                desc.reserved = 0
-                desc.offset = offset + done
-                self._sock_send(ci, self._data_head(OP_PUT, slot_id, sizeof(desc) + piece, &desc, sizeof(desc)),
-                                sizeof(smb_hdr_t) + sizeof(desc), <const char*>(local + done), piece)
-                done += piece
-                if done >= nbytes:
-                    return
-        self._enter()
-        cdef ucp.ucp_ep_h ep = self.conns[ci].ep
-        param.op_attr_mask = 0
-        with nogil:
-            p = ucp.ucp_put_nbx(ep, <void*>local, nbytes, remote, <ucp.ucp_rkey_h>rkey, &param)
-        self._leave()
-        pending.add_request(p, ci)
+        self._post_transfer(pending, ci, TRANSFER_PUT, local, nbytes, rid, offset, remote, rkey)
 
     def post_get(self, Pending pending, int ci, uintptr_t local, size_t nbytes,
                  uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey):
         """Read nbytes of region rid at byte `offset` into `local` (see post_put)."""
-        cdef ucp.ucp_request_param_t param
-        cdef ucs_status_ptr_t p
-        cdef get_desc_t desc
-        cdef size_t done = 0, piece
-        cdef uint64_t slot_id
-        cdef reply_slot_t *s
-        if self.conns[ci].fd >= 0:
-            self._check_open()
-            while True:
-                piece = min(nbytes - done, <size_t>(1 << 30))
-                slot_id = self._alloc_slot()
-                s = &self.cl.slots[slot_id & 0xFFFF]
-                s.dest = <char*>(local + done)
-                s.dest_len = piece
-                pending.add_slot(slot_id, ci, True)
-                desc.region = rid
-                desc.reserved = 0
-                desc.offset = offset + done
-                desc.nbytes = piece
-                self._sock_send(ci, self._data_head(OP_GET, slot_id, sizeof(desc), &desc, sizeof(desc)),
-                                sizeof(smb_hdr_t) + sizeof(desc), NULL, 0)
-                done += piece
-                if done >= nbytes:
-                    return
-        self._enter()
-        cdef ucp.ucp_ep_h ep = self.conns[ci].ep
-        param.op_attr_mask = 0
-        with nogil:
-            p = ucp.ucp_get_nbx(ep, <void*>local, nbytes, remote, <ucp.ucp_rkey_h>rkey, &param)
-        self._leave()
-        pending.add_request(p, ci)
+        self._post_transfer(pending, ci, TRANSFER_GET, local, nbytes, rid, offset, remote, rkey)
 
     def post_flush(self, Pending pending, int ci):
         """Remote completion of earlier puts on ci (puts complete locally first;
         a socket put completes only when the server acknowledged it)."""
+        self._post_transfer(pending, ci, TRANSFER_FLUSH, 0, 0, 0, 0, 0, 0)
+
+    cdef int _post_transfer(self, Pending pending, int ci, transfer_t kind, uintptr_t local, size_t nbytes,
+                            uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey) except -1:
+        """The one way data moves to or from a remote region; its outcome lands in `pending`."""
         cdef ucp.ucp_request_param_t param
         cdef ucs_status_ptr_t p
+        cdef ucp.ucp_ep_h ep
         if self.conns[ci].fd >= 0:
-            return
+            if kind != TRANSFER_FLUSH:   # a socket put is acknowledged: nothing to flush
+                self._check_open()
+                self._sock_transfer(pending, ci, kind, local, nbytes, rid, offset)
+            return 0
         self._enter()
-        cdef ucp.ucp_ep_h ep = self.conns[ci].ep
+        ep = self.conns[ci].ep
         param.op_attr_mask = 0
         with nogil:
-            p = ucp.ucp_ep_flush_nbx(ep, &param)
+            if kind == TRANSFER_PUT:
+                p = ucp.ucp_put_nbx(ep, <void*>local, nbytes, remote, <ucp.ucp_rkey_h>rkey, &param)
+            elif kind == TRANSFER_GET:
+                p = ucp.ucp_get_nbx(ep, <void*>local, nbytes, remote, <ucp.ucp_rkey_h>rkey, &param)
+            else:
+                p = ucp.ucp_ep_flush_nbx(ep, &param)
         self._leave()
         pending.add_request(p, ci)
+        return 0
+
+    cdef int _sock_transfer(self, Pending pending, int ci, transfer_t kind, uintptr_t local, size_t nbytes,
+                            uint32_t rid, uint64_t offset) except -1:
+        """A put or get as requests the server checks against its region table, of at most
+        1 GiB each (a frame's length is 32-bit); a get's reply lands straight in `local`."""
+        cdef put_desc_t put
+        cdef get_desc_t get
+        cdef size_t done = 0, piece
+        cdef uint64_t slot_id
+        cdef reply_slot_t *s
+        while True:
+            piece = min(nbytes - done, <size_t>(1 << 30))
+            slot_id = self._alloc_slot()
+            if kind == TRANSFER_GET:
+                s = &self.cl.slots[slot_id & 0xFFFF]
+                s.dest = <char*>(local + done)
+                s.dest_len = piece
+            pending.add_slot(slot_id, ci, True)
+            if kind == TRANSFER_PUT:   # the data follows the descriptor
+                put.region = rid
+                put.reserved = 0
+                put.offset = offset + done
+                self._sock_send(ci, self._data_head(OP_PUT, slot_id, sizeof(put) + piece, &put, sizeof(put)),
+                                sizeof(smb_hdr_t) + sizeof(put), <const char*>(local + done), piece)
+            else:
+                get.region = rid
+                get.reserved = 0
+                get.offset = offset + done
+                get.nbytes = piece
+                self._sock_send(ci, self._data_head(OP_GET, slot_id, sizeof(get), &get, sizeof(get)),
+                                sizeof(smb_hdr_t) + sizeof(get), NULL, 0)
+            done += piece
+            if done >= nbytes:
+                return 0
 
     # ------------------------------------------------ same-node mapping
     def map_arena(self, str path, uint64_t size):
