@@ -470,7 +470,7 @@ cdef class ClientCore:
             close(fd)
             raise _errors.SMBValueError("too many SMB servers for one client (1024)")
         if sk.smb_sock_prepare(fd) != 0:
-            err = smb_errno()
+            err = errno
             close(fd)
             raise _errors.from_errno(err, f"cannot use the server connection: {_os.strerror(err)}")
         cdef int ci = self.nconns

@@ -13,11 +13,13 @@ connection closed.
 from libc.stdint cimport uint8_t, uint16_t, int16_t, uint32_t, int32_t, uint64_t, int64_t, uintptr_t
 from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.string cimport memcpy, memset, strlen, memcmp
+from libc.errno cimport errno
 from libc.stdio cimport FILE, fclose
 from posix.mman cimport (mmap, munmap, shm_open, shm_unlink, madvise, PROT_READ, PROT_WRITE,
                          MAP_SHARED, MAP_FAILED, MADV_HUGEPAGE)
 from posix.fcntl cimport O_RDWR, O_CREAT, O_EXCL, open as open_fd
-from posix.unistd cimport ftruncate, close
+from posix.stdio cimport open_memstream
+from posix.unistd cimport ftruncate, close, read, write
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBUF_ANY_CONTIGUOUS
 cimport libucp as ucp
@@ -210,10 +212,10 @@ def ucx_transports():
     status = ucp.ucp_init(&params, config, &context)
     ucp.ucp_config_release(config)
     CHKERR(status, "ucp_init")
-    stream = smb_memstream(&text, &length)
+    stream = open_memstream(&text, &length)
     if stream == NULL:
         ucp.ucp_cleanup(context)
-        raise _errors.from_errno(smb_errno(), "open_memstream failed")
+        raise _errors.from_errno(errno, "open_memstream failed")
     ucp.ucp_context_print_info(context, stream)
     fclose(stream)
     ucp.ucp_cleanup(context)

@@ -6,8 +6,6 @@
 #include <poll.h>
 #include <time.h>
 #include <sched.h>
-#include <errno.h>
-#include <stdio.h>
 static inline int smb_cas_int(int *p, int expected, int desired) {
     return __atomic_compare_exchange_n(p, &expected, desired, 0,
                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
@@ -42,7 +40,6 @@ static inline void smb_pause(unsigned idle) {
     struct timespec ts = {0, idle < 1024 ? 20000 : 200000};
     nanosleep(&ts, NULL);
 }
-static inline int smb_errno(void) { return errno; }
 #include <sys/mman.h>
 #ifndef MFD_HUGETLB
 #define MFD_HUGETLB 0x0004U
@@ -56,5 +53,4 @@ static inline int smb_memfd_hugetlb(const char *name) {
 #define MADV_POPULATE_WRITE 23
 #endif
 #define SMB_MADV_POPULATE_WRITE MADV_POPULATE_WRITE
-static FILE *smb_memstream(char **buf, size_t *len) { return open_memstream(buf, len); }
 #endif

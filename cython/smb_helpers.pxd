@@ -1,6 +1,5 @@
 # Declarations of cython/smb_helpers.h and of the POSIX socket calls the SMB core uses (no logic here).
 from libc.stdint cimport int64_t, uint16_t, uint32_t
-from libc.stdio cimport FILE
 
 cdef extern from "smb_helpers.h" nogil:
     int smb_cas_int(int *p, int expected, int desired)
@@ -16,10 +15,8 @@ cdef extern from "smb_helpers.h" nogil:
     double smb_now()
     int smb_poll_fd(int fd, int ms)
     void smb_pause(unsigned idle)
-    int smb_errno()
     int smb_memfd_hugetlb(const char *name)
     enum: SMB_MADV_POPULATE_WRITE
-    FILE *smb_memstream(char **buf, size_t *len)
 
 cdef extern from "<sys/socket.h>" nogil:
     enum: AF_INET

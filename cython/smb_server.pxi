@@ -506,7 +506,7 @@ cdef void sock_adopt(server_t *st) noexcept nogil:
     """Take the proven sockets the handshake thread wrote into the pipe."""
     cdef int fd, i, slot
     cdef server_conn_t *c
-    while sk.read(st.adopt_fds[0], &fd, sizeof(fd)) == sizeof(fd):
+    while read(st.adopt_fds[0], &fd, sizeof(fd)) == sizeof(fd):
         slot = -1
         for i in range(MAX_CONNS):
             if st.conns[i].state == CONN_FREE:
@@ -750,12 +750,12 @@ cdef class ServerCore:
             mapped = (size + hugetlb_page - 1) // hugetlb_page * hugetlb_page
             fd = smb_memfd_hugetlb(name)
             if fd < 0:
-                err = smb_errno()
+                err = errno
                 raise _errors.from_errno(err, f"memfd_create(MFD_HUGETLB) failed: {_os.strerror(err)}")
         else:
             fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0o600)
             if fd < 0:
-                err = smb_errno()
+                err = errno
                 if err == _errno.EEXIST:
                     raise _errors.SMBValueError(
                         f"shared memory {shm_name} already exists (it is unlinked right after "
@@ -767,12 +767,12 @@ cdef class ServerCore:
             shm_unlink(name)
         self.shm_fd = fd
         if ftruncate(fd, mapped) != 0:
-            err = smb_errno()
+            err = errno
             self.destroy_arena()
             raise _errors.from_errno(err, f"cannot size shared memory to {mapped} bytes: {_os.strerror(err)}")
         cdef void *p = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
         if p == MAP_FAILED:
-            err = smb_errno()
+            err = errno
             self.destroy_arena()
             raise _errors.from_errno(err, f"cannot map {mapped} bytes of shared memory: {_os.strerror(err)}")
         self.st.arena = <char*>p
@@ -876,7 +876,7 @@ cdef class ServerCore:
         if self.st.pfds == NULL or self.st.pfd_conns == NULL or self.st.scratch == NULL:
             raise _no_memory("the SMB server's socket tables")
         if sk.smb_pipe_nonblocking(self.st.adopt_fds) != 0:
-            err = smb_errno()
+            err = errno
             raise _errors.from_errno(err, f"cannot create the socket hand-over pipe: {_os.strerror(err)}")
         self.started = 1
 
@@ -885,7 +885,7 @@ cdef class ServerCore:
         if self.st.adopt_fds[1] < 0 or self.st.stop:
             close(fd)
             raise _errors.UsageError("the SMB server core is not serving sockets")
-        if sk.write(self.st.adopt_fds[1], &fd, sizeof(fd)) != sizeof(fd):
+        if write(self.st.adopt_fds[1], &fd, sizeof(fd)) != sizeof(fd):
             close(fd)
             raise _errors.SMBConnectionError("cannot hand a connection to the request loop")
 

@@ -27,8 +27,6 @@ cdef extern from "smb_sock.h" nogil:
 
     int shutdown(int fd, int how)
     enum: SHUT_RDWR
-    long read(int fd, void *buf, size_t n)
-    long write(int fd, const void *buf, size_t n)
 
     ctypedef struct pthread_mutex_t:
         pass
