@@ -295,9 +295,12 @@ register("EDDIS_STOP_GRACE", "float", 5.0,
          "Seconds a trainer gets after SIGTERM (a peer failed, or the job was cancelled) "
          "before eddis-train kills it with SIGKILL.")
 register("EDDIS_STEP_END_GRACE", "float", 30.0,
-         "Seconds the job script waits for the trainers' srun to return after every rank recorded "
+         "Seconds the job waits for the trainers' srun to return after every rank recorded "
          "its exit (3 s once Slurm lists the step no more); then it ends srun and takes the job status "
          "from the ranks' exit records.")
+register("EDDIS_SERVER_WAIT", "float", 120.0,
+         "Seconds an EDDIS job waits for every smb-server to publish its address before it fails "
+         "(with the servers' lines above the message); raise it for a slow node or file system.")
 register("EDDIS_LIVENESS_TIMEOUT", "float", 30.0,
          "Seconds a trainer or smb-server may go without a heartbeat to its eddis-train supervisor "
          "(or stay stopped, e.g. by SIGSTOP) before it counts as hung: its Python stack is dumped, it "

@@ -1,4 +1,4 @@
-"""The small steps a job script needs around the trainers: run dir, server wait, report.
+"""The small steps of a job around the trainers: run dir, server wait, trainer guard, report.
 
 The run directory and the server files belong to :mod:`eddis.smb.rundir` (team
 contract); these helpers only call it and turn its errors into clear exits.
@@ -60,7 +60,7 @@ def wait_servers(path, count, timeout=None, watch_pids=()):
     """Exit 0 once ``count`` servers published; 1 with a clear message on timeout or a dead server step."""
     from ..smb.rundir import wait_for_servers
 
-    timeout = settings.get("SMB_CONNECT_TIMEOUT") if timeout is None else timeout
+    timeout = settings.get("EDDIS_SERVER_WAIT") if timeout is None else timeout
 
     def no_server_step_ended():  # wait_for_servers stops waiting on what its check raises
         dead = [pid for pid in watch_pids if not process_alive(pid)]
@@ -76,21 +76,28 @@ def wait_servers(path, count, timeout=None, watch_pids=()):
         return 1
     except SMBTimeoutError as exc:
         print(f"eddis-train: error: {exc}. The servers did not publish within {timeout:.0f} s "
-              "(SERVER_WAIT in eddis_job.sh); see the smb-server lines above.", file=sys.stderr, flush=True)
+              "(EDDIS_SERVER_WAIT); see the smb-server lines above.", file=sys.stderr, flush=True)
         return 1
     print("eddis-train: smb-servers ready: " + ", ".join(
         f"{s['index']}@{s.get('hostname', s.get('host'))}:{s.get('port')}" for s in servers), flush=True)
     return 0
 
 
-def print_report(path, job_code=None):
-    """The report on stderr; on stdout the job's status, as docs/user-guide.md promises: the
-    root cause's exit status (srun's own can be a peer's SIGKILL), else ``job_code``."""
+def report_failure(path, job_code=None):
+    """Print the report on stderr; return the job's status, as docs/user-guide.md promises: the
+    root cause's exit status (srun's own can be a peer's SIGKILL), else ``job_code``; and
+    whether a root cause was found."""
     first, failures, exits = root_cause(path)
     print(format_report(first, failures, exits, run_dir=path, job_code=job_code), file=sys.stderr, flush=True)
     status = exit_status(first) if first is not None else (job_code if job_code is not None else 1)
+    return status, first is not None
+
+
+def print_report(path, job_code=None):
+    """The report on stderr; on stdout the job's status (see :func:`report_failure`)."""
+    status, found = report_failure(path, job_code)
     print(status, flush=True)
-    return 0 if first is not None else 1
+    return 0 if found else 1
 
 
 TRAINERS_STATUS_FILE = "trainers.status"
@@ -126,7 +133,7 @@ def _status_of(exits):
     return 0
 
 
-TRAINER_STEP_NAME = "eddis-train"  # srun --job-name of the trainers in eddis_job.sh
+TRAINER_STEP_NAME = "eddis-train"  # srun --job-name of the trainers (eddis.launch.jobrun)
 # Once Slurm lists the trainer step no more, srun waits for nothing that can still come: it gets
 # this long to return (its own output drains in well under a second) before the guard ends it.
 STEP_GONE_GRACE = 3.0
@@ -141,8 +148,13 @@ def job_ids(env):
     return [env["SLURM_JOB_ID"]] if env.get("SLURM_JOB_ID") else []
 
 
-def slurm_lists_step(name, env=None, timeout=10.0):
-    """Whether Slurm lists a step of this job named ``name``; None when it cannot be asked."""
+def steps_named(listing, name):
+    """The step ids of squeue's ``%i %j`` lines whose step name is ``name``."""
+    return [fields[0] for fields in map(str.split, listing.splitlines()) if fields[1:2] == [name]]
+
+
+def step_ids(name, env=None, timeout=10.0):
+    """The ids of this job's steps named ``name`` that Slurm lists; None when it cannot be asked."""
     env = os.environ if env is None else env
     ids = job_ids(env)
     if not ids:
@@ -154,11 +166,17 @@ def slurm_lists_step(name, env=None, timeout=10.0):
         return None
     if proc.returncode != 0:
         return None
-    return any(line.split()[1:2] == [name] for line in proc.stdout.splitlines())
+    return steps_named(proc.stdout, name)
+
+
+def slurm_lists_step(name, env=None, timeout=10.0):
+    """Whether Slurm lists a step of this job named ``name``; None when it cannot be asked."""
+    steps = step_ids(name, env, timeout)
+    return None if steps is None else bool(steps)
 
 
 def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None):
-    """Bound the job script's wait for the trainers' srun.
+    """Bound the job's wait for the trainers' srun.
 
     srun can miss the end of a step whose tasks have all exited (seen with
     hetjob steps on a loaded host: every rank gone, srun waiting on). Once every
