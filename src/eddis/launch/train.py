@@ -2,7 +2,8 @@
 
 Usage::
 
-    srun --mpi=pmix eddis-train train.py [args]   # inside a Slurm job (eddis_job.sh)
+    eddis-train --job -- train.py [args]          # the command of a job script (eddis_job.sh)
+    srun --mpi=pmix eddis-train train.py [args]   # one rank's supervisor, as the job starts them
     eddis-train --local -n 4 train.py [args]      # one machine, no Slurm: server + 4 ranks
     eddis-train train.py [args]                   # the same as --local -n 1
 
@@ -10,9 +11,11 @@ Under srun (or under the mpirun that ``--local`` starts) ``eddis-train`` is the
 supervisor of one rank: it maps the launcher's variables onto the EDDIS_* rank
 environment, binds the rank to one GPU, runs the trainer as its child with every
 output line prefixed ``[rank@host]``, and stops the rank when a peer fails (see
-:mod:`eddis.launch.supervisor`). Helper modes used by eddis_job.sh:
-``--check``, ``--create-run-dir DIR``, ``--smb-server I``, ``--wait-servers N``
-and ``--report``.
+:mod:`eddis.launch.supervisor`). ``--job`` runs a whole job inside its Slurm
+allocation (:mod:`eddis.launch.jobrun`): servers, trainers, their supervision and
+the report. Helper modes for hand-written job scripts and for the steps ``--job``
+starts: ``--check``, ``--create-run-dir DIR``, ``--smb-server I``,
+``--wait-servers N``, ``--guard-trainers PID``, ``--report`` and ``--retire-run-dir``.
 
 Every mode checks the settings first (a misspelt EDDIS_/SMB_ variable is an error
 naming the closest registered one), and a launch checks that the training script
@@ -49,6 +52,10 @@ def build_parser():
                         "read with `eddis prof report`")
     p.add_argument("--run-dir", default=None, metavar="DIR",
                    help="run directory (default: EDDIS_RUN_DIR, else ~/.eddis/run/<job>)")
+    p.add_argument("--job", action="store_true",
+                   help="run the EDDIS job of this Slurm allocation, the one command of a job script: "
+                        "one smb-server per node, then the trainers (srun), their supervision and the "
+                        "root-cause report; exits with the job's status")
     helpers = p.add_argument_group("helpers for job scripts")
     helpers.add_argument("--check", action="store_true",
                          help="check the settings in the environment and that the training script exists, "
@@ -123,11 +130,17 @@ def _dispatch(args):
         os.environ["EDDIS_PROFILE"] = "1"
     if args.run_dir is not None:
         os.environ["EDDIS_RUN_DIR"] = os.path.abspath(os.path.expanduser(args.run_dir))
-    if args.check:
+    if args.check or args.job:
         problem = missing_script(_script(args))
         if problem is not None:
             raise ConfigError(f"{problem}; nothing was started")
-        return 0
+        if args.check:
+            return 0
+        if not _script(args):
+            raise ConfigError("--job needs the training command: eddis-train --job -- train.py [args]")
+        from .jobrun import run_job
+
+        return run_job(_script(args))
     if args.create_run_dir:
         print(jobsteps.create_run_dir(args.create_run_dir))
         return 0

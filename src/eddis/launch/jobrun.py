@@ -1,0 +1,327 @@
+"""``eddis-train --job train.py [args]``: one EDDIS job, run inside its Slurm allocation.
+
+The job script users copy is its ``#SBATCH`` lines and this one command
+(:mod:`eddis.slurm.script`), so a fix to how a job supervises its steps reaches the
+copies made before it. ``eddis-train`` has checked the settings and the training
+script before this starts (exit 2). Then, in order:
+
+1. the run directory and its token (``EDDIS_RUN_DIR``, default
+   ``~/.eddis/run/<SLURM_JOB_ID>``), its path exported to every step;
+2. one ``smb-server`` per node of every hetjob component: a background step beside
+   the trainers (``srun --overlap``), each under ``eddis-train --smb-server I``;
+3. the wait for all of them to publish (``EDDIS_SERVER_WAIT``); a server step that
+   ends first fails the job at once;
+4. the trainers, ``srun --het-group=0,...,K-1 --mpi=pmix --kill-on-bad-exit=1
+   eddis-train train.py ...``, under the trainer guard (srun can miss the end of a
+   step, Slurm 22.05); a server step that ends meanwhile stops them;
+5. the servers stopped with SIGTERM through Slurm, the root-cause report when the
+   trainers failed, the run directory retired; the job's status is the root cause's.
+
+SIGTERM or SIGINT (scancel, the time limit): Slurm signals every step itself, so the
+job only waits, bounded, for its sruns and exits 143 (:class:`JobSignals`).
+"""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError
+from . import jobsteps
+from .report import LAUNCH_DIR
+
+SERVER_STEP_NAME = "smb-server"
+TRAINER_STEP_NAME = jobsteps.TRAINER_STEP_NAME
+STOP_SECONDS = 30.0  # for the steps to end after scancel --signal=TERM
+# for the sruns to end once Slurm signalled the job; Slurm's KillWait (30 s by default) ends the rest
+SIGNAL_WAIT_SECONDS = 30.0
+SLURM_ASK_SECONDS = 1.0  # between two squeue calls while steps stop
+SLURM_COMMAND_TIMEOUT = 10.0
+GUARD_JOIN_SECONDS = 15.0  # the guard may be inside one squeue call when srun ends
+POLL_SECONDS = 0.2
+SIGNALLED_STATUS = 143  # 128 + SIGTERM, what a shell reports for a job script ended by scancel
+
+
+# ---------------------------------------------------------------- the allocation, from Slurm's variables
+@dataclass(frozen=True)
+class Component:
+    """One hetjob component (the whole job when it is not a hetjob)."""
+
+    group: Optional[int]  # its --het-group; None for a job of one component
+    nodes: int
+    cpus_per_node: int  # the fewest CPUs the job holds on one of its nodes
+
+    def het_group_option(self):
+        return [] if self.group is None else [f"--het-group={self.group}"]
+
+
+def fewest_cpus(text):
+    """The fewest CPUs per node in Slurm's SLURM_JOB_CPUS_PER_NODE form ("16(x2),8" -> 8); 1 if none."""
+    counts = [part.split("(")[0].strip() for part in (text or "").split(",")]
+    return min((int(c) for c in counts if c.isdigit()), default=1)
+
+
+def _count(env, name, default=None):
+    text = env.get(name)
+    if not text:
+        if default is not None:
+            return default
+        raise ConfigError(f"{name} is not set: eddis-train --job runs as the command of a Slurm batch "
+                          "job script (sbatch eddis_job.sh train.py)")
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} from Slurm is not a whole number") from None
+
+
+def components(env):
+    """The job's components, from SLURM_HET_SIZE and the per-component SLURM_*_HET_GROUP_<g>."""
+    size = _count(env, "SLURM_HET_SIZE", default=1)
+    if size <= 1:
+        return [Component(None, _count(env, "SLURM_JOB_NUM_NODES"),
+                          fewest_cpus(env.get("SLURM_JOB_CPUS_PER_NODE")))]
+    return [Component(g, _count(env, f"SLURM_JOB_NUM_NODES_HET_GROUP_{g}"),
+                      fewest_cpus(env.get(f"SLURM_JOB_CPUS_PER_NODE_HET_GROUP_{g}")))
+            for g in range(size)]
+
+
+# ---------------------------------------------------------------- the steps' command lines
+def server_step_command(component, first_index):
+    """The srun of one component's smb-servers, one per node, indexed from ``first_index``.
+
+    The step may use every CPU the job holds on the node (it overlaps the trainers): the
+    servers' reduction threads (SMB_REDUCE_THREADS) would share one bound CPU otherwise."""
+    return ["srun", *component.het_group_option(), f"--job-name={SERVER_STEP_NAME}", "--overlap",
+            f"--nodes={component.nodes}", f"--ntasks={component.nodes}", "--ntasks-per-node=1",
+            f"--cpus-per-task={component.cpus_per_node}", "--gres=none", "--kill-on-bad-exit=1",
+            # a server's index needs its node's place in the step, which only that node knows
+            "bash", "-c", f"exec eddis-train --smb-server $(({first_index} + SLURM_NODEID))"]
+
+
+def trainer_step_command(parts, train):
+    """The srun of the trainers: one rank per task of every component, one MPI world (pmix)."""
+    het = [f"--het-group={','.join(str(c.group) for c in parts)}"] if len(parts) > 1 else []
+    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", "--kill-on-bad-exit=1",
+            "eddis-train", *train]
+
+
+def server_count(parts):
+    return sum(c.nodes for c in parts)
+
+
+# ---------------------------------------------------------------- steps as processes
+def exit_status(returncode):
+    """A Popen return code as a shell reports it: 128 + N for a process ended by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def start_step(argv):
+    # srun would pass the job's stdin on to the step's first task
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+
+def running(sruns):
+    return [p for p in sruns if p.poll() is None]
+
+
+def wait_ended(sruns, seconds, poll=POLL_SECONDS):
+    """Wait until every srun has ended, at most ``seconds``; the ones still running."""
+    deadline = time.monotonic() + seconds
+    while running(sruns) and time.monotonic() < deadline:
+        time.sleep(poll)
+    return running(sruns)
+
+
+def scancel(args, env=None):
+    try:
+        subprocess.run(["scancel", *args], capture_output=True, timeout=SLURM_COMMAND_TIMEOUT,
+                       env=None if env is None else dict(env))
+    except (OSError, subprocess.TimeoutExpired):
+        pass  # the kill that follows ends the sruns; Slurm ends their steps with the job
+
+
+def stop_steps(name, sruns, env=None, wait=STOP_SECONDS, poll=POLL_SECONDS):
+    """Stop this job's steps named ``name`` and wait, bounded, for their sruns (Popen objects).
+
+    SIGTERM through scancel, not to srun: srun answers SIGTERM with SIGKILL, which would
+    leave the servers' shared memory behind. srun can miss the end of a hetjob step
+    (Slurm 22.05): once Slurm lists none of these steps any more, their sruns get
+    STEP_GONE_GRACE s. What is left then is cancelled, and its srun killed."""
+    sruns = [p for p in sruns if p is not None]
+    if not sruns:
+        return
+    steps = jobsteps.step_ids(name, env) or []
+    if steps:
+        scancel(["--signal=TERM", *steps], env)
+    deadline = time.monotonic() + wait
+    next_ask = time.monotonic() + SLURM_ASK_SECONDS
+    gone_at = None
+    while running(sruns) and time.monotonic() < deadline:
+        now = time.monotonic()
+        if now >= next_ask:
+            next_ask = now + SLURM_ASK_SECONDS
+            if jobsteps.step_ids(name, env) == []:
+                gone_at = gone_at or now
+                if now - gone_at >= jobsteps.STEP_GONE_GRACE:
+                    break
+        time.sleep(poll)
+    if steps and running(sruns):
+        scancel(steps, env)
+    for srun in running(sruns):  # an srun still waiting for a step that has ended
+        srun.kill()
+    wait_ended(sruns, SLURM_COMMAND_TIMEOUT, poll)
+
+
+def trainers_status(run_dir, status):
+    """The status the trainer guard wrote when it had to end srun, else ``status``."""
+    try:
+        return int((Path(run_dir) / LAUNCH_DIR / jobsteps.TRAINERS_STATUS_FILE).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return status
+
+
+# ---------------------------------------------------------------- signals
+class JobSignalled(BaseException):
+    """Slurm asked the job to stop. A BaseException, as KeyboardInterrupt is, so that no
+    ``except Exception`` on the way (a poll loop that tolerates an unreadable file) holds it up."""
+
+    def __init__(self, signum):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class JobSignals:
+    """What the job does with the signals Slurm sends its batch step.
+
+    SIGTERM and SIGINT (scancel, the time limit) stop the job: the first raises
+    :class:`JobSignalled` in the main thread; later ones, and any once the job is
+    finishing, are ignored. A signal that must not stop the job (a checkpoint request,
+    ``#SBATCH --signal=B:USR1@...``) gets its own entry in :meth:`handlers`."""
+
+    def __init__(self):
+        self.stopping = None
+        self.armed = False
+
+    def handlers(self):
+        return {signal.SIGTERM: self._stop, signal.SIGINT: self._stop}
+
+    def install(self):
+        for signum, handler in self.handlers().items():
+            signal.signal(signum, handler)
+        self.armed = True
+        return self
+
+    def disarm(self):
+        self.armed = False
+
+    def _stop(self, signum, frame):
+        if not self.armed or self.stopping is not None:
+            return
+        self.stopping = signum
+        raise JobSignalled(signum)
+
+
+# ---------------------------------------------------------------- the job
+def say(text, stream=None):
+    print(text, file=stream or sys.stdout, flush=True)
+
+
+class Job:
+    """The steps of one EDDIS job and their supervision; :meth:`run` returns its exit status."""
+
+    def __init__(self, train):
+        self.train = list(train)
+        self.job_id = os.environ.get("SLURM_JOB_ID")
+        if not self.job_id:
+            raise ConfigError("SLURM_JOB_ID is not set: eddis-train --job runs as the command of a Slurm "
+                              "batch job script (sbatch eddis_job.sh train.py); without Slurm use "
+                              "eddis-train --local")
+        self.components = components(os.environ)
+        self.signals = JobSignals()
+        self.run_dir = None
+        self.servers = []
+        self.trainer = None
+
+    def run(self):
+        self.signals.install()
+        try:
+            status = self._run()
+        except JobSignalled as stop:
+            say(f"eddis_job: {stop} received, the trainers and smb-servers are stopping", sys.stderr)
+            wait_ended(self._sruns(), SIGNAL_WAIT_SECONDS)
+            status = None
+        finally:
+            self.signals.disarm()
+            if self.run_dir is not None:
+                self._retire()
+        if status is None:
+            return SIGNALLED_STATUS
+        say(f"eddis_job: done, status {status}")
+        return status
+
+    def _sruns(self):
+        return [p for p in [self.trainer, *self.servers] if p is not None]
+
+    def _run(self):
+        from ..smb.rundir import default_run_dir
+
+        run_dir = str(default_run_dir())
+        os.environ["EDDIS_RUN_DIR"] = run_dir  # one run dir for every step of the job
+        try:
+            self.run_dir = jobsteps.create_run_dir(run_dir)
+        except OSError as exc:
+            say(f"eddis_job: error: cannot create the run directory {run_dir}: {exc}", sys.stderr)
+            return 1
+        say(f"eddis_job: job {self.job_id}, {len(self.components)} component(s), run dir {run_dir}")
+        first = 0
+        for component in self.components:
+            self.servers.append(start_step(server_step_command(component, first)))
+            first += component.nodes
+        if jobsteps.wait_servers(self.run_dir, server_count(self.components),
+                                 watch_pids=[p.pid for p in self.servers]) != 0:
+            stop_steps(SERVER_STEP_NAME, self.servers)
+            return 1
+        status = self._train()
+        stop_steps(SERVER_STEP_NAME, self.servers)
+        if status != 0:
+            # srun's own status may be a peer's SIGKILL; the root cause's is the job's
+            status, _ = jobsteps.report_failure(self.run_dir, status)
+        return status
+
+    def _train(self):
+        self.trainer = start_step(trainer_step_command(self.components, self.train))
+        # srun can miss the end of a step whose ranks have all exited: the guard bounds that wait
+        guard = threading.Thread(target=jobsteps.guard_trainer_step, args=(self.run_dir, self.trainer.pid),
+                                 name="trainer-guard", daemon=True)
+        guard.start()
+        status = self._wait_trainers()
+        guard.join(GUARD_JOIN_SECONDS)  # it returns once it finds srun's process gone
+        return trainers_status(self.run_dir, status)
+
+    def _wait_trainers(self):
+        """The trainers' status; bounded by the trainer guard, the server steps and the job's time limit."""
+        while True:
+            if self.trainer.poll() is not None:
+                return exit_status(self.trainer.returncode)
+            ended = next((p for p in self.servers if p.poll() is not None), None)
+            if ended is not None:
+                say(f"eddis_job: an smb-server step ended (status {exit_status(ended.returncode)}) "
+                    "during training; stopping the trainers", sys.stderr)
+                stop_steps(TRAINER_STEP_NAME, [self.trainer])
+                return 1
+            time.sleep(POLL_SECONDS)
+
+    def _retire(self):
+        from ..smb.rundir import retire_run_dir
+
+        retire_run_dir(self.run_dir)  # the token must not outlive the job
+
+
+def run_job(train):
+    """``eddis-train --job``: run the job, return its exit status."""
+    return Job(train).run()
+
