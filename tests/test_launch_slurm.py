@@ -138,6 +138,8 @@ def test_scancel_leaves_nothing_behind(slurm_cluster, job_env, tmp_path):
     assert_job_left_nothing(run_dir, job_id)
     text = out.read_text()
     assert "ROOT CAUSE" not in text  # a cancelled job is not a rank failure
+    assert "eddis_job: SIGTERM received, the trainers and smb-servers are stopping" in text, text
+    assert not Path(run_dir, "token").exists()
 
 
 @pytest.mark.timeout(300)

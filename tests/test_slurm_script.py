@@ -99,24 +99,33 @@ def test_plan_errors_name_the_problem_and_the_partitions():
         plan_components([("all", 2)], parts)
 
 
-def _shell_function(text, name):
-    start = text.index(f"\n{name}() {{") + 1
-    return text[start:text.index("\n}\n", start) + 3]
+def _stub_eddis_train(bin_dir):
+    """An eddis-train on PATH that prints the arguments the job script gave it, one a line."""
+    bin_dir.mkdir()
+    stub = bin_dir / "eddis-train"
+    stub.write_text('#!/bin/sh\nfor a in "$@"; do echo "[$a]"; done\n')
+    stub.chmod(0o755)
+    return bin_dir
 
 
 @pytest.mark.timeout(60)
-def test_stop_steps_gives_up_on_an_srun_whose_step_has_ended(tmp_path):
-    # Slurm 22.05's srun can miss the end of a hetjob step and wait forever; stop_steps must
-    # notice that Slurm no longer lists the step and end that srun instead of waiting on it.
-    stubs = tmp_path / "bin"
-    stubs.mkdir()
-    for tool in ("squeue", "scancel"):  # Slurm lists no step of the job any more
-        (stubs / tool).write_text("#!/bin/sh\nexit 0\n")
-        (stubs / tool).chmod(0o755)
-    text = example_job_script()
-    script = (_shell_function(text, "step_ids") + _shell_function(text, "stop_steps")
-              + 'job_ids="41,"\nsleep 300 &\nstuck=$!\nstop_steps eddis-train "$stuck"\n'
-              + 'kill -0 "$stuck" 2>/dev/null && echo "still running" || echo "srun ended"\n')
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=20,
-                          env={"PATH": f"{stubs}:/usr/bin:/bin"})
-    assert proc.stdout.strip() == "srun ended", proc.stdout + proc.stderr
+def test_the_script_is_one_command_with_its_default(tmp_path):
+    # everything a job does is eddis-train --job: what the script runs is all that is left in bash
+    bin_dir = _stub_eddis_train(tmp_path / "bin")
+    script = tmp_path / "job.sh"
+    script.write_text(render_job_script(components=[JobComponent("cpu", nodes=1, tasks_per_node=1)],
+                                        command=["train.py", "--name", "it's"]))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}  # no SLURM_* and no HOME: set -u must not trip
+    default = subprocess.run(["bash", script], capture_output=True, text=True, timeout=30, env=env)
+    assert default.returncode == 0, default.stderr
+    assert default.stdout.split("\n")[:-1] == ["[--job]", "[--]", "[train.py]", "[--name]", "[it's]"]
+    given = subprocess.run(["bash", script, "other.py", "a b", ""], capture_output=True, text=True,
+                           timeout=30, env=env)
+    assert given.stdout.split("\n")[:-1] == ["[--job]", "[--]", "[other.py]", "[a b]", "[]"], given.stderr
+
+
+def test_server_wait_becomes_the_setting():
+    text = render_job_script(components=[JobComponent("cpu", nodes=1, tasks_per_node=1)], server_wait=300)
+    assert "export EDDIS_SERVER_WAIT=300\n" in text
+    with pytest.raises(ConfigError, match="server_wait must be a number of seconds"):
+        render_job_script(components=[JobComponent("cpu", nodes=1, tasks_per_node=1)], server_wait="soon")

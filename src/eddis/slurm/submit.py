@@ -147,7 +147,9 @@ def add_arguments(parser):
     parser.add_argument("--output", default="eddis-%j.out", help="sbatch --output pattern")
     parser.add_argument("--account", default=None)
     parser.add_argument("--memory", default=None, help="memory each smb-server lends (SMB_MEMORY), e.g. 4G")
-    parser.add_argument("--server-wait", type=int, default=120, help="seconds for the smb-servers to publish")
+    parser.add_argument("--server-wait", type=float, default=None,
+                        help="seconds for the smb-servers to publish (EDDIS_SERVER_WAIT, default "
+                             f"{settings.REGISTRY['EDDIS_SERVER_WAIT'].default:g})")
     parser.add_argument("--dry-run", action="store_true", help="print the job script; submit nothing")
     parser.add_argument("train_command", nargs=argparse.REMAINDER, metavar="train.py [args]",
                         help="training script and its arguments")
