@@ -299,7 +299,8 @@ register("EDDIS_STEP_END_GRACE", "float", 30.0,
          "its exit (3 s once Slurm lists the step no more); then it ends srun and takes the job status "
          "from the ranks' exit records.")
 register("EDDIS_SERVER_WAIT", "float", 120.0,
-         "Seconds an EDDIS job waits for every smb-server to publish its address before it fails "
+         "Seconds a job (eddis-train --job, or --local) waits for every smb-server to publish its "
+         "address before it fails "
          "(with the servers' lines above the message); raise it for a slow node or file system.")
 register("EDDIS_LIVENESS_TIMEOUT", "float", 30.0,
          "Seconds a trainer or smb-server may go without a heartbeat to its eddis-train supervisor "

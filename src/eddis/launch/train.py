@@ -67,7 +67,7 @@ def build_parser():
     helpers.add_argument("--wait-servers", type=int, metavar="N",
                          help="wait until N smb-servers have published in the run dir, then exit")
     helpers.add_argument("--timeout", type=float, default=None,
-                         help="seconds for --wait-servers (default SMB_CONNECT_TIMEOUT)")
+                         help="seconds for --wait-servers (default EDDIS_SERVER_WAIT)")
     helpers.add_argument("--watch-pid", type=int, action="append", default=[],
                          help="with --wait-servers: fail at once if this process (a server step) ends")
     helpers.add_argument("--guard-trainers", type=int, metavar="PID",
