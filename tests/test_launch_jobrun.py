@@ -137,7 +137,8 @@ def test_stop_steps_returns_at_once_for_sruns_that_ended(tmp_path):
 
 SIGNALS_PROBE = """
 import os, signal, sys
-from eddis.launch.jobrun import JobSignalled, JobSignals
+from eddis.errors import JobSignalled
+from eddis.launch.jobrun import JobSignals
 signals = JobSignals().install()
 try:
     os.kill(os.getpid(), signal.SIGTERM)

@@ -167,3 +167,19 @@ def from_ucs_status(status, message):
 def from_errno(err, message):
     """The exception for an errno value and its message."""
     return ERRNO_CLASSES.get(int(err), SMBError)(message, int(err))
+
+
+class JobSignalled(BaseException):
+    """Slurm asked the job to stop (eddis-train --job). Not an error, and a BaseException
+    as KeyboardInterrupt is, so that no ``except Exception`` on the way (a poll loop that
+    tolerates an unreadable file) holds it up."""
+
+    def __init__(self, signum):
+        import signal
+
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+# Control-flow signals defined here that are deliberately not EddisErrors.
+SIGNALS = (JobSignalled,)

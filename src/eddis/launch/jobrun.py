@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ConfigError
+from ..errors import ConfigError, JobSignalled
 from . import jobsteps
 from .report import LAUNCH_DIR
 
@@ -185,15 +185,6 @@ def trainers_status(run_dir, status):
 
 
 # ---------------------------------------------------------------- signals
-class JobSignalled(BaseException):
-    """Slurm asked the job to stop. A BaseException, as KeyboardInterrupt is, so that no
-    ``except Exception`` on the way (a poll loop that tolerates an unreadable file) holds it up."""
-
-    def __init__(self, signum):
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
-
-
 class JobSignals:
     """What the job does with the signals Slurm sends its batch step.
 
