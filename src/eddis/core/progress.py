@@ -16,8 +16,8 @@ Lockstep units. Ranks that step together must stop together: in ``sync`` (and
 (EDDIS_GROUP) do, in ``easgd`` each rank is its own unit. A unit's leader
 claims ``chunk`` unit steps (``chunk x unit size`` iterations) and tells the
 other members through two SMB counters of the unit that they poll (the claim's
-counter value and how many claims were posted; an MPI broadcast per step cost
-the members 1.5-3 ms). A unit of all ranks, the only user of its counter,
+counter value and how many claims were posted; not an MPI broadcast, which would
+hold every member at each step until the leader's claim came back). A unit of all ranks, the only user of its counter,
 posts only its first claim: from then on every member knows what the leader's
 next claim finds, and the leader checks that it does. A unit step uses ``unit
 size`` iterations. With a total that is not a multiple of a unit's size, that unit

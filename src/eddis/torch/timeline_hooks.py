@@ -26,6 +26,23 @@ from ..timeline import trace
 from ..timeline.events import BACKWARD, FORWARD
 
 
+def _note_batch(args):
+    """The batch size (dim 0 of the first tensor argument) as the step's sample count."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is not None and first.dim() > 0:
+        observe.note_samples(first.shape[0])
+
+
+def _forward_done(start, step, output, on_backward_start):
+    """Record FORWARD from ``start``; catch the gradient reaching the output to start BACKWARD."""
+    tl = trace._timeline
+    if tl is not None:
+        tl.record("X", FORWARD, None, start, trace.perf_ns() - start, {"step": step})
+    out = output[0] if isinstance(output, (tuple, list)) and output else output
+    if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+        out.register_hook(on_backward_start)
+
+
 def trace_module(module, note_batch=True):
     """Register the hooks on ``module``; returns the handles (``h.remove()`` to undo)."""
     state = {"forward": 0, "backward": 0, "step": 0}
@@ -33,18 +50,10 @@ def trace_module(module, note_batch=True):
     def forward_pre(mod, args):
         state["forward"] = trace.perf_ns()
         if note_batch:
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            if first is not None and first.dim() > 0:
-                observe.note_samples(first.shape[0])
+            _note_batch(args)
 
     def forward_post(mod, args, output):
-        tl = trace._timeline
-        if tl is not None:
-            start = state["forward"]
-            tl.record("X", FORWARD, None, start, trace.perf_ns() - start, {"step": state["step"]})
-        out = output[0] if isinstance(output, (tuple, list)) and output else output
-        if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
-            out.register_hook(backward_pre)
+        _forward_done(state["forward"], state["step"], output, backward_pre)
 
     def backward_pre(grad):
         state["backward"] = trace.perf_ns()
@@ -78,22 +87,13 @@ def install_global_hooks():
     def pre(mod, args):
         if state["depth"] == 0:
             state["start"] = trace.perf_ns()
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            if first is not None and first.dim() > 0:
-                observe.note_samples(first.shape[0])
+            _note_batch(args)
         state["depth"] += 1
 
     def post(mod, args, output):
         state["depth"] = max(0, state["depth"] - 1)
-        if state["depth"] != 0:
-            return
-        tl = trace._timeline
-        if tl is not None:
-            start = state["start"]
-            tl.record("X", FORWARD, None, start, trace.perf_ns() - start, {"step": state["step"]})
-        out = output[0] if isinstance(output, (tuple, list)) and output else output
-        if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
-            out.register_hook(_backward_started)
+        if state["depth"] == 0:
+            _forward_done(state["start"], state["step"], output, _backward_started)
 
     state["handles"] = [module_mod.register_module_forward_pre_hook(pre),
                         module_mod.register_module_forward_hook(post)]
