@@ -91,33 +91,22 @@ def test_stopped_rank_is_named_within_seconds(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_stopped_server_is_named_not_a_rank(tmp_path):
+@pytest.mark.parametrize("sig, how", [(signal.SIGSTOP, "hung"),
+                                      (signal.SIGKILL, r"was killed by signal 9 \(SIGKILL\)")],
+                         ids=["stopped", "killed"])
+def test_a_stopped_or_killed_server_is_the_root_cause_not_a_rank(tmp_path, sig, how):
     proc = start(tmp_path, "-n", "2", SMB_TRAINER, "--steps", "3000")
     started_ranks(tmp_path, 2)
     server = server_record(tmp_path)
     time.sleep(3)
-    os.kill(server["pid"], signal.SIGSTOP)
+    os.kill(server["pid"], sig)
     code, out, err, took = finish(proc)
     assert took < BOUND
     assert code == 137, err
     report = err[err.index("ROOT CAUSE"):]
-    assert re.search(rf"ROOT CAUSE: smb-server 0 on host \S+ \(pid {server['pid']}\) hung", report), report
-    assert "its Python stack when it was found hung (smb-server 0)" in report
-    assert "ROOT CAUSE: rank" not in err
-    assert_nothing_left(tmp_path)
-
-
-@pytest.mark.timeout(180)
-def test_killed_server_is_the_root_cause_with_its_signal(tmp_path):
-    proc = start(tmp_path, "-n", "2", SMB_TRAINER, "--steps", "3000")
-    started_ranks(tmp_path, 2)
-    server = server_record(tmp_path)
-    time.sleep(3)
-    os.kill(server["pid"], signal.SIGKILL)
-    code, out, err, took = finish(proc)
-    assert code == 137, err
-    assert re.search(rf"ROOT CAUSE: smb-server 0 on host \S+ \(pid {server['pid']}\) was killed by signal 9 "
-                     r"\(SIGKILL\)", err), err
+    assert re.search(rf"ROOT CAUSE: smb-server 0 on host \S+ \(pid {server['pid']}\) {how}", report), report
+    if sig == signal.SIGSTOP:
+        assert "its Python stack when it was found hung (smb-server 0)" in report
     assert "ROOT CAUSE: rank" not in err
     assert_nothing_left(tmp_path)
 

@@ -77,44 +77,31 @@ def test_stopped_rank_is_named_and_ends_the_job(slurm_cluster, job_env, tmp_path
 
 
 @pytest.mark.timeout(240)
-def test_stopped_server_is_named_and_ends_the_job(slurm_cluster, job_env, tmp_path):
+@pytest.mark.parametrize("sig, how", [(signal.SIGSTOP, "hung"),
+                                      (signal.SIGKILL, r"was killed by signal 9 \(SIGKILL\)")],
+                         ids=["stopped", "killed"])
+def test_a_stopped_or_killed_server_is_the_root_cause(slurm_cluster, job_env, tmp_path, sig, how):
     out = tmp_path / "job.out"
     job_id = sbatch(slurm_cluster, job_env, out, SMB_TRAINER, "--steps", "3000")
     run_dir = Path(job_env["EDDIS_RUN_DIR"])
     rank_records(run_dir)
     wait_until(lambda: stepping(out), 90, interval=0.5, what="all ranks to be training")
     server = json.loads((run_dir / "servers" / "1.json").read_text())
-    os.kill(server["pid"], signal.SIGSTOP)
+    os.kill(server["pid"], sig)
     state, code = wait_job_end(slurm_cluster, job_id, BOUND, out)
     text = out.read_text()
     assert state == "FAILED" and code == "137:0", (state, code, text)
-    assert re.search(rf"ROOT CAUSE: smb-server 1 on host n2 \(pid {server['pid']}\) hung", text), text
-    assert "its Python stack when it was found hung (smb-server 1)" in text
+    assert re.search(rf"ROOT CAUSE: smb-server 1 on host n2 \(pid {server['pid']}\) {how}", text), text
+    if sig == signal.SIGSTOP:
+        assert "its Python stack when it was found hung (smb-server 1)" in text
     assert "ROOT CAUSE: rank" not in text
     assert_no_processes_left(run_dir)
+    if sig == signal.SIGKILL:
+        from eddis.smb.server import arena_name
 
-
-@pytest.mark.timeout(240)
-def test_killed_server_is_the_root_cause_with_index_host_and_signal(slurm_cluster, job_env, tmp_path):
-    out = tmp_path / "job.out"
-    job_id = sbatch(slurm_cluster, job_env, out, SMB_TRAINER, "--steps", "3000")
-    run_dir = Path(job_env["EDDIS_RUN_DIR"])
-    rank_records(run_dir)
-    wait_until(lambda: stepping(out), 90, interval=0.5, what="all ranks to be training")
-    server = json.loads((run_dir / "servers" / "1.json").read_text())
-    os.kill(server["pid"], signal.SIGKILL)
-    state, code = wait_job_end(slurm_cluster, job_id, BOUND, out)
-    text = out.read_text()
-    assert state == "FAILED" and code == "137:0", (state, code, text)
-    assert re.search(rf"ROOT CAUSE: smb-server 1 on host n2 \(pid {server['pid']}\) was killed by signal 9 "
-                     r"\(SIGKILL\)", text), text
-    assert "ROOT CAUSE: rank" not in text
-    assert_no_processes_left(run_dir)
-    from eddis.smb.server import arena_name
-
-    killed_arena = "/dev/shm" + arena_name(run_dir, 1)
-    if os.path.exists(killed_arena):  # ours to tidy (a SIGKILLed server cannot)
-        os.unlink(killed_arena)
+        killed_arena = "/dev/shm" + arena_name(run_dir, 1)
+        if os.path.exists(killed_arena):  # ours to tidy (a SIGKILLed server cannot)
+            os.unlink(killed_arena)
 
 
 @pytest.mark.timeout(240)
