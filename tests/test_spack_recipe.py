@@ -1,9 +1,10 @@
 """spack/packages/py-eddis/package.py against a minimal stand-in of Spack's package DSL.
 
-Spack itself cannot be installed here. The stand-in gives the directives Spack's
-signatures (a misspelt keyword is a TypeError), records what the recipe declares,
-and runs its build-environment mapping and its install-time `eddis doctor` check
-for real against this checkout's .venv.
+CI has no Spack (docs/install.md says how the recipe was checked with real Spack). The
+stand-in gives the directives Spack's signatures (a misspelt keyword is a TypeError),
+records what the recipe declares (CudaPackage's own directives included), and runs its
+build-environment mapping and its stand-alone `eddis doctor` test for real against this
+checkout's .venv.
 """
 import configparser
 import importlib.util
@@ -26,8 +27,9 @@ STAND_IN = textwrap.dedent('''
     import subprocess
 
     _pending = []
-    __all__ = ["PythonPackage", "version", "variant", "conflicts", "depends_on", "maintainers",
-               "license", "run_after", "Executable", "join_path", "mkdirp", "ProcessError"]
+    __all__ = ["PythonPackage", "CudaPackage", "version", "variant", "conflicts", "depends_on",
+               "maintainers", "license", "run_after", "Executable", "join_path", "mkdirp",
+               "ProcessError", "which"]
 
 
     def _directive(kind):
@@ -39,12 +41,14 @@ STAND_IN = textwrap.dedent('''
     def version(ver, checksum=None, *, preferred=None, deprecated=None, no_cache=None, url=None,
                 extension=None, expand=None, fetch_options=None, git=None, branch=None, tag=None,
                 commit=None, submodules=None, get_full_repo=None, sha256=None):
-        _pending.append(("version", (ver,), dict(branch=branch, tag=tag, commit=commit, sha256=sha256)))
+        _pending.append(("version", (ver,), dict(branch=branch, tag=tag, commit=commit, sha256=sha256,
+                                                 preferred=preferred, url=url, git=git)))
 
 
     def variant(name, default=None, description="", values=None, multi=None, validator=None,
                 when=None, sticky=False):
-        _pending.append(("variant", (name,), dict(default=default, description=description, when=when)))
+        _pending.append(("variant", (name,), dict(default=default, description=description, when=when,
+                                                   values=values, multi=multi)))
 
 
     def conflicts(conflict_spec, when=None, msg=None):
@@ -85,6 +89,15 @@ STAND_IN = textwrap.dedent('''
             return proc.stdout if output is str else None
 
 
+    def which(*names, required=False):
+        for name in names:
+            if os.path.isfile(name) and os.access(name, os.X_OK):
+                return Executable(name)
+        if required:
+            raise ProcessError(f"none of {names} found")
+        return None
+
+
     def join_path(*parts):
         return os.path.join(*map(str, parts))
 
@@ -94,18 +107,42 @@ STAND_IN = textwrap.dedent('''
             os.makedirs(p, exist_ok=True)
 
 
-    class PythonPackage:
+    class _Recorded:
+        """Each class records its own directives and inherits its bases' (as in Spack)."""
+
         def __init_subclass__(cls, **kwargs):
             super().__init_subclass__(**kwargs)
-            cls.directives = list(_pending)
+            cls.own_directives = list(_pending)
             _pending.clear()
+            inherited = [d for base in reversed(cls.__mro__[1:])
+                         for d in base.__dict__.get("own_directives", [])]
+            cls.directives = inherited + cls.own_directives
 
         def __init__(self, spec, prefix=None):
             self.spec = spec
             self.prefix = prefix
+
+
+    class PythonPackage(_Recorded):
+        pass
+
+
+    class CudaPackage(_Recorded):
+        """What Spack's CudaPackage declares, in short."""
+        cuda_arch_values = ("50", "60", "70", "75", "80", "86", "89", "90", "100", "120")
+        variant("cuda", default=False, description="Build with CUDA")
+        variant("cuda_arch", description="CUDA architecture", values=("none",) + cuda_arch_values,
+                multi=True, when="+cuda")
+        depends_on("cuda", when="+cuda")
 ''')
 
-SPEC_TOKEN = re.compile(r"^(?P<name>[a-z0-9][a-z0-9-]*)?(?P<version>@[\w.:-]+)?(?P<variants>([+~][a-z0-9_-]+)*)$")
+# One spec token as the recipe writes them: name@versions+variant~variant, then any
+# key=value variants after spaces ("py-torch+cuda cuda_arch=90", "openmpi fabrics=ucx").
+SPEC_TOKEN = re.compile(
+    r"^(?P<name>[a-z0-9][a-z0-9-]*)?(?P<version>@[\w.:-]+)?(?P<variants>([+~][a-z0-9_-]+)*)"
+    r"( [a-z0-9_]+=[\w,.-]+)*$"
+)
+WHEN_DEP = re.compile(r"\^(\[virtuals=[a-z,-]+\] )?[a-z0-9-]+")
 
 
 class Prefix(str):
@@ -162,16 +199,41 @@ def declared(cls, kind):
     return [(args, kwargs) for k, args, kwargs in cls.directives if k == kind]
 
 
+def deps_of(cls):
+    """{(spec, when): types} of every depends_on, types as a set."""
+    out = {}
+    for (text,), kwargs in declared(cls, "depends_on"):
+        types = kwargs["type"] if isinstance(kwargs["type"], tuple) else (kwargs["type"],)
+        out[(text, kwargs["when"])] = set(types)
+    return out
+
+
+def setup_cfg():
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    return cfg
+
+
+def requirement_names(lines):
+    return [re.split(r"[<>=!~ ]", line.strip())[0].lower()
+            for line in re.split(r"[\n;]", lines) if line.strip()]
+
+
 def test_class_name_follows_spack_naming(recipe):
     # Spack maps py-eddis to class PyEddis; any other name is not found.
     assert hasattr(recipe, "PyEddis")
-    assert recipe.PyEddis.__mro__[1].__name__ == "PythonPackage"
+    assert [base.__name__ for base in recipe.PyEddis.__bases__] == ["PythonPackage", "CudaPackage"]
     assert recipe.PyEddis.__doc__.strip()
 
 
 def test_variants_mirror_the_build_switches(recipe):
     variants = {args[0]: kwargs for args, kwargs in declared(recipe.PyEddis, "variant")}
-    assert set(variants) == {"verbs", "cuda", "torch", "tensorflow"}
+    # cuda and cuda_arch come from CudaPackage, not from an own variant.
+    assert set(variants) == {"verbs", "mlx5", "cuda", "cuda_arch", "torch", "tensorflow"}
+    own = {args[0] for args, _ in declared(type("Own", (), {"directives": recipe.PyEddis.own_directives}),
+                                           "variant")}
+    assert own == {"verbs", "mlx5", "torch", "tensorflow"}
+    assert variants["mlx5"]["when"] == "+verbs" and variants["mlx5"]["default"] is False
     assert all(v["description"] for v in variants.values())
     switches = recipe.PyEddis.SWITCHES
     from test_build import load_setup_module
@@ -180,29 +242,81 @@ def test_variants_mirror_the_build_switches(recipe):
     assert {v for v in switches.values() if v} <= set(variants)
 
 
-def test_dependencies_are_well_formed_and_complete(recipe):
-    deps = declared(recipe.PyEddis, "depends_on")
+def test_dependencies_are_well_formed(recipe):
     variants = {args[0] for args, _ in declared(recipe.PyEddis, "variant")}
-    for (text,), kwargs in deps:
+    for (text, when), types in deps_of(recipe.PyEddis).items():
         assert SPEC_TOKEN.match(text), f"malformed spec {text!r}"
-        for _, name in re.findall(r"([+~])([a-z0-9_-]+)", kwargs["when"] or ""):
+        for _, name in re.findall(r"([+~])([a-z0-9_-]+)", WHEN_DEP.sub("", when or "")):
             assert name in variants, f"when= names unknown variant {name}"
-        types = kwargs["type"] if isinstance(kwargs["type"], tuple) else (kwargs["type"],)
-        assert set(types) <= {"build", "link", "run", "test"}
-    pairs = {(text, kwargs["when"]) for (text,), kwargs in deps}
-    for needed in [("ucx+verbs", "+verbs"), ("mpi", None), ("py-mpi4py@4:", None), ("py-cython@3:", None),
-                   ("py-numpy", None), ("py-h5py", None), ("py-torch", "+torch"),
-                   ("py-tensorflow", "+tensorflow"), ("cuda", "+cuda")]:
-        assert needed in pairs, f"missing depends_on{needed}"
-    # Every runtime requirement of setup.cfg has its py- package.
-    cfg = configparser.ConfigParser()
-    cfg.read(REPO / "setup.cfg")
-    names = {re.split(r"[<>=!~ ]", line.strip())[0].lower()
-             for line in cfg["options"]["install_requires"].splitlines() if line.strip()}
-    spack_names = {re.split(r"[@+~]", text)[0] for (text,), _ in deps}
-    assert {f"py-{n}" for n in names} <= spack_names
-    conflicts = declared(recipe.PyEddis, "conflicts")
-    assert any(args[0] == "~torch~tensorflow" for args, _ in conflicts)
+        assert types <= {"build", "link", "run", "test"}
+
+
+def test_dependencies_are_the_ones_a_real_install_needs(recipe):
+    deps = deps_of(recipe.PyEddis)
+    needed = {
+        # the Cython extensions are C: Spack's compiler wrapper links them, with RPATHs
+        ("c", None): {"build"},
+        ("pkgconfig", None): {"build"},
+        ("mpi", None): {"build", "link"},
+        ("ucx", None): {"build", "link"},
+        # ucx+verbs alone has no InfiniBand transport (~rc ~ud)
+        ("ucx+verbs+rc+ud", "+verbs"): {"build", "link"},
+        ("ucx+dc+mlx5_dv+rdmacm", "+mlx5"): {"build", "link"},
+        ("rdma-core", "+verbs"): {"build", "link"},
+        ("ucx+cuda", "+cuda"): {"build", "link"},
+        ("cuda", "+cuda"): {"build", "link"},  # CudaPackage's
+        # Open MPI defaults to fabrics=none
+        ("openmpi fabrics=ucx", "^[virtuals=mpi] openmpi"): {"build", "link"},
+        ("py-mpi4py@4:", None): {"build", "run"},
+        ("py-cython@3:", None): {"build"},
+        ("py-numpy", None): {"build", "run"},
+        ("py-h5py", None): {"run"},
+        ("py-torch@2:", "+torch"): {"run"},
+        ("py-tensorflow@2.15:", "+tensorflow"): {"run"},
+    }
+    for key, types in needed.items():
+        assert key in deps, f"missing depends_on{key}"
+        assert deps[key] == types, f"depends_on{key}: type {deps[key]}, want {types}"
+    # The CUDA toolkit comes from CudaPackage alone (no own "cuda" variant).
+    assert sum(text == "cuda" for text, _ in deps) == 1
+    # py-torch+cuda is built for the same GPUs as EDDIS.
+    for arch in recipe.CudaPackage.cuda_arch_values:
+        key = (f"py-torch+cuda cuda_arch={arch}", f"+torch+cuda cuda_arch={arch}")
+        assert deps.get(key) == {"run"}, f"missing depends_on{key}"
+    conflicts = {args[0]: kwargs for args, kwargs in declared(recipe.PyEddis, "conflicts")}
+    assert "~torch~tensorflow" in conflicts
+    assert conflicts["cuda_arch=none"]["when"] == "+cuda"
+
+
+def test_dependencies_follow_setup_cfg(recipe):
+    deps = deps_of(recipe.PyEddis)
+    spack_names = {re.split(r"[@+~ ]", text)[0]: (text, types) for (text, _), types in deps.items()}
+    cfg = setup_cfg()
+    # Every runtime requirement of setup.cfg has its py- package, needed at run time.
+    for name in requirement_names(cfg["options"]["install_requires"]):
+        assert f"py-{name}" in spack_names
+        assert "run" in spack_names[f"py-{name}"][1]
+    # The extras' lower bounds: torch>=2.0 -> py-torch@2:, tensorflow-cpu>=2.15 -> @2.15:.
+    extras = cfg["options.extras_require"]
+    assert re.search(r"torch>=2(\.0)?\b", extras["torch"])
+    assert re.search(r"tensorflow(-cpu)?>=2\.15\b", extras["tensorflow"])
+    assert ("py-torch@2:", "+torch") in deps and ("py-tensorflow@2.15:", "+tensorflow") in deps
+    # The test extra is what `spack test run` / `spack install --test` needs.
+    for name in requirement_names(extras["test"]):
+        assert deps.get((f"py-{name}", None)) == {"test"}, f"py-{name} is no test dependency"
+
+
+def test_versions_are_the_release_tag_and_main(recipe):
+    import eddis
+
+    versions = {args[0]: kwargs for args, kwargs in declared(recipe.PyEddis, "version")}
+    assert versions["main"]["branch"] == "main"
+    release = versions[eddis.__version__]
+    assert release["tag"] == f"v{eddis.__version__}"
+    assert release["preferred"] is True
+    assert set(versions) == {"main", eddis.__version__}
+    # No made-up maintainer handle (Spack pings maintainers by their GitHub names).
+    assert not declared(recipe.PyEddis, "maintainers")
 
 
 @pytest.mark.parametrize("verbs, cuda", list(itertools.product([True, False], repeat=2)))
@@ -218,8 +332,25 @@ def test_build_environment_sets_every_switch(recipe, tmp_path, verbs, cuda):
     assert ("CUDA_HOME" in v) == cuda
 
 
+@pytest.mark.parametrize("torch, tensorflow", [(True, False), (False, True), (True, True)])
+def test_spack_test_run_skips_disabled_adapters(recipe, tmp_path, torch, tensorflow):
+    spec = FakeSpec({"verbs": True, "cuda": False, "torch": torch, "tensorflow": tensorflow}, tmp_path)
+    skipped = set(recipe.PyEddis(spec).skip_modules)
+    assert skipped == {name for name, on in [("eddis.torch", torch), ("eddis.tensorflow", tensorflow)]
+                       if not on}
+
+
+def test_no_install_time_hook(recipe):
+    # An after-install check ran without the package on PYTHONPATH and failed every install
+    # on a build host without an HCA or framework; the doctor is a stand-alone test now.
+    hooks = [name for name, value in vars(recipe.PyEddis).items() if hasattr(value, "run_after")]
+    assert hooks == []
+    tests = [name for name in vars(recipe.PyEddis) if name.startswith("test_")]
+    assert tests == ["test_doctor"]
+
+
 @pytest.mark.timeout(180)
-def test_install_time_check_runs_the_real_doctor(recipe, tmp_path):
+def test_stand_alone_test_runs_the_real_doctor(recipe, tmp_path, capsys):
     venv = REPO / ".venv"
     if not (venv / "bin" / "eddis").exists():
         pytest.fail("no .venv/bin/eddis: run `make build` (pip install -e . puts the console scripts there)")
@@ -228,14 +359,17 @@ def test_install_time_check_runs_the_real_doctor(recipe, tmp_path):
     (tmp_path / "prefix" / "bin").symlink_to(venv / "bin")
     package = recipe.PyEddis(FakeSpec({"verbs": True, "cuda": False, "torch": True, "tensorflow": False},
                                       tmp_path), prefix=prefix)
-    assert package.eddis_doctor.run_after == ("install",)
-    package.eddis_doctor()
-    report = json.loads((tmp_path / "prefix" / "share" / "eddis" / "doctor-at-install.json").read_text())
+    package.test_doctor()
+    report = json.loads(capsys.readouterr().out)
     assert report["ok"] is True
 
 
-def test_recipe_is_valid_python_for_old_interpreters():
-    # Spack runs recipes with the Python that runs Spack; keep to plain syntax.
+def test_recipe_follows_spack_style():
+    # Spack runs recipes with the Python that runs Spack; keep to plain syntax, and to the
+    # line length spack-packages' flake8 and black use (99).
     source = RECIPE.read_text()
     compile(source, str(RECIPE), "exec")
     assert "from spack.package import *" in source
+    long_lines = [n for n, line in enumerate(source.splitlines(), 1) if len(line) > 99]
+    assert not long_lines, f"lines longer than 99: {long_lines}"
+    assert "run_after" not in source
