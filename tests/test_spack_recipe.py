@@ -258,7 +258,8 @@ def test_dependencies_are_the_ones_a_real_install_needs(recipe):
         ("c", None): {"build"},
         ("pkgconfig", None): {"build"},
         ("mpi", None): {"build", "link"},
-        ("ucx", None): {"build", "link"},
+        # the SMB client's worker is UCS_THREAD_MODE_MULTI
+        ("ucx+thread_multiple", None): {"build", "link"},
         # ucx+verbs alone has no InfiniBand transport (~rc ~ud)
         ("ucx+verbs+rc+ud", "+verbs"): {"build", "link"},
         ("ucx+dc+mlx5_dv+rdmacm", "+mlx5"): {"build", "link"},
@@ -338,6 +339,29 @@ def test_spack_test_run_skips_disabled_adapters(recipe, tmp_path, torch, tensorf
     skipped = set(recipe.PyEddis(spec).skip_modules)
     assert skipped == {name for name, on in [("eddis.torch", torch), ("eddis.tensorflow", tensorflow)]
                        if not on}
+
+
+def test_import_modules_are_the_packages_and_extensions(recipe):
+    import setuptools
+    from test_build import load_setup_module
+
+    assert sorted(recipe.PyEddis.PACKAGES) == sorted(setuptools.find_packages(str(REPO / "src")))
+    setup = load_setup_module()
+    assert set(recipe.PyEddis.EXTENSIONS) == set(setup.EXTENSIONS)
+    variant_of = recipe.PyEddis.SWITCHES
+    for name, (_, switches) in setup.EXTENSIONS.items():
+        wanted = {variant_of[switch] for switch in switches} - {None}
+        assert wanted == ({recipe.PyEddis.EXTENSIONS[name]} - {None}), name
+
+
+@pytest.mark.parametrize("verbs, torch, tensorflow", [(True, True, False), (False, False, True)])
+def test_spack_test_run_imports_what_is_built(recipe, tmp_path, verbs, torch, tensorflow):
+    spec = FakeSpec({"verbs": verbs, "cuda": False, "torch": torch, "tensorflow": tensorflow}, tmp_path)
+    modules = recipe.PyEddis(spec).import_modules
+    assert "eddis" in modules and "eddis.smb._core" in modules and "eddis._mpi" in modules
+    assert ("eddis._verbs" in modules) == verbs
+    assert ("eddis.torch" in modules) == torch
+    assert ("eddis.tensorflow" in modules) == tensorflow
 
 
 def test_no_install_time_hook(recipe):

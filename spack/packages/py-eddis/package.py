@@ -77,7 +77,8 @@ class PyEddis(PythonPackage, CudaPackage):
     depends_on("mpi")
     # Open MPI builds without UCX unless asked (fabrics=none by default).
     depends_on("openmpi fabrics=ucx", when="^[virtuals=mpi] openmpi")
-    depends_on("ucx")
+    # The SMB client's UCP worker is UCS_THREAD_MODE_MULTI (cython/smb_client.pxi).
+    depends_on("ucx+thread_multiple")
     # ucx+verbs alone has no InfiniBand transport: RC and UD are separate variants.
     depends_on("ucx+verbs+rc+ud", when="+verbs")
     depends_on("ucx+dc+mlx5_dv+rdmacm", when="+mlx5")
@@ -106,6 +107,36 @@ class PyEddis(PythonPackage, CudaPackage):
 
     def setup_run_environment(self, env):
         env.set("EDDIS_HOME", self.prefix)
+
+    # What `spack test run` imports: the packages, and the extensions (which load UCX, MPI
+    # and libibverbs through their RPATHs). Listed, since Spack looks for modules under
+    # python's purelib, which for Debian's system Python (local/lib/python3.11/
+    # dist-packages) is not where the package is (lib/python3.11/site-packages).
+    PACKAGES = [
+        "eddis",
+        "eddis.core",
+        "eddis.launch",
+        "eddis.slurm",
+        "eddis.smb",
+        "eddis.tensorflow",
+        "eddis.timeline",
+        "eddis.torch",
+    ]
+    EXTENSIONS = {
+        "eddis.smb._core": None,
+        "eddis.smb._vecops": None,
+        "eddis._mpi": None,
+        "eddis._verbs": "verbs",
+    }
+
+    @property
+    def import_modules(self):
+        modules = list(self.PACKAGES)
+        for name, variant_name in self.EXTENSIONS.items():
+            if variant_name is None or self.spec.satisfies("+" + variant_name):
+                modules.append(name)
+        skipped = self.skip_modules
+        return [m for m in modules if not any(m == s or m.startswith(s + ".") for s in skipped)]
 
     @property
     def skip_modules(self):
