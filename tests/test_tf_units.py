@@ -80,10 +80,11 @@ def test_compression_members_and_wire_types():
 @pytest.mark.timeout(60)
 def test_warmup_schedule_ramps_from_lr_over_size_to_lr():
     cb = callbacks.LearningRateWarmupCallback(0.8, warmup_epochs=4)
-    assert cb.multiplier(0, size=4) == pytest.approx(0.25)
-    assert cb.multiplier(2, size=4) == pytest.approx(0.25 * (2 * 3 / 4 + 1))
-    assert cb.multiplier(4, size=4) == 1.0
-    assert cb.multiplier(0, size=1) == 1.0
+    assert cb.ramp(0, size=4) == pytest.approx(0.25)
+    assert cb.ramp(2, size=4) == pytest.approx(0.25 * (2 * 3 / 4 + 1))
+    assert cb.ramp(4, size=4) == 1.0
+    assert cb.ramp(0, size=1) == 1.0
+    assert cb.end_epoch == 4 and cb.staircase is False
     with pytest.raises(ConfigError, match="momentum_correction"):
         callbacks.LearningRateWarmupCallback(0.1, momentum_correction=True)
 
@@ -208,6 +209,53 @@ def _():
     assert m.jit_compile is False
     assert any("jit_compile=False" in str(w.message) for w in seen)
 
+@case("keras_load_model_wraps_the_optimizer")
+def _():
+    import eddis.tensorflow.keras as hvd
+    m = model()
+    m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse", jit_compile=False)
+    x, y = np.ones((8, 4), "float32"), np.zeros((8, 3), "float32")
+    m.fit(x, y, batch_size=4, verbose=0)
+    path = os.path.join(tempfile.mkdtemp(), "m.keras")
+    hvd.save_model(path, m)
+    loaded = hvd.load_model(path)
+    assert type(loaded.optimizer).__name__ == "Adam" and hasattr(loaded.optimizer, "_eddis"), type(loaded.optimizer)
+    assert int(loaded.optimizer.iterations.numpy()) == 2    # the file's optimizer state goes on
+    loaded.fit(x, y, batch_size=4, verbose=0)
+    assert int(loaded.optimizer.iterations.numpy()) == 4
+    assert loaded.optimizer.reducer is not None             # the steps went through EDDIS
+
+@case("optimizer_variables_call_and_property")
+def _():
+    m = model()
+    opt = eddis.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    opt.build(m.trainable_variables)
+    assert [id(v) for v in opt.variables()] == [id(v) for v in opt.variables]
+    eddis.broadcast_variables(opt.variables(), root_rank=0)   # Horovod's TF2 examples
+    eddis.broadcast_variables(opt.variables, root_rank=0)     # Keras 3
+
+@case("broadcast_global_variables")
+def _():
+    import eddis.tensorflow.keras as hvd
+    hvd.broadcast_global_variables(0)
+
+@case("learning_rate_schedule_callback")
+def _():
+    import eddis.tensorflow.keras as hvd
+    lrs = []
+    class Seen(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            lrs.append(float(np.asarray(self.model.optimizer.learning_rate)))
+    m = model()
+    m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=False)
+    schedules = [hvd.callbacks.LearningRateScheduleCallback(0.8, lambda epoch: 0.5 ** epoch, start_epoch=1,
+                                                            end_epoch=3),
+                 hvd.callbacks.LearningRateScheduleCallback(0.8, 0.01, start_epoch=3)]
+    m.fit(np.ones((8, 4), "float32"), np.zeros((8, 3), "float32"), batch_size=4, epochs=4, verbose=0,
+          shuffle=False, callbacks=[*schedules, Seen()])
+    expected = [0.1, 0.1, 0.4, 0.4, 0.2, 0.2, 0.008, 0.008]
+    assert np.allclose(lrs, expected), lrs
+
 print("RESULTS " + json.dumps(results), flush=True)
 eddis.shutdown()
 '''
@@ -226,6 +274,10 @@ EXPECTED = {
     "save_and_load": ("ok", ""),
     "one_rank_matches_plain_keras": ("ok", ""),
     "xla_switched_off_by_callback": ("ok", ""),
+    "keras_load_model_wraps_the_optimizer": ("ok", ""),
+    "optimizer_variables_call_and_property": ("ok", ""),
+    "broadcast_global_variables": ("UsageError", "eddis.broadcast_variables(model.variables, root_rank=0)"),
+    "learning_rate_schedule_callback": ("ok", ""),
 }
 _worker = {}
 

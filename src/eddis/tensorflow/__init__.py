@@ -40,7 +40,8 @@ from .gradient_tape import DistributedGradientTape  # noqa: E402
 from .hetero import (configure_progress, final_model, global_step, progress_counts,  # noqa: E402
                      reset_progress, save_model, should_stop)
 from .ops import (Adasum, Average, Max, Min, ReduceOp, Sum, allgather, allgather_object,  # noqa: E402
-                  allreduce, barrier, broadcast, broadcast_object, broadcast_variables)
+                  allreduce, barrier, broadcast, broadcast_global_variables, broadcast_object,
+                  broadcast_variables)
 from .optimizer import DistributedOptimizer  # noqa: E402
 from ..timeline import start_timeline, stop_timeline  # noqa: E402  (collective after init())
 
@@ -56,7 +57,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
     "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
     "DistributedGradientTape", "DistributedOptimizer", "Compression", "Average", "Sum", "Min",
-    "Max", "Adasum", "ReduceOp", "broadcast_variables", "allreduce", "broadcast", "allgather",
+    "Max", "Adasum", "ReduceOp", "broadcast_variables", "broadcast_global_variables", "allreduce", "broadcast", "allgather",
     "allgather_object", "broadcast_object", "barrier", "callbacks", "data", "shard",
     "shard_batches", "local_batch_size", "balanced_batches", "configure_progress", "should_stop", "global_step",
     "progress_counts", "reset_progress", "final_model", "save_model", "start_timeline", "stop_timeline",

@@ -1,6 +1,6 @@
 """Keras callbacks: ``eddis.callbacks.BroadcastGlobalVariablesCallback(0)``,
-``MetricAverageCallback()``, ``LearningRateWarmupCallback(initial_lr, ...)`` and
-``TimelineCallback()``.
+``MetricAverageCallback()``, ``LearningRateScheduleCallback(initial_lr, multiplier, ...)``,
+``LearningRateWarmupCallback(initial_lr, ...)`` and ``ProgressControlCallback()``.
 
 Callbacks that communicate make collective calls: give every rank the same
 list of them (the same epochs and steps on every rank, too).
@@ -75,71 +75,123 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[k] = float(v)
 
 
-class LearningRateWarmupCallback(keras.callbacks.Callback):
-    """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over the
-    first ``warmup_epochs`` epochs, batch by batch (Horovod's schedule; "Accurate,
-    Large Minibatch SGD", Goyal et al.). ``initial_lr`` is the rate scaled for the
-    world size (``base_lr * eddis.size()``); a single rank starts at it at once.
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` up to
+    (not including) ``end_epoch`` (Horovod's callback and signature). ``multiplier`` is a
+    number or a function of the epoch; with ``staircase=True`` (forced for a number) the
+    rate changes at the first batch of each epoch, else batch by batch with a fractional
+    epoch (``steps_per_epoch`` defaults to what ``model.fit`` knows). ``initial_lr=None``
+    takes the optimizer's rate when training starts.
 
-    ``steps_per_epoch`` defaults to what ``model.fit`` knows. Keras 3 compiles the
-    momentum into the train function, so Horovod's ``momentum_correction`` is not
-    available; the optimizer's learning rate must be a number (a variable), not a
-    ``LearningRateSchedule``.
+    Keras 3 compiles the momentum into the train function, so Horovod's
+    ``momentum_correction`` is not available (its default here is False); the optimizer's
+    learning rate must be a number (a variable), not a ``LearningRateSchedule``.
     """
 
-    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=False, steps_per_epoch=None,
-                 verbose=0):
+    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
+                 momentum_correction=False, steps_per_epoch=None):
         super().__init__()
         if momentum_correction:
             raise ConfigError("momentum_correction is not supported with Keras 3 (the momentum is "
                               "compiled into the train function); pass momentum_correction=False")
+        self.initial_lr = None if initial_lr is None else float(initial_lr)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            factor = float(multiplier)
+            self.multiplier = lambda epoch: factor
+            self.staircase = True  # a constant factor: nothing to interpolate within an epoch
+
+    def _optimizer(self):
+        optimizer = self.model.optimizer
+        if isinstance(optimizer.learning_rate, keras.optimizers.schedules.LearningRateSchedule) or \
+                callable(getattr(optimizer, "_learning_rate", None)):
+            raise ConfigError(f"{type(self).__name__} needs an optimizer with a fixed learning "
+                              "rate, not a LearningRateSchedule; fold this callback's schedule into "
+                              "the optimizer's LearningRateSchedule instead")
+        return optimizer
+
+    def _current_lr(self):
+        return float(np.asarray(self.model.optimizer.learning_rate))
+
+    def on_train_begin(self, logs=None):
+        runtime.require(type(self).__name__)
+        if self.initial_lr is None:
+            self.initial_lr = self._current_lr()
+        if self.staircase:
+            return
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+        if not self.steps_per_epoch:
+            raise ConfigError(f"{type(self).__name__} could not find the steps per epoch "
+                              "(the dataset has no known length): pass steps_per_epoch=")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def _in_scope(self):
+        return self.current_epoch >= self.start_epoch and (
+            self.end_epoch is None or self.current_epoch < self.end_epoch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._in_scope():
+            return
+        if self.staircase:
+            if batch == 0:
+                self._optimizer().learning_rate = self.initial_lr * self.multiplier(self.current_epoch)
+            return
+        epoch = self.current_epoch + float(batch) / self.steps_per_epoch
+        self._optimizer().learning_rate = self.initial_lr * self.multiplier(epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = self._current_lr()
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over the
+    first ``warmup_epochs`` epochs, batch by batch (Horovod's schedule, reaching
+    ``initial_lr`` at the last batch of the warm-up; "Accurate, Large Minibatch SGD",
+    Goyal et al.). ``initial_lr`` is the rate scaled for the world size
+    (``base_lr * eddis.size()``); a single rank runs at it throughout.
+
+    ``steps_per_epoch`` defaults to what ``model.fit`` knows; ``momentum_correction``
+    as in :class:`LearningRateScheduleCallback`.
+    """
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=False, steps_per_epoch=None,
+                 verbose=0):
         if warmup_epochs <= 0:
             raise ConfigError(f"warmup_epochs must be > 0, got {warmup_epochs}")
-        self.initial_lr = float(initial_lr)
         self.warmup_epochs = float(warmup_epochs)
-        self.steps_per_epoch = steps_per_epoch
-        self.verbose = verbose
-        self.current_epoch = 0
 
-    def multiplier(self, epoch, size=None):
+        def multiplier(epoch):
+            # Horovod counts the batch being started as done, so the last batch of the
+            # warm-up runs at initial_lr itself
+            return self.ramp(epoch + 1.0 / self.steps_per_epoch)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
+                         staircase=False, momentum_correction=momentum_correction,
+                         steps_per_epoch=steps_per_epoch)
+        self.verbose = verbose
+
+    def ramp(self, epoch, size=None):
         """Factor of ``initial_lr`` at fractional ``epoch`` (1 from warmup_epochs on)."""
         size = runtime.size() if size is None else int(size)
         if epoch >= self.warmup_epochs or size == 1:
             return 1.0
         return 1.0 / size * (epoch * (size - 1) / self.warmup_epochs + 1.0)
 
-    def _optimizer(self):
-        optimizer = self.model.optimizer
-        if isinstance(optimizer.learning_rate, keras.optimizers.schedules.LearningRateSchedule) or \
-                callable(getattr(optimizer, "_learning_rate", None)):
-            raise ConfigError("LearningRateWarmupCallback needs an optimizer with a fixed learning "
-                              "rate, not a LearningRateSchedule; fold the warm-up into the schedule "
-                              "instead")
-        return optimizer
-
-    def on_train_begin(self, logs=None):
-        runtime.require("LearningRateWarmupCallback")
-        if self.steps_per_epoch is None:
-            self.steps_per_epoch = (self.params or {}).get("steps")
-        if not self.steps_per_epoch:
-            raise ConfigError("LearningRateWarmupCallback could not find the steps per epoch "
-                              "(the dataset has no known length): pass steps_per_epoch=")
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current_epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        epoch = self.current_epoch + float(batch) / self.steps_per_epoch
-        if self.current_epoch > self.warmup_epochs:
-            return
-        self._optimizer().learning_rate = self.initial_lr * self.multiplier(epoch)
-
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
-            logs["lr"] = float(np.asarray(self.model.optimizer.learning_rate))
+        super().on_epoch_end(epoch, logs)
         if epoch + 1 == math.ceil(self.warmup_epochs) and self.verbose and runtime.rank() == 0:
             sys.stdout.write(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
-                             f"{self.initial_lr:g}.\n")
+                             f"{self._current_lr():g}.\n")
 
 
 class ProgressControlCallback(keras.callbacks.Callback):

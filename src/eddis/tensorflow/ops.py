@@ -13,7 +13,7 @@ import tensorflow as tf
 from ..core import collectives
 from ..core.basics import basics as _basics
 from ..core.ops import Adasum, Average, Max, Min, ReduceOp, Sum, resolve_op  # noqa: F401
-from ..errors import ConfigError
+from ..errors import ConfigError, UsageError
 
 
 def _wire(array):
@@ -139,3 +139,14 @@ def broadcast_variables(variables, root_rank=0):
 
     new = tf.numpy_function(bcast, values, dtypes, stateful=True, name="eddis_broadcast_variables")
     return tf.group(*[v.assign(tf.reshape(n, v.shape)) for v, n in zip(variables, new)])
+
+
+def broadcast_global_variables(root_rank=0):
+    """Horovod's TF1 call: there is no collection of global variables in TF2 / Keras 3, so
+    it cannot know what to broadcast; as Horovod does in eager mode, it says what to call."""
+    raise UsageError(
+        "broadcast_global_variables() needs TF1's collection of global variables, which TF2 and "
+        "Keras 3 do not have: broadcast what you built instead, "
+        "eddis.broadcast_variables(model.variables, root_rank=0) and "
+        "eddis.broadcast_variables(optimizer.variables, root_rank=0), or in model.fit pass "
+        "callbacks=[eddis.callbacks.BroadcastGlobalVariablesCallback(0)]")

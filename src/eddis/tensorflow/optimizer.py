@@ -48,8 +48,20 @@ class _Config:
         self.sample_count = None
 
 
+class _VariableList(list):
+    """A list that is also callable: Horovod's TF2 examples call ``opt.variables()``
+    (tf.keras 2), Keras 3 made ``variables`` a property; both forms then work."""
+
+    def __call__(self):
+        return list(self)
+
+
 class _DistributedOptimizer:
     """Methods mixed into a subclass of the user's optimizer class."""
+
+    @property
+    def variables(self):
+        return _VariableList(super(_DistributedOptimizer, self).variables)
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
