@@ -8,20 +8,56 @@ from conftest import PYTHON, python_env
 SHARED = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
           "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
           "broadcast_object", "allgather_object", "barrier", "configure_progress", "should_stop",
-          "global_step", "progress_counts", "reset_progress"]
+          "global_step", "progress_counts", "reset_progress", "mpi_built", "mpi_enabled", "gloo_built",
+          "gloo_enabled", "nccl_built", "rocm_built", "ddl_built", "ccl_built"]
 
 BOTH = r"""
 import eddis.tensorflow as tfe
+import eddis.tensorflow.keras as kerase
 import eddis.torch as pte
 from eddis.core.basics import basics
 
 shared = %r
 for name in shared:
-    a, b = getattr(pte, name), getattr(tfe, name)
-    assert a == b, (name, a, b)
+    a, b, c = getattr(pte, name), getattr(tfe, name), getattr(kerase, name)
+    assert a == b == c, (name, a, b, c)
     assert a == getattr(basics, name), name
+assert kerase.cuda_built is tfe.cuda_built
 print("ok")
 """
+
+BUILT = r"""
+import sys
+import tensorflow as tf
+import torch
+import eddis.tensorflow as tfe
+import eddis.torch as pte
+
+for adapter in (pte, tfe):
+    for name in ("nccl_built", "gloo_built", "gloo_enabled", "rocm_built", "ddl_built", "ccl_built"):
+        assert getattr(adapter, name)() is False, name
+    assert adapter.mpi_built() is True          # this build has eddis._mpi and mpi4py
+    assert adapter.mpi_enabled() is False       # not before init()
+# a build property of the framework, not "this machine has a GPU"
+assert pte.cuda_built() is (torch.version.cuda is not None)
+assert tfe.cuda_built() is tf.test.is_built_with_cuda()
+pte.init()
+assert pte.mpi_enabled() is True and tfe.mpi_enabled() is True
+pte.shutdown()
+import eddis
+del eddis._mpi                                  # neither MPI route importable
+sys.modules["eddis._mpi"] = None
+sys.modules["mpi4py"] = sys.modules["mpi4py.MPI"] = None
+assert pte.mpi_built() is False and tfe.mpi_built() is False
+print("ok")
+"""
+
+
+@pytest.mark.timeout(180)
+def test_built_and_enabled_answer_for_eddis():
+    proc = subprocess.run([PYTHON, "-c", BUILT], env=python_env({"TF_CPP_MIN_LOG_LEVEL": "3"}),
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 @pytest.mark.timeout(180)

@@ -12,6 +12,7 @@ may use), and each adapter binds its methods as module functions::
 so the two adapters cannot drift apart, and neither reaches into core's
 private names. Tensor conversions stay in the adapters.
 """
+import importlib
 import os
 
 from ..errors import CheckpointError, ConfigError, UsageError
@@ -47,6 +48,59 @@ class EddisBasics:
 
     def mpi_threads_supported(self):
         return runtime.thread_multiple()
+
+    # ------------------------------------------------------------ what this installation uses
+    # Horovod scripts ask these to choose options (e.g. a learning-rate scaler for NCCL).
+    # EDDIS reduces over SMB and MPI on the host, so the GPU libraries Horovod can be
+    # built with are never used: their answers are False, whatever the machine has.
+    @staticmethod
+    def mpi_built():
+        """Whether MPI is usable: EDDIS's ``eddis._mpi`` extension, or mpi4py with an MPI
+        library it can load (the runtime needs one of them to start)."""
+        for module in ("eddis._mpi", "mpi4py.MPI"):
+            try:
+                importlib.import_module(module)
+                return True
+            except Exception:  # ImportError, or mpi4py's RuntimeError without an MPI library
+                continue
+        return False
+
+    @staticmethod
+    def mpi_enabled():
+        """Whether this process runs over MPI: from eddis.init() on (the runtime is MPI's)."""
+        return runtime.is_initialized()
+
+    @staticmethod
+    def cuda_built(framework_built_with_cuda):
+        """Whether EDDIS can reduce CUDA tensors of the calling framework. EDDIS needs no CUDA
+        of its own (gradients of CUDA tensors are staged through pinned host memory), so this
+        is whether the framework was built with CUDA: a build property, like Horovod's, not
+        whether this machine has a GPU (``torch.cuda.is_available()``)."""
+        return bool(framework_built_with_cuda())
+
+    @staticmethod
+    def gloo_built():
+        return False
+
+    @staticmethod
+    def gloo_enabled():
+        return False
+
+    @staticmethod
+    def nccl_built():
+        return False
+
+    @staticmethod
+    def rocm_built():
+        return False
+
+    @staticmethod
+    def ddl_built():
+        return False
+
+    @staticmethod
+    def ccl_built():
+        return False
 
     # ------------------------------------------------------------ object collectives
     def broadcast_object(self, obj, root_rank=0, name=None):

@@ -28,9 +28,12 @@ differences). This package is a thin adapter: buckets, reductions, modes,
 compression codecs and collectives are those of :mod:`eddis.core`, shared with
 ``eddis.torch``.
 """
+import functools as _functools
 import os as _os
 
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as _tf  # noqa: E402
 
 from ..core.basics import basics as _basics  # noqa: E402
 from . import callbacks, data  # noqa: E402
@@ -51,11 +54,18 @@ rank, size, local_rank, local_size = _basics.rank, _basics.size, _basics.local_r
 group, num_groups, hostname = _basics.group, _basics.num_groups, _basics.hostname
 cross_rank, cross_size = _basics.cross_rank, _basics.cross_size
 mpi_threads_supported = _basics.mpi_threads_supported
+mpi_built, mpi_enabled, gloo_built, gloo_enabled = (_basics.mpi_built, _basics.mpi_enabled,
+                                                    _basics.gloo_built, _basics.gloo_enabled)
+nccl_built, rocm_built, ddl_built, ccl_built = (_basics.nccl_built, _basics.rocm_built,
+                                                _basics.ddl_built, _basics.ccl_built)
+cuda_built = _functools.partial(_basics.cuda_built, _tf.test.is_built_with_cuda)
 
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
     "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
+    "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built", "rocm_built",
+    "ddl_built", "ccl_built",
     "DistributedGradientTape", "DistributedOptimizer", "Compression", "Average", "Sum", "Min",
     "Max", "Adasum", "ReduceOp", "broadcast_variables", "broadcast_global_variables", "allreduce", "broadcast", "allgather",
     "allgather_object", "broadcast_object", "barrier", "callbacks", "data", "shard",
