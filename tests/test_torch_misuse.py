@@ -64,6 +64,22 @@ def case_zero_grad_before_step():
     opt.zero_grad()
 
 
+def case_update_by_hand():
+    """The wrapper is created, but the loop updates the parameters itself and never steps."""
+    import torch
+    import eddis.torch as eddis
+
+    eddis.init()
+    model, opt = _setup()
+    opt = eddis.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 10)).sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+
+
 def case_wrap_model():
     import eddis.torch as eddis
 
@@ -117,7 +133,7 @@ def case_all_caught():
     import eddis.torch as eddis
 
     cases = ["no_init", "original_optimizer_step", "backward_twice", "zero_grad_before_step",
-             "wrap_model", "broadcast_state", "accumulation_ok"]
+             "update_by_hand", "wrap_model", "broadcast_state", "accumulation_ok"]
     for case in cases:
         try:
             globals()["case_" + case]()
@@ -139,7 +155,9 @@ CAUGHT = {
     "no_init": ["UsageError", "call eddis.init() first"],
     "original_optimizer_step": ["UsageError", "original optimizer", "eddis.DistributedOptimizer("],
     "backward_twice": ["UsageError", "backward_passes_per_step=1"],
-    "zero_grad_before_step": ["UsageError", "zero_grad() was called after loss.backward()"],
+    "zero_grad_before_step": ["UsageError", "move it before backward()"],
+    "update_by_hand": ["UsageError", "optimizer.step() or optimizer.synchronize() was not called after "
+                       "loss.backward()", "call optimizer.synchronize() first"],
     "wrap_model": ["ConfigError", "you passed the model"],
 }
 

@@ -227,10 +227,15 @@ class _DistributedOptimizer:
 
     def zero_grad(self, set_to_none=True):
         if self.reducer.in_progress:
+            # Also reached by a loop that updates the parameters itself from the local
+            # .grad (p.data.add_(p.grad, alpha=-lr)): its next zero_grad() lands here
             raise UsageError(
-                "optimizer.zero_grad() was called after loss.backward() but before "
-                "optimizer.step() or optimizer.synchronize(); move zero_grad() before "
-                "backward() (or to after step()).")
+                "optimizer.zero_grad() found this step's gradient averaging still open: "
+                "optimizer.step() or optimizer.synchronize() was not called after "
+                "loss.backward(). Call optimizer.step() after backward(); to update the "
+                "parameters by hand, call optimizer.synchronize() first and update from the "
+                "averaged .grad (or use a torch.optim optimizer). If zero_grad() sits between "
+                "backward() and step(), move it before backward().")
         return super(_DistributedOptimizer, self).zero_grad(set_to_none=set_to_none)
 
     def close(self):
