@@ -99,6 +99,11 @@ class ProgressError(EddisError, RuntimeError):
     """The global learning counter does not hold what this job's claims left in it."""
 
 
+class ParameterDriftError(EddisError, RuntimeError):
+    """In a synchronous mode the ranks' parameters no longer agree: something trains outside
+    the gradient averaging (nothing wrapped, or an update that bypasses the wrapper)."""
+
+
 class CheckpointError(EddisError, OSError):
     """Saving a checkpoint or model failed on rank 0; every rank raises it, naming rank 0's error."""
 

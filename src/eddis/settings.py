@@ -186,6 +186,11 @@ register("EDDIS_SYNC_REDUCE", "str", "auto",
          "all ranks and servers on one node), server (flat: every rank's slot goes to the "
          "servers, which sum) or auto (ranks on one node, hierarchical across nodes).",
          choices=["auto", "hierarchical", "server", "ranks"])
+register("EDDIS_CHECK_PARAMETERS", "int", 1000,
+         "sync/allreduce: steps of a DistributedOptimizer between two checks that the ranks' "
+         "parameters agree (a checksum per tensor, gathered over the ranks); the check also runs "
+         "at shutdown and fails the run when they differ (nothing wrapped, or an update that "
+         "bypasses the averaging). 0: off.")
 register("EDDIS_EMBEDDED_SERVER", "bool", True,
          "When no SMB server has published itself in the run directory (plain mpirun on one "
          "node), start one inside local rank 0; 0 makes that an error instead.")

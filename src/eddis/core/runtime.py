@@ -21,13 +21,14 @@ directory. Set EDDIS_EMBEDDED_SERVER=0 to make a missing server an error.
 import atexit
 import contextlib
 import logging
+import os
 import shutil
 import sys
 import threading
 from pathlib import Path
 
 from .. import identity, settings
-from ..errors import ConfigError, UsageError
+from ..errors import ConfigError, ParameterDriftError, UsageError
 
 log = logging.getLogger("eddis.core")
 
@@ -253,9 +254,14 @@ def shutdown():
             return
         if st.broken is not None:
             _abort(st)
-        from . import collectives
+        from . import agreement, collectives
 
         errors = []
+        try:
+            agreement.check_at_shutdown()  # while the reducers and the parameters are still there
+        except Exception as exc:  # shut down all the same, then raise it
+            errors.append(exc)
+        agreement.reset()
         for obj in reversed(list(st.closables)):
             try:
                 obj.close()
@@ -329,5 +335,17 @@ def _exit_hook():
         mark_broken(f"uncaught {type(_uncaught[0]).__name__} on rank {_state.rank}")
     try:
         shutdown()
+    except ParameterDriftError as exc:
+        # Python ignores the failure of an exit hook, so the run would end as a success:
+        # every rank saw the same check, so each ends MPI itself and exits with status 1
+        sys.stderr.write(f"eddis: {type(exc).__name__}: {exc}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        try:
+            from mpi4py import MPI
+
+            MPI.Finalize()
+        finally:
+            os._exit(1)
     except Exception as exc:  # at exit there is no caller left to tell
         sys.stderr.write(f"eddis: shutdown at exit failed: {exc}\n")

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core import collectives, runtime
 from ..errors import ConfigError
+from . import agreement
 from .ops import broadcast_variables
 
 
@@ -51,6 +52,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
                 optimizer.build(self.model.trainable_variables)
             broadcast_variables(optimizer.variables, root_rank=self.root_rank)
         self.broadcast_done = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        # model.fit traces the step: this is where Python sees one end (every rank alike)
+        agreement.tick()
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

@@ -15,6 +15,7 @@ import tensorflow as tf
 from .. import settings
 from ..core import runtime
 from ..errors import ConfigError
+from . import agreement
 from .compression import codec_of
 from ..core.basics import basics as _basics
 from ..core.ops import reject_unsupported_horovod_options
@@ -38,7 +39,10 @@ class _DistributedGradientTape:
         reducer = _reducers.get(flat_sources, cfg["mode"], cfg["codec"], cfg["op"],
                                 cfg["bucket_bytes"], "DistributedGradientTape")
         self._eddis_reducer = reducer
+        agreement.watch(s for s in flat_sources if hasattr(s, "assign"))
         reduced = reducer.reduce(flat_grads, sample_count=cfg["sample_count"])
+        if tf.executing_eagerly():  # a traced step has no Python left to count it in
+            agreement.tick()
         return tf.nest.pack_sequence_as(grads, reduced)
 
     @property

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..core import collectives
+from . import agreement
 from ..core.basics import basics as _basics
 from ..core.ops import Adasum, Average, Max, Min, ReduceOp, Sum, resolve_op  # noqa: F401
 from ..errors import ConfigError, UsageError
@@ -120,6 +121,7 @@ def broadcast_variables(variables, root_rank=0):
     """
     _basics.require("eddis.broadcast_variables()")
     variables = _variable_list(variables)
+    agreement.watch(variables)  # what all ranks start from must stay equal in the synchronous modes
     what = "eddis.broadcast_variables"
     signature = "\n".join(f"{i}:{tuple(v.shape)}:{tf.as_dtype(v.dtype).name}" for i, v in enumerate(variables))
     if tf.executing_eagerly():

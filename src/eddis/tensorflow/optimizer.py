@@ -26,6 +26,7 @@ import tensorflow as tf
 from .. import settings
 from ..core import hetero, runtime
 from ..errors import ConfigError, UsageError
+from . import agreement
 from .compression import codec_of
 from ..core.basics import basics as _basics
 from ..core.ops import reject_unsupported_horovod_options
@@ -87,6 +88,7 @@ class _DistributedOptimizer:
             grads = reducer.reduce(grads, count)
             result = super(_DistributedOptimizer, self).apply(grads, trainable_variables)
             state.after_step()
+            agreement.tick()  # a traced step (model.fit) is counted by the callbacks instead
             return result
         token = _graph_init_centre(state, reducer, variables) if state.averager is not None else None
         grads = reducer.reduce(grads, count, depends_on=token)
@@ -102,6 +104,7 @@ class _DistributedOptimizer:
             cfg.reducer = GradientReducer(variables, cfg.mode, cfg.codec, cfg.op, cfg.bucket_bytes,
                                           "DistributedOptimizer")
             cfg.variables_key = key
+            agreement.watch(variables)
             cfg.hetero.attach(cfg.reducer.plan, cfg.reducer.reducer,
                               gather=_gatherer(cfg.reducer.plan, variables),
                               scatter=_scatterer(cfg.reducer.plan, variables))

@@ -24,7 +24,7 @@ import torch
 from .. import settings, timeline
 from ..core import BucketPlan, LocalReducer, collectives, make_reducer, runtime
 from ..errors import ConfigError, UsageError
-from . import hetero
+from . import agreement, hetero
 from .compression import codec_of
 from ..core.basics import basics as _basics
 from ..core.ops import reject_unsupported_horovod_options
@@ -223,6 +223,7 @@ class _DistributedOptimizer:
         with timeline.span(timeline.OPTIMIZER_STEP):
             result = super(_DistributedOptimizer, self).step(closure)
         self._eddis_hetero.after_step()  # easgd/hybrid exchange, rebalancing
+        agreement.tick()
         return result
 
     def zero_grad(self, set_to_none=True):
