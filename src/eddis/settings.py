@@ -187,8 +187,10 @@ register("EDDIS_SYNC_REDUCE", "str", "auto",
          "servers, which sum) or auto (ranks on one node, hierarchical across nodes).",
          choices=["auto", "hierarchical", "server", "ranks"])
 register("EDDIS_CHECK_PARAMETERS", "int", 1000,
-         "sync/allreduce: steps of a DistributedOptimizer between two checks that the ranks' "
-         "parameters agree (a checksum per tensor, gathered over the ranks); the check also runs "
+         "sync/allreduce: training steps between two checks that the ranks' parameters agree (a "
+         "checksum per tensor, gathered over the ranks), counted by torch's DistributedOptimizer.step(), "
+         "TensorFlow's DistributedOptimizer and DistributedGradientTape when eager, and "
+         "BroadcastGlobalVariablesCallback in model.fit. The check also runs "
          "at shutdown and fails the run when they differ (nothing wrapped, or an update that "
          "bypasses the averaging). 0: off.")
 register("EDDIS_EMBEDDED_SERVER", "bool", True,
