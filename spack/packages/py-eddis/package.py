@@ -119,6 +119,7 @@ class PyEddis(PythonPackage, CudaPackage):
         "eddis.slurm",
         "eddis.smb",
         "eddis.tensorflow",
+        "eddis.tensorflow.keras",
         "eddis.timeline",
         "eddis.torch",
     ]
