@@ -13,6 +13,7 @@ so the two adapters cannot drift apart, and neither reaches into core's
 private names. Tensor conversions stay in the adapters.
 """
 import importlib
+import functools
 import os
 
 from ..errors import CheckpointError, ConfigError, UsageError
@@ -216,6 +217,20 @@ class EddisBasics:
         if error is not None:
             raise CheckpointError(f"{what}({path!r}) failed on rank 0: {error}")
         return path
+
+
+    # What every adapter exports as module functions, the same objects in each.
+    SHARED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
+              "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
+              "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
+              "rocm_built", "ddl_built", "ccl_built")
+
+    def bindings(self, framework_built_with_cuda):
+        """The adapter's module functions for :attr:`SHARED` (``globals().update(...)``);
+        ``cuda_built`` asks the adapter's framework."""
+        names = {name: getattr(self, name) for name in self.SHARED}
+        names["cuda_built"] = functools.partial(self.cuda_built, framework_built_with_cuda)
+        return names
 
 
 basics = EddisBasics()

@@ -28,7 +28,6 @@ differences). This package is a thin adapter: buckets, reductions, modes,
 compression codecs and collectives are those of :mod:`eddis.core`, shared with
 ``eddis.torch``.
 """
-import functools as _functools
 import os as _os
 
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -49,23 +48,12 @@ from .optimizer import DistributedOptimizer  # noqa: E402
 from ..timeline import start_timeline, stop_timeline  # noqa: E402  (collective after init())
 
 
-init, shutdown, is_initialized = _basics.init, _basics.shutdown, _basics.is_initialized
-rank, size, local_rank, local_size = _basics.rank, _basics.size, _basics.local_rank, _basics.local_size
-group, num_groups, hostname = _basics.group, _basics.num_groups, _basics.hostname
-cross_rank, cross_size = _basics.cross_rank, _basics.cross_size
-mpi_threads_supported = _basics.mpi_threads_supported
-mpi_built, mpi_enabled, gloo_built, gloo_enabled = (_basics.mpi_built, _basics.mpi_enabled,
-                                                    _basics.gloo_built, _basics.gloo_enabled)
-nccl_built, rocm_built, ddl_built, ccl_built = (_basics.nccl_built, _basics.rocm_built,
-                                                _basics.ddl_built, _basics.ccl_built)
-cuda_built = _functools.partial(_basics.cuda_built, _tf.test.is_built_with_cuda)
+# init, rank, ..., the *_built() queries: the same objects as eddis.torch's
+globals().update(_basics.bindings(_tf.test.is_built_with_cuda))
 
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
-    "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
-    "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built", "rocm_built",
-    "ddl_built", "ccl_built",
+    *_basics.SHARED,
     "DistributedGradientTape", "DistributedOptimizer", "Compression", "Average", "Sum", "Min",
     "Max", "Adasum", "ReduceOp", "broadcast_variables", "broadcast_global_variables", "allreduce", "broadcast", "allgather",
     "allgather_object", "broadcast_object", "barrier", "callbacks", "data", "shard",

@@ -18,7 +18,6 @@
 Names and signatures follow Horovod's (see docs/pytorch-conversion.md for the
 differences). The machinery lives in :mod:`eddis.core`.
 """
-import functools as _functools
 
 import torch as _torch
 
@@ -36,23 +35,12 @@ from .timeline_hooks import trace_module  # FORWARD/BACKWARD events; EDDIS_TIMEL
 from ..timeline import start_timeline, stop_timeline  # collective after init(); see docs/profiling.md
 
 
-init, shutdown, is_initialized = _basics.init, _basics.shutdown, _basics.is_initialized
-rank, size, local_rank, local_size = _basics.rank, _basics.size, _basics.local_rank, _basics.local_size
-group, num_groups, hostname = _basics.group, _basics.num_groups, _basics.hostname
-cross_rank, cross_size = _basics.cross_rank, _basics.cross_size
-mpi_threads_supported = _basics.mpi_threads_supported
-mpi_built, mpi_enabled, gloo_built, gloo_enabled = (_basics.mpi_built, _basics.mpi_enabled,
-                                                    _basics.gloo_built, _basics.gloo_enabled)
-nccl_built, rocm_built, ddl_built, ccl_built = (_basics.nccl_built, _basics.rocm_built,
-                                                _basics.ddl_built, _basics.ccl_built)
-cuda_built = _functools.partial(_basics.cuda_built, lambda: _torch.version.cuda is not None)
+# init, rank, ..., the *_built() queries: the same objects as eddis.tensorflow's
+globals().update(_basics.bindings(lambda: _torch.version.cuda is not None))
 
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
-    "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
-    "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built", "rocm_built",
-    "ddl_built", "ccl_built",
+    *_basics.SHARED,
     "DistributedOptimizer", "Compression", "Average", "Sum", "Min", "Max", "Adasum", "ReduceOp",
     "broadcast_parameters", "broadcast_optimizer_state", "allreduce", "allreduce_", "broadcast",
     "broadcast_", "allgather", "allgather_object", "broadcast_object", "barrier",
