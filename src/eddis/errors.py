@@ -186,5 +186,15 @@ class JobSignalled(BaseException):
         super().__init__(signal.Signals(signum).name)
 
 
+class EddisWarning(UserWarning):
+    """Base of the warnings EDDIS gives: something went on that is legal but is rarely what
+    the script meant. A warning, not an EddisError: it is never raised as a failure."""
+
+
+class FinalModelWarning(EddisWarning):
+    """easgd/hybrid trained, but the script never loaded the centre variable
+    (``eddis.final_model``): what it evaluates or saves is one worker's parameters."""
+
+
 # Control-flow signals defined here that are deliberately not EddisErrors.
 SIGNALS = (JobSignalled,)

@@ -25,11 +25,12 @@ loop's waiting ended, so that waiting is not measured as compute.
 """
 import threading
 import time
+import warnings
 
 import numpy as np
 
 from .. import settings
-from ..errors import ConfigError, UsageError
+from ..errors import ConfigError, FinalModelWarning, UsageError
 from . import balance as _balance
 from . import collectives, easgd, hybrid, progress, runtime, simulate
 
@@ -95,6 +96,8 @@ class HeteroStep:
         self.group_comm = None
         self.exchanging = False
         self._centre_ready = False
+        self._final_model_step = None   # self.step at the last final_model()
+        self._final_model_check = None
         self.flat = None
         progress.set_mode_hint(self.mode)
         _current[0] = self
@@ -140,6 +143,9 @@ class HeteroStep:
                                               alpha=hybrid.default_alpha(workers), name=name,
                                               iterations_per_step=iterations_per_step)
         self.exchanging = self.group_comm is None or self.group_comm.Get_rank() == 0
+        if self._final_model_check is None:
+            self._final_model_check = _FinalModelCheck(self)
+            runtime.register_closable(self._final_model_check)
 
     # ------------------------------------------------------------ parameters <-> flat
     def gather(self):
@@ -275,3 +281,38 @@ class HeteroStep:
         collectives.barrier(what=f"{self.mode}: final model (every worker's last exchange)")
         self.scatter(self.averager.read_center(out=self.flat))
         collectives.barrier(what=f"{self.mode}: final model (centre read)")
+        self._final_model_step = self.step
+
+    def steps_after_final_model(self):
+        """Local steps trained since the last final_model() (all of them if it was never called)."""
+        return self.step - (self._final_model_step or 0)
+
+
+class _FinalModelCheck:
+    """At eddis.shutdown(): warn when easgd/hybrid trained but the parameters were left as
+    this worker's own. Nothing else tells: the script runs, saves and evaluates as usual,
+    only on a worker's copy instead of the job's model (the centre variable).
+
+    Rank 0 only: final_model() is collective, so every rank is in the same case, and one
+    line says it; N copies of it would bury the rest of the output."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def close(self):
+        state = self.state
+        if state.rank != 0 or state.averager is None:
+            return
+        steps = state.steps_after_final_model()
+        if steps <= 0:
+            return
+        when = ("was never called" if state._final_model_step is None
+                else f"was last called {steps} step(s) before the end")
+        warnings.warn(
+            f"mode {state.mode}: this rank trained {state.step} step(s), but eddis.final_model() "
+            f"{when}, so the model's parameters are this worker's own, not the centre variable "
+            "(the job's model): whatever the script evaluated or saved after training was one "
+            "worker's drifted copy. Call eddis.final_model(optimizer) (collective, every rank) "
+            "after training and before evaluating or saving, or save with "
+            "eddis.save_checkpoint(...) (torch) / eddis.save_model(...) (TensorFlow), which call it.",
+            FinalModelWarning, stacklevel=2)
