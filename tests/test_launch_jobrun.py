@@ -135,6 +135,47 @@ def test_stop_steps_returns_at_once_for_sruns_that_ended(tmp_path):
     stop_steps("smb-server", [], env=env)
 
 
+@pytest.mark.timeout(120)
+def test_server_steps_end_by_themselves_when_asked(tmp_path, capsys):
+    # a real smb-server under its supervisor, as a server step runs it: asked in the run dir,
+    # it stops its server and exits 0 (its step would end COMPLETED), and nothing is cancelled
+    from conftest import SRC
+
+    env = _stubs(tmp_path, "41.0 smb-server\\n")
+    run_dir = jobsteps.create_run_dir(tmp_path / "run")
+    server_env = python_env({"EDDIS_RUN_DIR": str(run_dir), "SMB_MEMORY": "16M"})
+    server = subprocess.Popen([PYTHON, "-m", "eddis.launch.train", "--smb-server", "0"], env=server_env,
+                              cwd=str(SRC), stdin=subprocess.DEVNULL)
+    try:
+        assert jobsteps.wait_servers(run_dir, 1, timeout=60, watch_pids=[server.pid]) == 0
+        jobrun.end_server_steps(run_dir, [server], env=env, wait=60)
+        assert server.poll() == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert not (tmp_path / "scancel.log").exists()
+    assert "did not end" not in capsys.readouterr().err
+    from eddis.launch.report import read_records, server_records
+
+    (record,) = read_records(server_records(str(run_dir)).exits)
+    assert (record["why"], record["code"]) == ("stopped", 0), record
+
+
+@pytest.mark.timeout(60)
+def test_server_steps_that_do_not_end_are_cancelled_and_the_job_says_so(tmp_path, capsys):
+    env = _stubs(tmp_path, "41.0 smb-server\\n")
+    deaf = subprocess.Popen([PYTHON, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                             "signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"],
+                            stdout=subprocess.PIPE, text=True)
+    assert deaf.stdout.readline().strip() == "ready"
+    jobrun.end_server_steps(tmp_path, [deaf], env=env, wait=2)
+    assert deaf.poll() == -signal.SIGKILL
+    assert "1 smb-server step(s) did not end within 2 s of the request to stop; cancelling them" in \
+        capsys.readouterr().err
+    assert (tmp_path / "scancel.log").read_text().splitlines() == ["--signal=TERM 41.0", "41.0"]
+    assert (tmp_path / "launch" / "smb-servers-stop").exists()
+
+
 SIGNALS_PROBE = """
 import os, signal, sys
 from eddis.errors import JobSignalled

@@ -75,6 +75,20 @@ def test_submit_hetjob_trains_and_exits_zero(slurm_cluster, job_env, tmp_path):
     assert "smb-servers ready: 0@" in text and "eddis_job: done, status 0" in text
     assert_job_left_nothing(job_env["EDDIS_RUN_DIR"], job_id)
     assert not Path(job_env["EDDIS_RUN_DIR"], "token").exists()   # the job's secret ended with it
+    assert_server_steps_ended_by_themselves(job_env["EDDIS_RUN_DIR"], text, servers=2)
+
+
+def assert_server_steps_ended_by_themselves(run_dir, text, servers):
+    """A successful job's smb-server steps are not cancelled: each server's supervisor stopped its
+    server when asked and exited 0 (no accounting here, so not sacct: its output and records)."""
+    from eddis.launch.report import read_records, server_records
+
+    assert "CANCELLED" not in text, text
+    assert not re.search(r"^slurmstepd.*error", text, re.M | re.I), text
+    assert "did not end within" not in text, text
+    ends = read_records(server_records(str(run_dir)).exits)
+    assert sorted((r["server"], r["why"], r["code"]) for r in ends) == [
+        (i, "stopped", 0) for i in range(servers)], ends
 
 
 @pytest.mark.timeout(300)

@@ -14,8 +14,10 @@ script before this starts (exit 2). Then, in order:
 4. the trainers, ``srun --het-group=0,...,K-1 --mpi=pmix --kill-on-bad-exit=1
    eddis-train train.py ...``, under the trainer guard (srun can miss the end of a
    step, Slurm 22.05); a server step that ends meanwhile stops them;
-5. the servers stopped with SIGTERM through Slurm, the root-cause report when the
-   trainers failed, the run directory retired; the job's status is the root cause's.
+5. the servers asked to stop in the run dir, so that their steps end by themselves,
+   COMPLETED (``scancel`` after STOP_SECONDS for any that does not), the root-cause
+   report when the trainers failed, the run directory retired; the job's status is the
+   root cause's.
 
 SIGTERM or SIGINT (scancel, the time limit): Slurm signals every step itself, so the
 job only waits, bounded, for its sruns and exits 143 (:class:`JobSignals`).
@@ -32,7 +34,7 @@ from typing import Optional
 
 from ..errors import ConfigError, JobSignalled
 from . import jobsteps
-from .report import LAUNCH_DIR
+from .report import LAUNCH_DIR, request_servers_stop
 
 SERVER_STEP_NAME = "smb-server"
 TRAINER_STEP_NAME = jobsteps.TRAINER_STEP_NAME
@@ -144,19 +146,10 @@ def scancel(args, env=None):
         pass  # the kill that follows ends the sruns; Slurm ends their steps with the job
 
 
-def stop_steps(name, sruns, env=None, wait=STOP_SECONDS, poll=POLL_SECONDS):
-    """Stop this job's steps named ``name`` and wait, bounded, for their sruns (Popen objects).
-
-    SIGTERM through scancel, not to srun: srun answers SIGTERM with SIGKILL, which would
-    leave the servers' shared memory behind. srun can miss the end of a hetjob step
-    (Slurm 22.05): once Slurm lists none of these steps any more, their sruns get
-    STEP_GONE_GRACE s. What is left then is cancelled, and its srun killed."""
-    sruns = [p for p in sruns if p is not None]
-    if not sruns:
-        return
-    steps = jobsteps.step_ids(name, env) or []
-    if steps:
-        scancel(["--signal=TERM", *steps], env)
+def _wait_steps(name, sruns, env, wait, poll):
+    """Wait, at most ``wait`` s, for the sruns of this job's steps named ``name`` to end.
+    srun can miss the end of a hetjob step (Slurm 22.05): once Slurm lists none of these
+    steps any more, their sruns get STEP_GONE_GRACE s. True when Slurm lists them no more."""
     deadline = time.monotonic() + wait
     next_ask = time.monotonic() + SLURM_ASK_SECONDS
     gone_at = None
@@ -169,11 +162,49 @@ def stop_steps(name, sruns, env=None, wait=STOP_SECONDS, poll=POLL_SECONDS):
                 if now - gone_at >= jobsteps.STEP_GONE_GRACE:
                     break
         time.sleep(poll)
-    if steps and running(sruns):
-        scancel(steps, env)
+    return gone_at is not None
+
+
+def _kill_waiting(sruns, poll):
     for srun in running(sruns):  # an srun still waiting for a step that has ended
         srun.kill()
     wait_ended(sruns, SLURM_COMMAND_TIMEOUT, poll)
+
+
+def stop_steps(name, sruns, env=None, wait=STOP_SECONDS, poll=POLL_SECONDS):
+    """Stop this job's steps named ``name`` and wait, bounded, for their sruns (Popen objects).
+
+    SIGTERM through scancel, not to srun: srun answers SIGTERM with SIGKILL, which would
+    leave the servers' shared memory behind. What is left after ``wait`` s (or once Slurm
+    lists none of the steps, :func:`_wait_steps`) is cancelled, and its srun killed."""
+    sruns = [p for p in sruns if p is not None]
+    if not sruns:
+        return
+    steps = jobsteps.step_ids(name, env) or []
+    if steps:
+        scancel(["--signal=TERM", *steps], env)
+    _wait_steps(name, sruns, env, wait, poll)
+    if steps and running(sruns):
+        scancel(steps, env)
+    _kill_waiting(sruns, poll)
+
+
+def end_server_steps(run_dir, sruns, env=None, wait=STOP_SECONDS, poll=POLL_SECONDS):
+    """End the smb-server steps of a job whose trainers have ended: every server's supervisor
+    is asked in the run dir to stop its server, and exits 0, so that its step ends COMPLETED
+    and slurmstepd prints nothing (a cancelled step prints ``error: *** STEP ... CANCELLED ***``
+    into the job's output). Steps still running after ``wait`` s are cancelled
+    (:func:`stop_steps`), and the job's output says so."""
+    sruns = [p for p in sruns if p is not None]
+    if not running(sruns):
+        return
+    request_servers_stop(run_dir, "the job's trainers have ended")
+    if _wait_steps(SERVER_STEP_NAME, sruns, env, wait, poll) or not running(sruns):
+        _kill_waiting(sruns, poll)
+        return
+    say(f"eddis_job: {len(running(sruns))} smb-server step(s) did not end within {wait:.0f} s of the "
+        "request to stop; cancelling them", sys.stderr)
+    stop_steps(SERVER_STEP_NAME, sruns, env, wait, poll)
 
 
 def trainers_status(run_dir, status):
@@ -277,7 +308,7 @@ class Job:
             stop_steps(SERVER_STEP_NAME, self.servers)
             return 1
         status = self._train()
-        stop_steps(SERVER_STEP_NAME, self.servers)
+        end_server_steps(self.run_dir, self.servers)
         if status != 0:
             # srun's own status may be a peer's SIGKILL; the root cause's is the job's
             status, _ = jobsteps.report_failure(self.run_dir, status)

@@ -23,6 +23,9 @@ from pathlib import Path
 
 LAUNCH_DIR = "launch"
 STOP_FILE = "stop"  # <run dir>/launch/stop: every supervisor of the run dir stops its trainer
+# <run dir>/launch/smb-servers-stop: every smb-server's supervisor stops its server and ends its
+# step with status 0 (a step cancelled with scancel makes slurmstepd print an error line)
+SERVERS_STOP_FILE = "smb-servers-stop"
 SERVERS_KEY = "smb-servers"  # launch/smb-servers/: the records of the smb-server supervisors
 # A rank that fails this soon before a server's failure is recorded failed because of it: the
 # error of a dead server's connection reaches a rank about as fast as the exit reaches the
@@ -33,6 +36,15 @@ SERVER_FAILURE_SLACK = 5.0
 def request_stop(run_dir, reason):
     """Ask every rank of the run dir to stop (gracefully, like SIGTERM), naming why."""
     write_json_atomic(Path(run_dir) / LAUNCH_DIR / STOP_FILE, {"reason": reason, "time": time.time()})
+
+
+def request_servers_stop(run_dir, reason):
+    """Ask every smb-server of the run dir to stop and its step to end by itself."""
+    write_json_atomic(Path(run_dir) / LAUNCH_DIR / SERVERS_STOP_FILE, {"reason": reason, "time": time.time()})
+
+
+def servers_stop_requested(run_dir):
+    return (Path(run_dir) / LAUNCH_DIR / SERVERS_STOP_FILE).exists()
 
 
 def stop_requested(run_dir):

@@ -11,7 +11,11 @@ So the job script and ``--local`` run this supervisor, which
   dumped, then killed), records a failure and asks every rank of the run dir to
   stop (``launch/stop``), so the job ends with the server as its root cause;
 - passes SIGTERM/SIGINT on to the server, and kills it when it does not stop within
-  SERVER_STOP_SECONDS (a stopped server would keep the job waiting otherwise).
+  SERVER_STOP_SECONDS (a stopped server would keep the job waiting otherwise);
+- stops the server the same way when the job asks for it in the run dir
+  (``launch/smb-servers-stop``, once the trainers have ended), and then exits 0, so
+  that its Slurm step ends COMPLETED by itself: a step ended with ``scancel`` makes
+  slurmstepd print ``error: *** STEP ... CANCELLED ***`` into every successful job's output.
 """
 import ctypes
 import os
@@ -24,7 +28,7 @@ import time
 from .. import identity
 from . import mpishm
 from .liveness import LivenessWatch
-from .report import describe_failure, request_stop, server_records
+from .report import describe_failure, request_stop, server_records, servers_stop_requested
 
 SERVER_STOP_SECONDS = 10.0
 WATCH_SECONDS = 1.0
@@ -114,6 +118,9 @@ class ServerSupervisor:
                 time.sleep(0.25)
             if self.child.poll() is not None:
                 break
+            if self.stop_signal is None and servers_stop_requested(self.run_dir):
+                self.stop_signal = signal.SIGTERM   # as if signalled: the same bounded stop
+                self.child.send_signal(signal.SIGTERM)
             if self.stop_signal is not None:
                 stop_deadline = stop_deadline or time.monotonic() + SERVER_STOP_SECONDS
                 if time.monotonic() > stop_deadline:
