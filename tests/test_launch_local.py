@@ -1,7 +1,9 @@
 """`eddis-train --local`: a real smb-server and real Open MPI ranks on this machine, no Slurm."""
 import os
 import re
+import signal
 import subprocess
+import time
 
 import pytest
 pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
@@ -159,6 +161,54 @@ def test_usr1_reaches_the_trainer_without_stopping_it(tmp_path):
         if sup.poll() is None:
             sup.kill()
     assert sup.returncode == 0 and "checkpoint on USR1" in out
+
+
+INTERRUPTIBLE = REPO / "tests" / "launch_scripts" / "interruptible_trainer.py"
+
+
+def _interrupt_local_run(tmp_path, *script_args, env=None):
+    """eddis-train --local -n 2 with the interruptible trainer; Ctrl-C (SIGINT to the foreground
+    process group) once both ranks step. Returns (exit status, output)."""
+    out = tmp_path / "out.txt"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(["eddis-train", "--local", "-n", "2", str(INTERRUPTIBLE), str(tmp_path),
+                                 *script_args], env=dict(local_env(tmp_path), **(env or {})), cwd=str(REPO),
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 90
+            while not all(re.search(rf"^\[{r}@\S+\] step 3$", out.read_text(), re.M) for r in (0, 1)):
+                assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGINT)
+            code = proc.wait(timeout=90)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return code, out.read_text()
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_runs_every_ranks_keyboard_interrupt_handler(tmp_path):
+    code, text = _interrupt_local_run(tmp_path)
+    for rank in (0, 1):
+        assert re.search(rf"^\[{rank}@\S+\] rank {rank}: caught KeyboardInterrupt", text, re.M), text
+        assert re.search(rf"^\[{rank}@\S+\] rank {rank}: saved$", text, re.M), text
+        assert (tmp_path / f"interrupted.{rank}").exists(), text
+    assert code == 130, text
+    assert "eddis-train: interrupted by SIGINT" in text, text
+    assert "ROOT CAUSE" not in text and "sending SIGTERM" not in text, text
+    assert "never interrupted" not in text
+    assert_clean(tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_goes_on_to_sigterm_when_the_trainer_ignores_sigint(tmp_path):
+    code, text = _interrupt_local_run(tmp_path, "--ignore-sigint", env={"EDDIS_INTERRUPT_GRACE": "2"})
+    assert code == 130, text
+    assert re.search(r"did not end within 2 s of SIGINT \(EDDIS_INTERRUPT_GRACE\); sending SIGTERM", text), text
+    assert "caught KeyboardInterrupt" not in text and "never interrupted" not in text
+    assert "ROOT CAUSE" not in text
+    assert_clean(tmp_path)
 
 
 @pytest.mark.timeout(180)

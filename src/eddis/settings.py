@@ -301,6 +301,10 @@ register("EDDIS_LAUNCHED", "bool", False, "Set for processes eddis-train started
 register("EDDIS_STOP_GRACE", "float", 5.0,
          "Seconds a trainer gets after SIGTERM (a peer failed, or the job was cancelled) "
          "before eddis-train kills it with SIGKILL.")
+register("EDDIS_INTERRUPT_GRACE", "float", 30.0,
+         "Seconds a trainer gets after SIGINT (Ctrl-C on eddis-train --local, an interrupted job) "
+         "to run its own KeyboardInterrupt handler before eddis-train sends SIGTERM "
+         "(then SIGKILL after EDDIS_STOP_GRACE).")
 register("EDDIS_STEP_END_GRACE", "float", 30.0,
          "Seconds the job waits for the trainers' srun to return after every rank recorded "
          "its exit (3 s once Slurm lists the step no more); then it ends srun and takes the job status "

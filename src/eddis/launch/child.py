@@ -12,6 +12,7 @@ Before the script runs, the process starts beating to its supervisor
 """
 import os
 import runpy
+import signal
 import sys
 import traceback
 
@@ -65,7 +66,8 @@ def main():
         _exit_now(code)
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: report and leave
         traceback.print_exception(type(exc), exc, _user_frames(exc.__traceback__))
-        _exit_now(1)
+        # an uncaught interrupt ends with the status a shell gives a process ended by SIGINT
+        _exit_now(128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1)
     return 0
 
 

@@ -19,8 +19,10 @@ script before this starts (exit 2). Then, in order:
    report when the trainers failed, the run directory retired; the job's status is the
    root cause's.
 
-SIGTERM or SIGINT (scancel, the time limit): Slurm signals every step itself, so the
-job only waits, bounded, for its sruns and exits 143 (:class:`JobSignals`).
+SIGTERM (scancel, the time limit): Slurm signals every step itself, so the job only
+waits, bounded, for its sruns and exits 143 (:class:`JobSignals`). SIGINT (Ctrl-C) is an
+interrupt: the trainers' step gets SIGINT through Slurm, the scripts' KeyboardInterrupt
+handlers run, the servers end after the trainers, and the job exits 130.
 """
 import os
 import signal
@@ -273,17 +275,39 @@ class Job:
         try:
             status = self._run()
         except JobSignalled as stop:
-            say(f"eddis_job: {stop} received, the trainers and smb-servers are stopping", sys.stderr)
-            wait_ended(self._sruns(), SIGNAL_WAIT_SECONDS)
+            if stop.signum == signal.SIGINT and self.trainer is not None:
+                say("eddis_job: interrupted (SIGINT): the trainers get SIGINT (KeyboardInterrupt), "
+                    "then SIGTERM after EDDIS_INTERRUPT_GRACE s", sys.stderr)
+                self._interrupt_trainers()
+            else:
+                say(f"eddis_job: {stop} received, the trainers and smb-servers are stopping", sys.stderr)
+                wait_ended(self._sruns(), SIGNAL_WAIT_SECONDS)
             status = None
         finally:
             self.signals.disarm()
             if self.run_dir is not None:
                 self._retire()
         if status is None:
-            return SIGNALLED_STATUS
+            return 128 + self.signals.stopping if self.signals.stopping else SIGNALLED_STATUS
         say(f"eddis_job: done, status {status}")
         return status
+
+    def _interrupt_trainers(self):
+        """SIGINT reaches the trainers' step through Slurm (``scancel --signal=INT``), not
+        through srun, which takes one SIGINT for a status report and two within a second as
+        the order to kill every task. Each rank's supervisor passes it on and gives the script
+        EDDIS_INTERRUPT_GRACE s for its KeyboardInterrupt handler; the servers stay up
+        meanwhile (a handler may save through them) and end by themselves afterwards."""
+        from .. import settings
+
+        steps = jobsteps.step_ids(TRAINER_STEP_NAME) or []
+        if steps:
+            scancel(["--signal=INT", *steps])
+        wait_ended([self.trainer], settings.get("EDDIS_INTERRUPT_GRACE") + settings.get("EDDIS_STOP_GRACE")
+                   + SIGNAL_WAIT_SECONDS)
+        if running([self.trainer]):
+            stop_steps(TRAINER_STEP_NAME, [self.trainer])
+        end_server_steps(self.run_dir, self.servers)
 
     def _sruns(self):
         return [p for p in [self.trainer, *self.servers] if p is not None]

@@ -3,7 +3,10 @@
 Creates a run directory with its token, starts one ``smb-server`` and waits until
 it has published, runs N ranks with Open MPI's ``mpirun`` (each rank is an
 ``eddis-train`` supervisor, as under srun), then stops the server and prints the
-root-cause report when a rank failed. Ctrl-C or SIGTERM stops everything.
+root-cause report when a rank failed. SIGTERM stops everything. Ctrl-C (SIGINT)
+interrupts: every trainer gets SIGINT, so that the script's ``except
+KeyboardInterrupt`` runs, then SIGTERM after ``EDDIS_INTERRUPT_GRACE`` s and SIGKILL
+after ``EDDIS_STOP_GRACE`` s more (a second Ctrl-C cuts that short); the run exits 130.
 Slurm's variables are removed from the ranks' environment, so this also works
 inside an allocation without joining it.
 """
@@ -99,8 +102,19 @@ def run_local(argv, ranks=1, memory=None):
             if stop_signal and stop_deadline is None:
                 # The supervisors watch this file and stop their trainers gracefully; mpirun
                 # then ends by itself. SIGTERM to mpirun only if that takes too long.
-                request_stop(run_dir, f"eddis-train --local received {signal.Signals(stop_signal[0]).name}")
-                stop_deadline = time.monotonic() + settings.get("EDDIS_STOP_GRACE") + 10
+                interrupted = stop_signal[0] == signal.SIGINT
+                name = signal.Signals(stop_signal[0]).name
+                request_stop(run_dir, f"eddis-train --local received {name}",
+                             signal.SIGINT if interrupted else signal.SIGTERM)
+                if interrupted:
+                    print("eddis-train: interrupted (SIGINT): every trainer gets SIGINT (KeyboardInterrupt), "
+                          f"SIGTERM after {settings.get('EDDIS_INTERRUPT_GRACE'):g} s "
+                          "(EDDIS_INTERRUPT_GRACE); Ctrl-C again to stop them now", file=sys.stderr, flush=True)
+                stop_deadline = (time.monotonic() + settings.get("EDDIS_STOP_GRACE") + 10
+                                 + (settings.get("EDDIS_INTERRUPT_GRACE") if interrupted else 0))
+            elif len(stop_signal) > 1 and stop_deadline != float("inf"):
+                mpirun.send_signal(signal.SIGTERM)   # a second signal: stop now
+                stop_deadline = float("inf")
             elif stop_deadline is not None and time.monotonic() > stop_deadline:
                 mpirun.send_signal(signal.SIGTERM)
                 stop_deadline = float("inf")
@@ -113,6 +127,9 @@ def run_local(argv, ranks=1, memory=None):
                 break
         code = code if code >= 0 else 128 - code
         if stop_signal:
+            what = "interrupted" if stop_signal[0] == signal.SIGINT else "stopped"
+            print(f"eddis-train: {what} by {signal.Signals(stop_signal[0]).name}; the ranks have ended "
+                  f"(exit status {128 + stop_signal[0]})", file=sys.stderr, flush=True)
             return 128 + stop_signal[0]
         if code != 0:
             first, failures, exits = root_cause(run_dir)

@@ -33,9 +33,26 @@ SERVERS_KEY = "smb-servers"  # launch/smb-servers/: the records of the smb-serve
 SERVER_FAILURE_SLACK = 5.0
 
 
-def request_stop(run_dir, reason):
-    """Ask every rank of the run dir to stop (gracefully, like SIGTERM), naming why."""
-    write_json_atomic(Path(run_dir) / LAUNCH_DIR / STOP_FILE, {"reason": reason, "time": time.time()})
+def request_stop(run_dir, reason, signum=signal.SIGTERM):
+    """Ask every rank of the run dir to stop, naming why. ``signum`` is what its trainer gets
+    first: SIGTERM (stop), or SIGINT for an interrupt, which the script may catch as
+    KeyboardInterrupt (SIGTERM and SIGKILL follow if it does not end)."""
+    write_json_atomic(Path(run_dir) / LAUNCH_DIR / STOP_FILE,
+                      {"reason": reason, "time": time.time(), "signal": signal.Signals(signum).name})
+
+
+def stop_request(run_dir):
+    """The stop request as ``(reason, signal number)``, or None."""
+    try:
+        with open(Path(run_dir) / LAUNCH_DIR / STOP_FILE) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "stop requested", signal.SIGTERM
+    name = record.get("signal")
+    signum = signal.Signals[name] if name in ("SIGINT", "SIGTERM") else signal.SIGTERM
+    return record.get("reason", "stop requested"), signum
 
 
 def request_servers_stop(run_dir, reason):
@@ -49,13 +66,8 @@ def servers_stop_requested(run_dir):
 
 def stop_requested(run_dir):
     """The stop request's reason, or None."""
-    try:
-        with open(Path(run_dir) / LAUNCH_DIR / STOP_FILE) as f:
-            return json.load(f).get("reason", "stop requested")
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return "stop requested"
+    request = stop_request(run_dir)
+    return None if request is None else request[0]
 
 
 def launch_key(env):

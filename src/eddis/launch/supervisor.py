@@ -5,7 +5,13 @@ it died. It prefixes the trainer's output with ``[rank@host]``, records the exit
 (code, signal, first traceback) in the run directory, and watches the records of
 the other ranks of the same launch: when a peer's trainer fails, it stops its own
 trainer (SIGTERM, then SIGKILL after ``EDDIS_STOP_GRACE`` seconds) instead of
-letting it wait forever in a collective. The failed rank's supervisor waits
+letting it wait forever in a collective. An interrupt (SIGINT to the supervisor, or a
+stop request that names SIGINT: Ctrl-C on ``eddis-train --local`` or ``--job``) reaches
+the trainer as SIGINT first, so that the script's own ``except KeyboardInterrupt``
+runs; SIGTERM follows after ``EDDIS_INTERRUPT_GRACE`` seconds, SIGKILL after
+``EDDIS_STOP_GRACE`` more, as torchrun does. An interrupted supervisor waits (bounded)
+for its peers' trainers before it exits with 130, so that the launcher, which kills
+the rest once one rank exits non-zero, cuts no peer's handler short. The failed rank's supervisor waits
 (bounded) until its peers have stopped before it exits, so that the launcher
 (``srun --kill-on-bad-exit``, or ``mpirun``), which kills hard, only meets
 stragglers: a rank stopped because of a peer exits 0 for the same reason, and the
@@ -30,7 +36,7 @@ from .. import settings
 from .liveness import LivenessWatch
 from .mpishm import MpiShm
 from .output import LinePump, TracebackCatcher
-from .report import LaunchRecords, describe_exit, describe_failure, launch_key, stop_requested
+from .report import LaunchRecords, describe_exit, describe_failure, launch_key, stop_request
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.25
@@ -40,6 +46,7 @@ POLL_SECONDS = 0.25
 # at once (pidfd).
 WATCH_SECONDS = 1.0
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -89,9 +96,11 @@ class Supervisor:
         self.err = err if err is not None else sys.stderr.buffer
         self.out_lock = threading.Lock()
         self.err_lock = threading.Lock()
+        self.interrupt_grace = settings.get("EDDIS_INTERRUPT_GRACE")
         self.stop_signal = None
         self.child = None
         self.liveness = None
+        self._sent = set()  # signals the trainer got: a second SIGINT would break into its handler
 
     # ------------------------------------------------------------------ output
     def say(self, text, stream="err"):
@@ -107,11 +116,15 @@ class Supervisor:
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame):
         # Pass it on at once: on scancel srun follows with SIGKILL within moments, and the
-        # trainer's exit must be seen and cleaned up before that.
+        # trainer's exit must be seen and cleaned up before that. SIGINT stays SIGINT (the
+        # script may catch KeyboardInterrupt); a SIGTERM after it ends the grace at once.
         first = self.stop_signal is None
-        self.stop_signal = signum
-        if first and self.child is not None and self.child.returncode is None:
-            self._signal_child(signal.SIGTERM)
+        if first:
+            self.stop_signal = signum
+        elif signum == signal.SIGINT:
+            return
+        if self.child is not None and self.child.returncode is None:
+            self._signal_child_once(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
 
     def _forward_signal(self, signum, frame):
         # e.g. sbatch --signal=USR1@120: the trainer's cue to checkpoint, not to stop
@@ -132,16 +145,33 @@ class Supervisor:
         except PermissionError:
             self.child.send_signal(sig)
 
-    def stop_child(self):
-        """SIGTERM the trainer's process group; SIGKILL it after the grace period."""
+    def _signal_child_once(self, sig):
+        if sig not in self._sent:
+            self._sent.add(sig)
+            self._signal_child(sig)
+
+    def _child_ended_within(self, seconds):
+        try:
+            self.child.wait(timeout=seconds)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def stop_child(self, first=signal.SIGTERM):
+        """Stop the trainer's process group: ``first`` (SIGINT: SIGTERM after the interrupt
+        grace), then SIGKILL after the stop grace."""
         if self.child.poll() is not None:
             return
-        self._signal_child(signal.SIGTERM)
-        try:
-            self.child.wait(timeout=self.stop_grace)
-        except subprocess.TimeoutExpired:
-            self._signal_child(signal.SIGKILL)
-            self.child.wait(timeout=30)
+        if first == signal.SIGINT and signal.SIGTERM not in self._sent:
+            self._signal_child_once(signal.SIGINT)
+            if not self._child_ended_within(self.interrupt_grace):
+                self.say(f"eddis-train: the trainer did not end within {self.interrupt_grace:g} s of "
+                         "SIGINT (EDDIS_INTERRUPT_GRACE); sending SIGTERM")
+        if self.child.poll() is None:
+            self._signal_child_once(signal.SIGTERM)
+            if not self._child_ended_within(self.stop_grace):
+                self._signal_child(signal.SIGKILL)
+                self.child.wait(timeout=30)
         # workers the trainer left in its group
         self._signal_child(signal.SIGKILL)
 
@@ -161,14 +191,15 @@ class Supervisor:
             return self.records.first_failure(exclude_rank=self.info.rank)
         return None
 
-    def _wait_for_peers(self, timeout):
-        """After a failure: give the other ranks time to stop gracefully (bounded).
+    def _wait_for_peers(self, timeout, signalled=False):
+        """After a failure (or an interrupt: ``signalled``): give the other ranks time to stop
+        gracefully (bounded).
 
         Our own exit record is written already: when every rank fails at once, each one
         sees the others' and none waits for the others' wait."""
         others = set(range(self.info.size)) - {self.info.rank}
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.stop_signal is None:
+        while time.monotonic() < deadline and (signalled or self.stop_signal is None):
             if others <= self.records.exited_ranks():
                 return True
             time.sleep(POLL_SECONDS)
@@ -228,13 +259,14 @@ class Supervisor:
             if self.stop_signal is not None:
                 why = "stopped"
                 self.say(f"eddis-train: received {signal.Signals(self.stop_signal).name}, stopping the trainer")
-                self.stop_child()
+                self.stop_child(self.stop_signal)
                 break
-            reason = stop_requested(self.run_dir)
-            if reason is not None:
-                why, self.stop_signal = "stopped", signal.SIGTERM
-                self.say(f"eddis-train: stopping the trainer: {reason}")
-                self.stop_child()
+            request = stop_request(self.run_dir)
+            if request is not None:
+                reason, first = request
+                why, self.stop_signal = "stopped", first
+                self.say(f"eddis-train: stopping the trainer ({signal.Signals(first).name} first): {reason}")
+                self.stop_child(first)
                 break
             peer = self._peer_failure()
             if peer is not None:
@@ -257,6 +289,8 @@ class Supervisor:
 
         rc = self.child.returncode if self.child.returncode is not None else -signal.SIGKILL
         code, sig = (rc, None) if rc >= 0 else (None, -rc)
+        if why == "exited" and self._sent:
+            why = "stopped"  # it ended after we asked it to, in whatever way it chose
         if why == "exited" and sig in STOP_SIGNALS:
             # scancel and srun signal every process of the step at once: the trainer may
             # die of that signal before our own handler has run. Not a failure then.
@@ -278,6 +312,9 @@ class Supervisor:
             self._wait_for_peers(self.stop_grace + 10)
         else:
             self.records.finish(self.info.rank, self._record(code, sig, ended, why, None, []))
+        if why == "stopped" and self.stop_signal == signal.SIGINT:
+            self._wait_for_peers(self.interrupt_grace + self.stop_grace + 10, signalled=True)
+            return INTERRUPTED_EXIT_CODE
         if why == "stopped":
             # Stopped because a peer failed: exit 0, so that srun --kill-on-bad-exit does not
             # SIGKILL the ranks still cleaning up; the failed rank exits last, with its own
