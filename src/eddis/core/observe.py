@@ -37,7 +37,7 @@ log = logging.getLogger("eddis.timeline")
 _profiler = None
 _progress = None
 _primary = None  # the reducer whose wait() closes profile rows
-_batch = [0]     # samples of the current step noted by module hooks (0: unknown)
+_batch = [0]     # samples of the current step noted by the adapter or module hooks (0: unknown)
 _size = 1
 _timeline_start_hooks = []  # called once a rank's timeline has started
 _backward_finished_hooks = []  # called when the last bucket of the primary reducer's step is ready
@@ -61,7 +61,8 @@ def profiler():
 
 
 def note_samples(n):
-    """The current step's sample count on this rank (module hooks call it from forward)."""
+    """The current step's sample count on this rank, as the adapter saw it (torch: the
+    batch dimension of the model's forward inputs); ``set_sample_count`` comes first."""
     _batch[0] = int(n)
 
 
@@ -140,7 +141,8 @@ def reducer_waited(reducer, start_ns):
     """``reducer.wait()`` blocked the training thread from ``start_ns`` until now."""
     tl, prof = trace._timeline, _profiler
     if reducer is _primary and _progress is not None:
-        _progress.update(samples=_samples(reducer) * _size)
+        samples = _known_samples(reducer)
+        _progress.update(samples=None if samples is None else samples * _size)
     if tl is None and prof is None:
         return
     end_ns = trace.perf_ns()
@@ -152,8 +154,17 @@ def reducer_waited(reducer, start_ns):
             prof.step_end(_samples(reducer))
 
 
+def _known_samples(reducer):
+    """This rank's samples in the reducer's last step: the count the script gave
+    (``set_sample_count``, balanced shares), else what the adapter saw, else None."""
+    if getattr(reducer, "weight_given", False):
+        return int(round(reducer._step_weight))
+    return _batch[0] or None
+
+
 def _samples(reducer):
-    return _batch[0] or max(1, int(round(getattr(reducer, "_step_weight", 1.0))))
+    known = _known_samples(reducer)
+    return max(1, int(round(getattr(reducer, "_step_weight", 1.0)))) if known is None else known
 
 
 class _ReducerObserver:

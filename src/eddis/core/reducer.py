@@ -91,6 +91,7 @@ class Reducer:
         self._nready = 0
         self._weight = 1.0
         self._step_weight = 1.0
+        self.weight_given = False  # set_weight() was called: the weight is a sample count
         self.step = 0
         self.completed_at = None   # perf_counter() when the last step's reduction completed here
         self._error = None
@@ -157,6 +158,7 @@ class Reducer:
                 raise UsageError("set the sample count before backward(): some gradient "
                                  "buckets of this step are already on their way")
             self._weight = weight
+            self.weight_given = True
 
     def mark_ready(self, k, fence=None):
         """Bucket ``k`` of ``plan.buffer`` holds this rank's final gradients for this step.

@@ -4,13 +4,17 @@ Slurm output files are not terminals; there a bar would write thousands of
 carriage-return updates, so we print one line every ``EDDIS_PROGRESS_INTERVAL``
 seconds instead::
 
-    [eddis] step 120/1000 (12.0%)  345.6 samples/s  loss 0.1234  elapsed 0:01:02  eta 0:07:37
+    [eddis] step 120/1000 (12.0%)  345.6 samples/s  41472 samples  loss 0.1234  elapsed 0:01:02  eta 0:07:37
+
+When no update says how many samples its step had (``samples=None``), the line
+counts steps instead, and says so (``steps/s``): a rate in samples that is really
+one in steps would be off by the batch size.
 
 ``EDDIS_PROGRESS``: auto (bar if stdout is a TTY, else log), bar, log, off.
 Ranks other than 0 show nothing.
 
 The runtime drives one automatically on rank 0 (one update per gradient
-synchronisation, samples = this rank's sample count x ranks); a training
+synchronisation, samples = this rank's sample count x ranks, when it is known); a training
 script adds the loss with ``report_loss(loss)`` and may set the total number
 of steps with ``set_total(n)``. A run shorter than one log interval prints
 nothing. A script can also make its own: ``with Progress(total=n) as p:
@@ -26,7 +30,8 @@ def _hms(seconds):
 
 
 class Progress:
-    """``update(steps=1, samples=n, loss=x)`` once per step; ``close()`` at the end."""
+    """``update(steps=1, samples=n, loss=x)`` once per step; ``close()`` at the end.
+    ``samples=None`` (unknown): the display counts steps, unless other updates gave samples."""
 
     def __init__(self, total=None, rank=0, desc="train", mode=None, interval=None, stream=None,
                  final_line=True):
@@ -49,7 +54,8 @@ class Progress:
         self.samples = 0
         self.loss = None
         self._start = self._last_log = time.monotonic()
-        self._window_start, self._window_samples = self._start, 0
+        self._window_start, self._window_samples, self._window_steps = self._start, 0, 0
+        self.counts_samples = False   # some update said how many samples its step had
         self._rate = 0.0
         self._bar = None
         if mode == "bar":
@@ -57,22 +63,33 @@ class Progress:
 
             self._bar = tqdm(total=total, desc=desc, unit="step", file=self.stream, dynamic_ncols=True)
 
-    def update(self, steps=1, samples=0, loss=None):
+    @property
+    def unit(self):
+        return "samples" if self.counts_samples else "steps"
+
+    def _count(self):
+        return self.samples if self.counts_samples else self.steps
+
+    def update(self, steps=1, samples=None, loss=None):
         if self.mode == "off":
             return
         self.steps += steps
-        self.samples += samples
-        self._window_samples += samples
+        self._window_steps += steps
+        if samples is not None:
+            self.counts_samples = True
+            self.samples += samples
+            self._window_samples += samples
         if loss is not None:
             self.loss = float(loss)
         now = time.monotonic()
+        window = self._window_samples if self.counts_samples else self._window_steps
         if now - self._window_start >= 1.0:
-            self._rate = self._window_samples / (now - self._window_start)
-            self._window_start, self._window_samples = now, 0
+            self._rate = window / (now - self._window_start)
+            self._window_start, self._window_samples, self._window_steps = now, 0, 0
         elif self._rate == 0.0 and now > self._start:
-            self._rate = self.samples / (now - self._start)
+            self._rate = self._count() / (now - self._start)
         if self._bar is not None:
-            post = {"samples/s": f"{self._rate:.1f}"}
+            post = {f"{self.unit}/s": f"{self._rate:.1f}"}
             if self.loss is not None:
                 post["loss"] = f"{self.loss:.4g}"
             self._bar.set_postfix(post, refresh=False)
@@ -88,7 +105,9 @@ class Progress:
             text = f"[eddis] {self.desc} step {self.steps}/{self.total} ({100.0 * self.steps / self.total:.1f}%)"
         else:
             text = f"[eddis] {self.desc} step {self.steps}"
-        text += f"  {self._rate:.1f} samples/s"
+        text += f"  {self._rate:.1f} {self.unit}/s"
+        if self.counts_samples:
+            text += f"  {self.samples} samples"
         if self.loss is not None:
             text += f"  loss {self.loss:.4g}"
         text += f"  elapsed {_hms(elapsed)}"
@@ -112,7 +131,7 @@ class Progress:
         elif self.final_line or self.lines:
             elapsed = time.monotonic() - self._start
             if elapsed > 0:
-                self._rate = self.samples / elapsed
+                self._rate = self._count() / elapsed
             self._log()
         self.mode = "off"
 

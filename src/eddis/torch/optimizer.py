@@ -22,10 +22,11 @@ import threading
 import torch
 
 from .. import settings, timeline
-from ..core import BucketPlan, LocalReducer, collectives, make_reducer, runtime
+from ..core import BucketPlan, LocalReducer, collectives, make_reducer, observe, runtime
 from ..errors import ConfigError, UsageError
 from . import agreement, hetero
 from .compression import codec_of
+from .samples import ForwardSampleCounter
 from ..core.basics import basics as _basics
 from ..core.ops import reject_unsupported_horovod_options
 from .ops import Average
@@ -92,6 +93,7 @@ class _DistributedOptimizer:
         self._eddis_passthrough = isinstance(self.reducer, LocalReducer)
         self._eddis_hooks = [p.register_post_accumulate_grad_hook(self._eddis_make_hook(i))
                              for i, p in enumerate(params)]
+        self._eddis_samples = ForwardSampleCounter(params)
 
     def _eddis_bind(self, flat):
         """Use ``flat`` (a tensor over the plan's buffer) and one view of it per parameter."""
@@ -184,6 +186,9 @@ class _DistributedOptimizer:
                 missing.append(k)
         for k in missing:
             self._eddis_mark(k)
+        samples = self._eddis_samples.take()
+        if samples:
+            observe.note_samples(samples)   # for the progress line and the profile
         self.reducer.wait()
         if not self._eddis_passthrough:
             self._eddis_unstage()
@@ -244,6 +249,7 @@ class _DistributedOptimizer:
         for h in self._eddis_hooks:
             h.remove()
         self._eddis_hooks = []
+        self._eddis_samples.close()
         self.reducer.close()
 
 
