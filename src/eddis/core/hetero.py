@@ -308,11 +308,12 @@ class _FinalModelCheck:
             return
         when = ("was never called" if state._final_model_step is None
                 else f"was last called {steps} step(s) before the end")
-        warnings.warn(
+        # where the warning is raised says nothing to the script's author: name the call instead
+        warnings.warn_explicit(
             f"mode {state.mode}: this rank trained {state.step} step(s), but eddis.final_model() "
             f"{when}, so the model's parameters are this worker's own, not the centre variable "
             "(the job's model): whatever the script evaluated or saved after training was one "
             "worker's drifted copy. Call eddis.final_model(optimizer) (collective, every rank) "
             "after training and before evaluating or saving, or save with "
             "eddis.save_checkpoint(...) (torch) / eddis.save_model(...) (TensorFlow), which call it.",
-            FinalModelWarning, stacklevel=2)
+            FinalModelWarning, filename="eddis.shutdown()", lineno=0, module="eddis")
