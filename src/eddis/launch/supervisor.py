@@ -10,8 +10,9 @@ stop request that names SIGINT: Ctrl-C on ``eddis-train --local`` or ``--job``) 
 the trainer as SIGINT first, so that the script's own ``except KeyboardInterrupt``
 runs; SIGTERM follows after ``EDDIS_INTERRUPT_GRACE`` seconds, SIGKILL after
 ``EDDIS_STOP_GRACE`` more, as torchrun does. An interrupted supervisor waits (bounded)
-for its peers' trainers before it exits with 130, so that the launcher, which kills
-the rest once one rank exits non-zero, cuts no peer's handler short. The failed rank's supervisor waits
+for its peers' trainers before it exits with 130 (0 when the launcher asked through
+the run dir, and reports the interrupt itself), so that the launcher, which kills the
+rest once one rank exits non-zero, cuts no peer's handler short. The failed rank's supervisor waits
 (bounded) until its peers have stopped before it exits, so that the launcher
 (``srun --kill-on-bad-exit``, or ``mpirun``), which kills hard, only meets
 stragglers: a rank stopped because of a peer exits 0 for the same reason, and the
@@ -242,6 +243,7 @@ class Supervisor:
             "gpu": self.info.gpu, "size": self.info.size})
 
         why = "exited"
+        requested = False  # stopped through the run dir by the launcher, not by a signal of ours
         hung = stack = None
         self.liveness.started(self.child.pid)
         exit_fd = _exit_notifier(self.child.pid)
@@ -264,7 +266,7 @@ class Supervisor:
             request = stop_request(self.run_dir)
             if request is not None:
                 reason, first = request
-                why, self.stop_signal = "stopped", first
+                why, self.stop_signal, requested = "stopped", first, True
                 self.say(f"eddis-train: stopping the trainer ({signal.Signals(first).name} first): {reason}")
                 self.stop_child(first)
                 break
@@ -314,7 +316,10 @@ class Supervisor:
             self.records.finish(self.info.rank, self._record(code, sig, ended, why, None, []))
         if why == "stopped" and self.stop_signal == signal.SIGINT:
             self._wait_for_peers(self.interrupt_grace + self.stop_grace + 10, signalled=True)
-            return INTERRUPTED_EXIT_CODE
+            # Asked through the run dir (eddis-train --local): that launcher says it was
+            # interrupted and exits 130 itself; a non-zero status here would only make mpirun
+            # report that it aborted the job.
+            return 0 if requested else INTERRUPTED_EXIT_CODE
         if why == "stopped":
             # Stopped because a peer failed: exit 0, so that srun --kill-on-bad-exit does not
             # SIGKILL the ranks still cleaning up; the failed rank exits last, with its own
