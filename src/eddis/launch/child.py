@@ -9,14 +9,34 @@ peers wait in a collective for this rank: the job would hang instead of failing.
 so the supervisor records this rank as the root cause rather than the abort.)
 Before the script runs, the process starts beating to its supervisor
 (:mod:`.liveness`), which names it when it stops making progress.
+
+One interrupt is one KeyboardInterrupt: Slurm delivers a step's signal to every
+process of the step (``scancel --signal=INT``; proctrack), so the trainer gets SIGINT
+from slurmstepd and again from its supervisor, which passes it on. A second SIGINT
+within DUPLICATE_INTERRUPT_SECONDS of the first is that same interrupt and is dropped,
+so that it cannot break into the script's own ``except KeyboardInterrupt``; a later one
+interrupts again, as in plain Python. A script that installs its own SIGINT handler
+replaces this one.
 """
 import os
 import runpy
 import signal
 import sys
+import time
 import traceback
 
 from .liveness import start_in_child
+
+DUPLICATE_INTERRUPT_SECONDS = 2.0
+_interrupted_at = [None]
+
+
+def _interrupt_once(signum, frame):
+    now = time.monotonic()
+    if _interrupted_at[0] is not None and now - _interrupted_at[0] < DUPLICATE_INTERRUPT_SECONDS:
+        return
+    _interrupted_at[0] = now
+    raise KeyboardInterrupt
 
 def _flush():
     for stream in (sys.stdout, sys.stderr):
@@ -43,6 +63,8 @@ def _user_frames(tb):
 
 def main():
     start_in_child()
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt_once)
     argv = sys.argv[1:]
     if not argv:
         print("usage: python -m eddis.launch.child (SCRIPT.py | -m MODULE) [args]", file=sys.stderr)

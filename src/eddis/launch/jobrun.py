@@ -21,8 +21,9 @@ script before this starts (exit 2). Then, in order:
 
 SIGTERM (scancel, the time limit): Slurm signals every step itself, so the job only
 waits, bounded, for its sruns and exits 143 (:class:`JobSignals`). SIGINT (Ctrl-C) is an
-interrupt: the trainers' step gets SIGINT through Slurm, the scripts' KeyboardInterrupt
-handlers run, the servers end after the trainers, and the job exits 130.
+interrupt: the trainers get SIGINT from their supervisors (asked through the run dir),
+the scripts' KeyboardInterrupt handlers run, the servers end after the trainers, and
+the job exits 130.
 """
 import os
 import signal
@@ -36,7 +37,7 @@ from typing import Optional
 
 from ..errors import ConfigError, JobSignalled
 from . import jobsteps
-from .report import LAUNCH_DIR, request_servers_stop
+from .report import LAUNCH_DIR, request_servers_stop, request_stop
 
 SERVER_STEP_NAME = "smb-server"
 TRAINER_STEP_NAME = jobsteps.TRAINER_STEP_NAME
@@ -288,21 +289,23 @@ class Job:
             if self.run_dir is not None:
                 self._retire()
         if status is None:
-            return 128 + self.signals.stopping if self.signals.stopping else SIGNALLED_STATUS
+            status = 128 + self.signals.stopping if self.signals.stopping else SIGNALLED_STATUS
+            interrupted = self.signals.stopping == signal.SIGINT
+            say(f"eddis_job: {'interrupted' if interrupted else 'stopped'}, status {status}", sys.stderr)
+            return status
         say(f"eddis_job: done, status {status}")
         return status
 
     def _interrupt_trainers(self):
-        """SIGINT reaches the trainers' step through Slurm (``scancel --signal=INT``), not
-        through srun, which takes one SIGINT for a status report and two within a second as
-        the order to kill every task. Each rank's supervisor passes it on and gives the script
-        EDDIS_INTERRUPT_GRACE s for its KeyboardInterrupt handler; the servers stay up
-        meanwhile (a handler may save through them) and end by themselves afterwards."""
+        """The interrupt reaches the trainers as the stop request in the run dir that names
+        SIGINT (what ``eddis-train --local`` writes), not through srun, which takes one SIGINT
+        for a status report and two within a second as the order to kill every task. Each
+        rank's supervisor passes SIGINT on once and gives the script EDDIS_INTERRUPT_GRACE s
+        for its KeyboardInterrupt handler; the servers stay up meanwhile (a handler may save
+        through them) and end by themselves afterwards."""
         from .. import settings
 
-        steps = jobsteps.step_ids(TRAINER_STEP_NAME) or []
-        if steps:
-            scancel(["--signal=INT", *steps])
+        request_stop(self.run_dir, "the job received SIGINT", signal.SIGINT)
         wait_ended([self.trainer], settings.get("EDDIS_INTERRUPT_GRACE") + settings.get("EDDIS_STOP_GRACE")
                    + SIGNAL_WAIT_SECONDS)
         if running([self.trainer]):
