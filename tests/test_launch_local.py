@@ -8,7 +8,7 @@ import time
 import pytest
 pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
 
-from conftest import REPO, python_env, run_process_group
+from conftest import PYTHON, REPO, python_env, run_process_group
 from launch_helpers import TRAINER, make_bin, processes_with_env, shm_leftovers
 
 import eddis.smb.server  # noqa: F401  (required: missing is a failure, not a skip)
@@ -234,3 +234,35 @@ def test_ctrl_c_stops_everything(tmp_path):
     assert "ROOT CAUSE" not in text  # an interrupt is not a rank failure
     assert "step 2999" not in text
     assert_clean(tmp_path)
+
+
+HANDLER_SCRIPT = """
+import time
+try:
+    print('ready', flush=True)
+    time.sleep(60)
+except KeyboardInterrupt:
+    print('caught', flush=True)
+    time.sleep(0.5)   # the same interrupt, delivered again, arrives in here
+    print('handler done', flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_trainer_takes_a_doubly_delivered_interrupt_once(tmp_path):
+    # Slurm signals every process of a step and the supervisor passes SIGINT on too: the
+    # trainer's runner must not let the second copy break into the script's handler
+    script = tmp_path / "handler.py"
+    script.write_text(HANDLER_SCRIPT)
+    proc = subprocess.Popen([PYTHON, "-m", "eddis.launch.child", str(script)], env=python_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline().strip() == "caught"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and out.strip() == "handler done", (out, err)

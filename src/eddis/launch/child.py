@@ -36,7 +36,7 @@ def _interrupt_once(signum, frame):
     if _interrupted_at[0] is not None and now - _interrupted_at[0] < DUPLICATE_INTERRUPT_SECONDS:
         return
     _interrupted_at[0] = now
-    raise KeyboardInterrupt
+    signal.default_int_handler(signum, frame)  # Python's own: raises KeyboardInterrupt
 
 def _flush():
     for stream in (sys.stdout, sys.stderr):
