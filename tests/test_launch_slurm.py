@@ -198,27 +198,32 @@ INTERRUPTIBLE = REPO / "tests" / "launch_scripts" / "interruptible_trainer.py"
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("whom", ["--batch", "--full"])
+@pytest.mark.parametrize("whom", ["--batch", "--full", "every step"])
 def test_interrupted_job_runs_every_ranks_keyboard_interrupt_handler(slurm_cluster, job_env, tmp_path, whom):
-    """SIGINT to the job (--batch: as Ctrl-C on an interactive eddis-train --job; --full: Slurm
-    signals every process of every step too, so a trainer gets SIGINT twice, from slurmstepd
-    and from its supervisor): each rank's script handles one KeyboardInterrupt (a barrier,
-    then a marker file), the servers end by themselves, and the job exits 130."""
+    """SIGINT to the job: --batch, as Ctrl-C on an interactive eddis-train --job; --full, the
+    job shell and its sruns; every step (plain scancel --signal=INT): Slurm signals every
+    process of every step, so a trainer gets SIGINT from slurmstepd and from its supervisor,
+    and the servers get it too. Each rank's script handles one KeyboardInterrupt (a barrier,
+    then a marker file), the servers outlive the handlers, and the job exits 130."""
     out = tmp_path / "job.out"
     markers = tmp_path / "markers"
     markers.mkdir()
     job_id = sbatch(slurm_cluster, job_env, out, INTERRUPTIBLE, markers)
     wait_until(lambda: out.exists() and all(re.search(rf"^\[{r}@\S+\] step 3$", out.read_text(), re.M)
                                             for r in range(4)), 120, interval=0.5, what="all ranks to step")
-    slurm_cluster.run(["scancel", whom, "--signal=INT", job_id], timeout=30)
+    slurm_cluster.run(["scancel", *([] if whom == "every step" else [whom]), "--signal=INT", job_id], timeout=30)
     state, code = wait_job_end(slurm_cluster, job_id, 120, out)
     text = out.read_text()
     for rank in range(4):
         assert re.search(rf"^\[{rank}@n[12]\] rank {rank}: saved$", text, re.M), text
         assert (markers / f"interrupted.{rank}").exists(), text
-    assert "eddis_job: interrupted (SIGINT)" in text and "eddis_job: interrupted, status 130" in text, text
+    if whom == "every step":
+        assert "eddis_job: the trainers were interrupted (SIGINT)" in text, text
+        assert "an smb-server step ended" not in text, text
+    else:
+        assert "eddis_job: interrupted (SIGINT)" in text and "eddis_job: interrupted, status 130" in text, text
+        assert_server_steps_ended_by_themselves(job_env["EDDIS_RUN_DIR"], text, servers=2)
     assert code == "130:0", (state, code, text)
     assert "ROOT CAUSE" not in text and "never interrupted" not in text, text
-    assert "sending SIGTERM" not in text, text
-    assert_server_steps_ended_by_themselves(job_env["EDDIS_RUN_DIR"], text, servers=2)
+    assert "sending SIGTERM" not in text and "Traceback" not in text, text
     assert_job_left_nothing(job_env["EDDIS_RUN_DIR"], job_id)

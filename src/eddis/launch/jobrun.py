@@ -37,7 +37,7 @@ from typing import Optional
 
 from ..errors import ConfigError, JobSignalled
 from . import jobsteps
-from .report import LAUNCH_DIR, request_servers_stop, request_stop
+from .report import LAUNCH_DIR, request_servers_stop, request_stop, root_cause
 
 SERVER_STEP_NAME = "smb-server"
 TRAINER_STEP_NAME = jobsteps.TRAINER_STEP_NAME
@@ -49,6 +49,7 @@ SLURM_COMMAND_TIMEOUT = 10.0
 GUARD_JOIN_SECONDS = 15.0  # the guard may be inside one squeue call when srun ends
 POLL_SECONDS = 0.2
 SIGNALLED_STATUS = 143  # 128 + SIGTERM, what a shell reports for a job script ended by scancel
+INTERRUPTED_STATUS = 130  # 128 + SIGINT: every rank's supervisor passed an interrupt on
 
 
 # ---------------------------------------------------------------- the allocation, from Slurm's variables
@@ -336,7 +337,10 @@ class Job:
             return 1
         status = self._train()
         end_server_steps(self.run_dir, self.servers)
-        if status != 0:
+        if status == INTERRUPTED_STATUS and root_cause(self.run_dir)[0] is None:
+            # scancel --signal=INT reached the trainers' step itself: no rank failed
+            say("eddis_job: the trainers were interrupted (SIGINT)", sys.stderr)
+        elif status != 0:
             # srun's own status may be a peer's SIGKILL; the root cause's is the job's
             status, _ = jobsteps.report_failure(self.run_dir, status)
         return status

@@ -10,7 +10,11 @@ So the job script and ``--local`` run this supervisor, which
 - when the server dies (anything but the stop it was asked for) or hangs (stack
   dumped, then killed), records a failure and asks every rank of the run dir to
   stop (``launch/stop``), so the job ends with the server as its root cause;
-- passes SIGTERM/SIGINT on to the server, and kills it when it does not stop within
+- ignores SIGINT, and starts the server ignoring it: an interrupt (``scancel
+  --signal=INT``, which reaches every process of every step) is for the trainers'
+  KeyboardInterrupt handlers, which may still need the servers; the job ends the
+  servers after the trainers;
+- passes SIGTERM on to the server, and kills it when it does not stop within
   SERVER_STOP_SECONDS (a stopped server would keep the job waiting otherwise);
 - stops the server the same way when the job asks for it in the run dir
   (``launch/smb-servers-stop``, once the trainers have ended), and then exits 0, so
@@ -32,7 +36,7 @@ from .report import describe_failure, request_stop, server_records, servers_stop
 
 SERVER_STOP_SECONDS = 10.0
 WATCH_SECONDS = 1.0
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 _CHILD_CODE = ("import sys; from eddis.launch.liveness import start_in_child; start_in_child(); "
                "from eddis.smb.server import main; sys.exit(main())")
@@ -89,6 +93,7 @@ class ServerSupervisor:
     def run(self):
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # inherited by the server (see above)
         liveness = LivenessWatch()
         env = dict(os.environ, **liveness.child_env())
         try:

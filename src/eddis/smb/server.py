@@ -575,7 +575,10 @@ def main(argv=None):
         stop.append(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # Started with SIGINT ignored (eddis-train --smb-server in a job), it keeps ignoring it:
+    # an interrupt of the job is the trainers', and the job stops the server after them.
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, on_signal)
     try:
         server = Server(run_dir, index=index, memory=args.memory, host=args.host, port=port,
                         token=token, reduce_threads=args.reduce_threads,
