@@ -167,6 +167,26 @@ def test_progress_log_lines_when_not_a_terminal():
 
 
 @pytest.mark.timeout(60)
+def test_progress_counts_steps_and_says_so_when_no_update_gives_samples():
+    from eddis.timeline.progress import Progress
+
+    stream = io.StringIO()
+    progress = Progress(total=3, rank=0, interval=0.0, stream=stream)
+    for _ in range(3):
+        progress.update()
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert lines and all(" steps/s " in line and "samples" not in line for line in lines), lines
+
+    stream = io.StringIO()
+    counted = Progress(total=2, rank=0, interval=0.0, stream=stream)
+    counted.update(samples=16)
+    counted.update(samples=16)
+    counted.close()
+    assert "  32 samples  " in stream.getvalue().splitlines()[-1]
+
+
+@pytest.mark.timeout(60)
 def test_runtime_progress_is_quiet_for_short_runs_and_shows_reported_loss():
     from eddis.timeline import progress as prog
 
