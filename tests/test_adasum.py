@@ -178,6 +178,41 @@ def case_torch(modes):
     hvd.shutdown()
 
 
+def case_tensorflow(modes):
+    """DistributedGradientTape(op=Adasum) of a small Keras model, and eddis.allreduce(op=Adasum)
+    of a TF tensor, against the numpy tree of every rank's own gradients."""
+    import keras
+    import tensorflow as tf
+
+    import eddis.tensorflow as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    out = {}
+    x = np.random.default_rng(rank + 1).standard_normal((8, 6)).astype(np.float32)
+    for mode in modes:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="relu"),
+                                  keras.layers.Dense(3)])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x)))
+        local = tape.gradient(loss, model.trainable_variables)
+        everyone = hvd.allgather_object([g.numpy().ravel().copy() for g in local])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x)))
+        tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum, mode=mode, bucket_bytes=64)
+        grads = tape.gradient(loss, model.trainable_variables)
+        expect = reference_tree(everyone)
+        out[mode] = max(float(np.abs(g.numpy().ravel() - e).max() / np.abs(e).max())
+                        for g, e in zip(grads, expect))
+    got = hvd.allreduce(tf.constant([1.0 + rank, -2.0, 0.5 * rank], dtype=tf.float64), op=hvd.Adasum)
+    want = reference_tree([[np.array([1.0 + r, -2.0, 0.5 * r])] for r in range(size)])[0]
+    out["eddis.allreduce"] = float(np.abs(got.numpy() - want).max())
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    hvd.shutdown()
+
+
 if __name__ == "__main__":
     globals()["case_" + sys.argv[1]](sys.argv[2].split(","))
     sys.exit(0)
@@ -243,3 +278,14 @@ def test_torch_distributed_optimizer_with_adasum(run_mpi, servers):
     for mode in ("allreduce", "sync"):
         assert res[mode] <= TOLERANCE["none"], (mode, res[mode])
     assert "not as a weighted mean" in res["sample_count"]
+
+
+@pytest.mark.timeout(420)
+def test_tensorflow_gradient_tape_with_adasum(run_mpi, servers):
+    env = {"EDDIS_RUN_DIR": str(servers.run_dir), "SMB_LOCAL_MAP": "0", "TF_CPP_MIN_LOG_LEVEL": "3",
+           "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_ENABLE_ONEDNN_OPTS": "0"}
+    res = _result(run_mpi(2, [PYTHON, __file__, "tensorflow", "allreduce,sync"], env=env, timeout=400,
+                          check=True))
+    assert res["eddis.allreduce"] < 1e-12
+    for mode in ("allreduce", "sync"):
+        assert res[mode] <= TOLERANCE["none"], (mode, res[mode])
