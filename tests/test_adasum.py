@@ -108,6 +108,15 @@ def case_equivalence(modes):
             out["zero"][f"{mode}/{comp}"] = zero
             everyone = core.allgather_object(digests)
             out["same"][f"{mode}/{comp}"] = all(d == everyone[0] for d in everyone)
+    if "sync" in modes:  # the node-local paths have no Adasum: refused, naming the flat path
+        import os
+
+        os.environ["EDDIS_SYNC_REDUCE"] = "hierarchical"
+        try:
+            core.make_reducer("sync", plan, op="adasum", name="ada.hier")
+        except ConfigError as exc:
+            out["hierarchical"] = str(exc)
+        os.environ["EDDIS_SYNC_REDUCE"] = "auto"
     # eddis.allreduce(op=Adasum): one tensor, float64, the same tree
     metric = np.array([1.0 + rank, -2.0, 0.5 * rank], dtype=np.float64)
     got = basics.allreduce_array(metric, op="adasum")
@@ -259,6 +268,37 @@ def test_adasum_matches_the_numpy_tree(run_mpi, servers, ranks):
     assert all(res["same"].values()), res["same"]
     assert res["allreduce_array"] < 1e-12
     assert "not as a weighted mean" in res["weight_refused"]
+    assert "EDDIS_SYNC_REDUCE=auto" in res["hierarchical"]
+
+
+def test_pair_coefficients_and_the_zero_cases():
+    from eddis.core.adasum import pair_weights
+
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal(40), rng.standard_normal(40)
+    zero = np.zeros(40)
+    rows = [(a @ b, a @ a, b @ b), (0.0, 0.0, b @ b), (0.0, a @ a, 0.0), (0.0, 0.0, 0.0), (a @ a, a @ a, a @ a)]
+    weights = pair_weights(rows)
+    for (wa, wb), (x, y) in zip(weights, [(a, b), (zero, b), (a, zero), (zero, zero), (a, a)]):
+        np.testing.assert_allclose(wa * x + wb * y, reference_pair(x, y), rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(weights[1:4], [[1.0, 1.0]] * 3)
+    np.testing.assert_allclose(weights[4], [0.5, 0.5])  # equal gradients are kept once
+
+
+def test_tree_schedule_pairs_ranks_at_doubling_distances():
+    from eddis.core.adasum import check_ranks
+    from eddis.core.adasum_sync import tree_schedule
+    from eddis.errors import ConfigError
+
+    assert [tree_schedule(r, 8) for r in range(8)] == [
+        ([(1, 1), (2, 2), (4, 4)], None), ([], 1), ([(1, 3)], 2), ([], 1),
+        ([(1, 5), (2, 6)], 4), ([], 1), ([(1, 7)], 2), ([], 1)]
+    assert tree_schedule(0, 1) == ([], None)
+    for size in (1, 2, 4, 64):
+        check_ranks(size, "test")
+    for size, hint in ((3, "launch 2 or 4"), (6, "launch 4 or 8"), (0, "launch 1 or 2")):
+        with pytest.raises(ConfigError, match=hint):
+            check_ranks(size, "test")
 
 
 @pytest.mark.timeout(120)
