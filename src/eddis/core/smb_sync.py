@@ -34,6 +34,9 @@ so the whole result lands in every rank's own buffer without a result pool
 an in-slot rank leaves its share's sum in the slots only. At close the buffer
 moves back to private memory with its contents, before the client unmaps the
 servers.
+
+With op=Adasum, ``make_sync_reducer`` builds ``eddis.core.adasum_sync``'s reducer
+instead: the servers combine the pairs of Adasum's tree.
 """
 import logging
 
