@@ -46,6 +46,7 @@ DEF MAX_CONNS = 1024
 DEF MAX_REGIONS = 65536
 DEF REPLY_SLOTS = 8192
 DEF MAX_VEC_SOURCES = 1024
+DEF MAX_VEC_SEGMENTS = 16384      # per segment op: its dot reply stays under 400 KB
 # The arena starts with one uint32 per region slot: the generation of the region
 # living there (0: none). Same-node clients check it before touching mapped
 # memory, so a handle to a freed region never reaches its successor.
@@ -70,6 +71,8 @@ cpdef enum VecOp:
     VEC_AXPY = 1
     VEC_SCALE = 2
     VEC_COPY = 3
+    VEC_DOT_NORMS = 4      # Adasum: (a.b, a.a, b.b) per segment of two sources
+    VEC_PAIR_SUM = 5       # Adasum: dst = w_a * a + w_b * b per segment
 
 # the op codes as plain module-level ints for the Python layer
 globals().update({m.name: int(m) for e in (SmbOp, CounterOp, VecOp) for m in e})
@@ -140,12 +143,20 @@ cdef packed struct vec_src_t:
     uint32_t slot
     double weight
 
+cdef packed struct vec_segment_t:  # after the two sources of VEC_DOT_NORMS / VEC_PAIR_SUM
+    uint64_t start         # columns of this server's part, inside the request's range
+    uint64_t count
+    double weight_a        # VEC_PAIR_SUM's coefficients (VEC_DOT_NORMS: unused)
+    double weight_b
+
 
 # what eddis.smb.protocol must agree with (tests/test_smb_protocol.py checks it)
 WIRE_MAGIC = SMB_MAGIC
 WIRE_SIZES = {"header": sizeof(smb_hdr_t), "counter_request": sizeof(counter_req_t),
               "vec_request": sizeof(vec_req_t), "vec_source": sizeof(vec_src_t),
+              "vec_segment": sizeof(vec_segment_t),
               "put_desc": sizeof(put_desc_t), "get_desc": sizeof(get_desc_t)}
+WIRE_MAX_VEC_SEGMENTS = MAX_VEC_SEGMENTS
 WIRE_STATUS = {"no_memory": ucp.UCS_ERR_EXCEEDS_LIMIT, "invalid": ucp.UCS_ERR_INVALID_PARAM,
                "no_elem": ucp.UCS_ERR_NO_ELEM, "bounds": ucp.UCS_ERR_OUT_OF_RANGE,
                "rejected": ucp.UCS_ERR_REJECTED}

@@ -320,6 +320,9 @@ cdef void handle_vecop(server_t *st, int ci, uint64_t req_id, const char *payloa
         server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"vector op: malformed request")
         return
     memcpy(&q, payload, sizeof(q))
+    if q.kind == VEC_DOT_NORMS or q.kind == VEC_PAIR_SUM:
+        handle_segment_op(st, ci, req_id, &q, payload + sizeof(vec_req_t), plen - sizeof(vec_req_t))
+        return
     if q.nsrc > MAX_VEC_SOURCES or plen != sizeof(vec_req_t) + q.nsrc * sizeof(vec_src_t):
         server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"vector op: malformed request")
         return
@@ -329,6 +332,137 @@ cdef void handle_vecop(server_t *st, int ci, uint64_t req_id, const char *payloa
         server_reply_error(st, ci, req_id, status, err)
     else:
         server_send_reply(st, ci, req_id, 0, NULL, 0)
+
+
+cdef const char *segment_pair(server_t *st, const vec_req_t *q, const vec_src_t *srcs,
+                              const char **a, const char **b, int *a_dtype, int *b_dtype,
+                              size_t *a_size, size_t *b_size, int *status) noexcept nogil:
+    """The two sources of a segment op: their slots' first columns, checked over the
+    request's range; NULL, or the refusal (and *status)."""
+    cdef region_t *r
+    cdef int i
+    for i in range(2):
+        r = get_region(st, srcs[i].region)
+        if r == NULL:
+            status[0] = ucp.UCS_ERR_NO_ELEM
+            return b"segment op: unknown source region"
+        if r.dtype > 2:
+            status[0] = ucp.UCS_ERR_INVALID_PARAM
+            return b"segment op: sources must be float32, float16 or bfloat16 regions"
+        if check_range(r, srcs[i].slot, q.start, q.count) != 0:
+            status[0] = ucp.UCS_ERR_OUT_OF_RANGE
+            return b"segment op: source slot/range outside the region"
+        if i == 0:
+            a[0] = st.arena + r.offset + srcs[i].slot * r.length * r.itemsize
+            a_dtype[0] = r.dtype
+            a_size[0] = r.itemsize
+        else:
+            b[0] = st.arena + r.offset + srcs[i].slot * r.length * r.itemsize
+            b_dtype[0] = r.dtype
+            b_size[0] = r.itemsize
+    return NULL
+
+
+cdef void handle_segment_op(server_t *st, int ci, uint64_t req_id, const vec_req_t *q,
+                            const char *body, size_t blen) noexcept nogil:
+    """Adasum's per-tensor work on this server's columns: segments (a tensor's part of the
+    request's range [start, start+count)) of two sources a and b. VEC_DOT_NORMS replies
+    (a.b, a.a, b.b) as three float64 per segment, so that the client can add up the
+    partial sums of every server before it knows a tensor's coefficients; VEC_PAIR_SUM
+    writes dst = weight_a * a + weight_b * b per segment (fp32 accumulation, dst may be
+    a or b), each segment a weighted sum on the reduction threads."""
+    cdef size_t fixed = 2 * sizeof(vec_src_t)
+    cdef size_t nseg, i
+    cdef const vec_src_t *srcs = <const vec_src_t*>body
+    cdef const char *segs
+    cdef vec_segment_t seg
+    cdef const char *a = NULL
+    cdef const char *b = NULL
+    cdef int a_dtype = 0, b_dtype = 0
+    cdef size_t a_size = 0, b_size = 0
+    cdef int status = 0
+    cdef int rc = 0
+    cdef int threads_used = 0
+    cdef const char *err
+    cdef region_t *dst
+    cdef char *d = NULL
+    cdef double *dots
+    cdef const void *ptrs[2]
+    cdef int dtypes[2]
+    cdef double weights[2]
+    cdef vp.smb_vecjob_t job
+    if q.nsrc != 2 or blen < fixed or (blen - fixed) % sizeof(vec_segment_t) != 0:
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM,
+                           b"segment op: malformed request (two sources, then whole segments)")
+        return
+    nseg = (blen - fixed) // sizeof(vec_segment_t)
+    if nseg > MAX_VEC_SEGMENTS:
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM,
+                           b"segment op: too many segments in one request (at most 16384)")
+        return
+    segs = body + fixed
+    err = segment_pair(st, q, srcs, &a, &b, &a_dtype, &b_dtype, &a_size, &b_size, &status)
+    if err != NULL:
+        server_reply_error(st, ci, req_id, status, err)
+        return
+    for i in range(nseg):
+        memcpy(&seg, segs + i * sizeof(vec_segment_t), sizeof(seg))
+        if seg.start < q.start or seg.count > q.count or seg.start - q.start > q.count - seg.count:
+            server_reply_error(st, ci, req_id, ucp.UCS_ERR_OUT_OF_RANGE,
+                               b"segment op: a segment lies outside the request's range")
+            return
+    if q.kind == VEC_DOT_NORMS:
+        dots = <double*>malloc(max(nseg, 1) * 3 * sizeof(double))
+        if dots == NULL:
+            server_reply_error(st, ci, req_id, ucp.UCS_ERR_NO_MEMORY, b"dot_norms: out of memory")
+            return
+        for i in range(nseg):
+            memcpy(&seg, segs + i * sizeof(vec_segment_t), sizeof(seg))
+            rc = vec.smb_dot_norms(a + seg.start * a_size, a_dtype, b + seg.start * b_size, b_dtype,
+                                   seg.count, dots + 3 * i)
+            if rc != 0:
+                break
+        if rc != 0:
+            server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, vec.smb_vecops_strerror(rc))
+        else:
+            server_send_reply(st, ci, req_id, 0, dots, nseg * 3 * sizeof(double))
+        free(dots)
+        return
+    dst = get_region(st, q.dst_region)
+    if dst == NULL:
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_NO_ELEM, b"pair_sum: unknown destination region")
+        return
+    if dst.dtype > 3:
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM,
+                           b"pair_sum: destination is not a float region")
+        return
+    if check_range(dst, q.dst_slot, q.start, q.count) != 0:
+        server_reply_error(st, ci, req_id, ucp.UCS_ERR_OUT_OF_RANGE,
+                           b"pair_sum: destination slot/range outside the region")
+        return
+    d = st.arena + dst.offset + q.dst_slot * dst.length * dst.itemsize
+    dtypes[0] = a_dtype
+    dtypes[1] = b_dtype
+    job.kind = vp.SMB_VECJOB_WEIGHTED_SUM
+    job.dst_dtype = dst.dtype
+    job.srcs = ptrs
+    job.src_dtypes = dtypes
+    job.weights = weights
+    job.nsrc = 2
+    job.alpha = 0.0
+    for i in range(nseg):
+        memcpy(&seg, segs + i * sizeof(vec_segment_t), sizeof(seg))
+        ptrs[0] = a + seg.start * a_size
+        ptrs[1] = b + seg.start * b_size
+        weights[0] = seg.weight_a
+        weights[1] = seg.weight_b
+        job.dst = d + seg.start * dst.itemsize
+        job.count = seg.count
+        rc = vp.smb_vecpool_run(st.vecpool, &job, &threads_used)
+        if rc != 0:
+            server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"pair_sum: kernel refused the dtype")
+            return
+    server_send_reply(st, ci, req_id, 0, NULL, 0)
 
 
 cdef void handle_control(server_t *st, int ci, uint64_t req_id, const char *payload,

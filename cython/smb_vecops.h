@@ -70,7 +70,8 @@ enum {
     SMB_VECOPS_EDTYPE = -1,   /* dtype code not one of SMB_DTYPE_* */
     SMB_VECOPS_ENOSRC = -2,   /* weighted_sum called with zero sources */
     SMB_VECOPS_ENULL = -3,    /* NULL buffer with a non-zero count */
-    SMB_VECOPS_EISA = -4      /* requested instruction set not available */
+    SMB_VECOPS_EISA = -4,     /* requested instruction set not available */
+    SMB_VECOPS_EWIDE = -5     /* float64 operand where only the wire dtypes are taken */
 };
 
 /* Elements per chunk: small enough that the stack buffers (<= 3 x 8 KiB) stay
@@ -86,6 +87,8 @@ static inline const char *smb_vecops_strerror(int code)
     case SMB_VECOPS_ENOSRC: return "weighted_sum needs at least one source slot";
     case SMB_VECOPS_ENULL: return "NULL buffer pointer with a non-zero element count";
     case SMB_VECOPS_EISA: return "this CPU lacks the requested instruction set";
+    case SMB_VECOPS_EWIDE:
+        return "dot_norms takes float32, float16 or bfloat16 operands, not float64";
     default: return "unknown vecops error";
     }
 }
@@ -245,6 +248,10 @@ static inline int smb_vecops_set_isa(int isa)
     return SMB_VECOPS_OK;
 }
 
+/* Fixed lanes of the dot products: each lane sums every SMB_DOT_LANES-th
+   product in order, so the bits do not depend on how the compiler vectorizes. */
+#define SMB_DOT_LANES 16
+
 #define SMB_LOOP(name) name##_generic
 #define SMB_LOOP_ATTR
 #include "smb_vecops_loops.h"
@@ -296,6 +303,8 @@ static inline void smb_scale_inplace_f32(float *x, float a, size_t n)
 { SMB_DISPATCH(smb_scale_inplace_f32, x, a, n); }
 static inline void smb_scale_inplace_f64(double *x, double a, size_t n)
 { SMB_DISPATCH(smb_scale_inplace_f64, x, a, n); }
+static inline void smb_dot3_f32(float *lanes, const float *a, const float *b, size_t n)
+{ SMB_DISPATCH(smb_dot3_f32, lanes, a, b, n); }
 
 /* ------------------------------------------------------------------------ */
 /* Chunk loaders and storers: any dtype <-> the accumulation type            */
@@ -616,6 +625,42 @@ static inline int smb_convert(void *dst, int dst_dtype, const void *src, int src
 static inline int smb_copy(void *dst, int dst_dtype, const void *src, int src_dtype, size_t count)
 {
     return smb_convert(dst, dst_dtype, src, src_dtype, count);
+}
+
+/* The three dot products Adasum needs of a pair of vectors:
+   out[0] = a.b, out[1] = a.a, out[2] = b.b.  Each chunk's products are
+   summed in float32 over SMB_DOT_LANES fixed lanes, and the chunk's lanes are
+   added in lane order into float64 accumulators: the error stays that of a
+   1024-element float32 sum whatever the count, and the bits depend on the
+   count alone (not on the instruction set or the thread).  a may be b.
+   Only the wire dtypes (float32, float16, bfloat16) are taken. */
+static inline int smb_dot_norms(const void *a, int a_dtype, const void *b, int b_dtype,
+                                size_t count, double *out)
+{
+    if (!smb_dtype_valid(a_dtype) || !smb_dtype_valid(b_dtype))
+        return SMB_VECOPS_EDTYPE;
+    if (a_dtype == SMB_DTYPE_FLOAT64 || b_dtype == SMB_DTYPE_FLOAT64)
+        return SMB_VECOPS_EWIDE;
+    if (!out || (count && (!a || !b)))
+        return SMB_VECOPS_ENULL;
+    double ab = 0.0, aa = 0.0, bb = 0.0;
+    float ta[SMB_VECOPS_CHUNK], tb[SMB_VECOPS_CHUNK];
+    float lanes[3 * SMB_DOT_LANES];
+    for (size_t off = 0; off < count; off += SMB_VECOPS_CHUNK) {
+        size_t n = smb_chunk_len(off, count);
+        memset(lanes, 0, sizeof lanes);
+        smb_dot3_f32(lanes, smb_load_f32(a, a_dtype, off, n, ta),
+                     smb_load_f32(b, b_dtype, off, n, tb), n);
+        for (size_t j = 0; j < SMB_DOT_LANES; j++) {
+            ab += (double)lanes[j];
+            aa += (double)lanes[SMB_DOT_LANES + j];
+            bb += (double)lanes[2 * SMB_DOT_LANES + j];
+        }
+    }
+    out[0] = ab;
+    out[1] = aa;
+    out[2] = bb;
+    return SMB_VECOPS_OK;
 }
 
 /* Compression codecs of the runtime: float32 <-> float16 / bfloat16.

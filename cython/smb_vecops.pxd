@@ -15,6 +15,7 @@ cdef extern from "smb_vecops.h" nogil:
         SMB_VECOPS_ENOSRC
         SMB_VECOPS_ENULL
         SMB_VECOPS_EISA
+        SMB_VECOPS_EWIDE
 
     enum:
         SMB_ISA_AUTO
@@ -45,5 +46,7 @@ cdef extern from "smb_vecops.h" nogil:
     int smb_scale(void *x, int dtype, double alpha, size_t count)
     int smb_convert(void *dst, int dst_dtype, const void *src, int src_dtype, size_t count)
     int smb_copy(void *dst, int dst_dtype, const void *src, int src_dtype, size_t count)
+    int smb_dot_norms(const void *a, int a_dtype, const void *b, int b_dtype, size_t count,
+                      double *out)
     int smb_compress_f32(void *dst, int codec_dtype, const float *src, size_t count)
     int smb_decompress_f32(float *dst, const void *src, int codec_dtype, size_t count)

@@ -138,3 +138,29 @@ static inline void SMB_LOOP(smb_scale_inplace_f64)(double *SMB_RESTRICT x, doubl
     for (size_t i = 0; i < n; i++)
         x[i] = a * x[i];
 }
+
+/* lanes (3 x SMB_DOT_LANES: a.b, a.a, b.b) += the products of n elements; a
+   and b are only read, so they may be the same buffer */
+SMB_LOOP_ATTR
+static inline void SMB_LOOP(smb_dot3_f32)(float *SMB_RESTRICT lanes, const float *SMB_RESTRICT a,
+                                          const float *SMB_RESTRICT b, size_t n)
+{
+    float *SMB_RESTRICT ab = lanes;
+    float *SMB_RESTRICT aa = lanes + SMB_DOT_LANES;
+    float *SMB_RESTRICT bb = lanes + 2 * SMB_DOT_LANES;
+    size_t i = 0;
+    for (; i + SMB_DOT_LANES <= n; i += SMB_DOT_LANES) {
+        for (size_t j = 0; j < SMB_DOT_LANES; j++) {
+            float x = a[i + j], y = b[i + j];
+            ab[j] = ab[j] + x * y;
+            aa[j] = aa[j] + x * x;
+            bb[j] = bb[j] + y * y;
+        }
+    }
+    for (size_t j = 0; i < n; i++, j++) {
+        float x = a[i], y = b[i];
+        ab[j] = ab[j] + x * y;
+        aa[j] = aa[j] + x * x;
+        bb[j] = bb[j] + y * y;
+    }
+}

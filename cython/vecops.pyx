@@ -281,6 +281,20 @@ def decompress_inplace(buf, codec, count=None):
     return b.array.reshape(-1)[:n]
 
 
+def dot_norms(a, b, *, a_dtype=None, b_dtype=None):
+    """(a.b, a.a, b.b) as Python floats: the dot products of Adasum's pairwise combination,
+    float32 products summed in float32 per 1024-element chunk and in float64 across
+    chunks (bit-identical on every kernel path). float32, float16 and bfloat16 operands;
+    a may be b."""
+    cdef _Operand ao = _operand(a, "a", a_dtype)
+    cdef _Operand bo = _operand(b, "b", b_dtype)
+    cdef double out[3]
+    _same_length(ao, bo, "dot_norms")
+    with nogil:
+        CHKERR(smb_dot_norms(ao.ptr, ao.dtype, bo.ptr, bo.dtype, ao.count, out), "dot_norms")
+    return out[0], out[1], out[2]
+
+
 def available_isas():
     """The kernel paths this CPU can run, best last: ['generic'] or ['generic', 'avx2']."""
     return ["generic", "avx2"] if smb_vecops_cpu_has_avx2() else ["generic"]

@@ -203,6 +203,41 @@ def test_the_first_stop_signal_stops_the_job_and_later_ones_do_not_interrupt_it(
     assert proc.stdout.splitlines() == ["stopping on SIGTERM", "still stopping", "finished"]
 
 
+CHECKPOINT_SIGNAL_PROBE = """
+import os, signal
+from eddis.launch.jobrun import JobSignals
+signals = JobSignals().install()
+os.kill(os.getpid(), signal.SIGUSR1)
+os.kill(os.getpid(), signal.SIGUSR1)
+print("asked", signals.checkpoint_asked, "stopping", signals.stopping, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_warning_signal_asks_for_a_checkpoint_and_does_not_stop_the_job():
+    proc = subprocess.run([sys.executable, "-c", CHECKPOINT_SIGNAL_PROBE], capture_output=True, text=True,
+                          timeout=30, env=python_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["asked True stopping None"]
+
+
+def test_a_new_run_of_the_job_forgets_the_last_runs_checkpoint_request(tmp_path):
+    from eddis.smb import rundir
+
+    run = jobsteps.create_run_dir(tmp_path / "run")
+    assert rundir.checkpoint_request(run) is None and rundir.checkpoint_answer(run) is None
+    rundir.request_checkpoint(run, "the time limit is near")
+    rundir.answer_checkpoint_request(run, tmp_path / "ckpt" / "step-00000040", 40)
+    assert rundir.checkpoint_request(run) == "the time limit is near"
+    assert rundir.checkpoint_answer(run) == {"checkpoint": str(tmp_path / "ckpt" / "step-00000040"), "step": 40}
+    # requeued: same job id, same run dir; the new run must not stop at once
+    jobsteps.create_run_dir(run)
+    assert rundir.checkpoint_request(run) is None and rundir.checkpoint_answer(run) is None
+    rundir.request_checkpoint(run, "again")
+    rundir.retire_run_dir(run)
+    assert rundir.checkpoint_request(run) is None
+
+
 def test_job_refuses_to_run_outside_slurm(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('never')\n")

@@ -129,3 +129,33 @@ def test_server_wait_becomes_the_setting():
     assert "export EDDIS_SERVER_WAIT=300\n" in text
     with pytest.raises(ConfigError, match="server_wait must be a number of seconds"):
         render_job_script(components=[JobComponent("cpu", nodes=1, tasks_per_node=1)], server_wait="soon")
+
+
+def test_the_checkpoint_signal_asks_for_a_requeueable_job_that_appends_its_output():
+    one = [JobComponent("a100", 1, 1)]
+    lines = render_job_script(components=one, time="00:30:00", checkpoint_signal=120).splitlines()
+    assert ["#SBATCH --signal=B:USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append"] == \
+        [line for line in lines if line.startswith(("#SBATCH --signal", "#SBATCH --requeue", "#SBATCH --open-mode"))]
+    for none in (0, None):
+        text = render_job_script(components=one, time="00:30:00", checkpoint_signal=none)
+        assert "--signal" not in text and "--requeue" not in text
+
+
+@pytest.mark.parametrize("time, signal, message", [
+    ("5", 300, "must come after the job starts, but the time limit is 5"),
+    ("00:30:00", -1, "checkpoint_signal must be whole seconds >= 0"),
+    ("00:30:00", 1.5, "checkpoint_signal must be whole seconds >= 0"),
+    ("half an hour", 60, "time limit 'half an hour': write minutes"),
+])
+def test_a_checkpoint_signal_the_job_cannot_use_is_refused(time, signal, message):
+    with pytest.raises(ConfigError, match=message):
+        render_job_script(components=[JobComponent("a100", 1, 1)], time=time, checkpoint_signal=signal)
+
+
+@pytest.mark.parametrize("text, seconds", [("1", 60), ("5:30", 330), ("01:00:00", 3600), ("2-3", 183600),
+                                           ("2-3:04", 183840), ("2-03:04:05", 183845),
+                                           ("UNLIMITED", float("inf"))])
+def test_time_limits_are_read_as_sbatch_reads_them(text, seconds):
+    from eddis.slurm.script import time_limit_seconds
+
+    assert time_limit_seconds(text) == seconds

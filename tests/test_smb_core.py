@@ -221,6 +221,49 @@ def test_vector_ops_against_numpy(client, dtype):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_adasum_segment_ops_against_numpy(client, dtype):
+    """dot_norms and pair_sum per segment; the segments cross the servers' column
+    boundaries (1000 columns on 3 servers), so the client adds up partial dot products."""
+    n = 1000
+    rng = np.random.default_rng(5)
+    pool = client.pool("ada-" + dtype, n, dtype=dtype, slots=2)
+    tree = client.pool("ada-tree-" + dtype, n, dtype="float32", slots=2)
+    np_dtype = numpy_dtype(dtype)
+    for s in range(2):
+        pool.write((rng.standard_normal(n) + s).astype(np.float32).astype(np_dtype), slot=s)
+    a, b = (pool.read(slot=s).astype(np.float64) for s in range(2))
+    segments = [(0, 10), (10, 320), (330, 1), (331, 400), (731, 269)]
+    dots = pool.dot_norms(0, 1, segments)
+    want = np.array([[a[s:s + c] @ b[s:s + c], a[s:s + c] @ a[s:s + c], b[s:s + c] @ b[s:s + c]]
+                     for s, c in segments])
+    # float32 products: the error is relative to |a||b|, not to a dot that cancels
+    scale = np.sqrt(want[:, 1] * want[:, 2])[:, None]
+    assert np.all(np.abs(dots - want) <= 1e-6 * (np.abs(want) + scale)), (dots, want)
+    # a dot of a slot with itself, across two pools (a float32 one) and an empty segment list
+    tree.write(np.ones(n, np.float32), slot=1)
+    np.testing.assert_allclose(tree.dot_norms(1, 0, [(0, n)], b_pool=pool)[0],
+                               [a.sum(), n, a @ a], rtol=1e-6)
+    assert pool.dot_norms(0, 1, []).shape == (0, 3)
+    weights = [(1.0, 1.0), (0.5, -2.0), (3.0, 0.0), (1.0, 0.25), (-1.0, 1.0)]
+    tree.pair_sum(0, 0, 1, segments, weights, a_pool=pool, b_pool=pool)
+    expect = np.concatenate([wa * a[s:s + c] + wb * b[s:s + c] for (s, c), (wa, wb) in zip(segments, weights)])
+    np.testing.assert_allclose(tree.read(slot=0), expect, rtol=1e-6, atol=1e-6)
+    # in place: a source is the destination
+    before = tree.read(slot=0).astype(np.float64)
+    tree.pair_sum(0, 0, 1, [(0, n)], [(2.0, 1.0)])
+    np.testing.assert_allclose(tree.read(slot=0), 2 * before + 1.0, rtol=1e-6, atol=1e-6)
+    with pytest.raises(SMBBoundsError):
+        pool.dot_norms(0, 1, [(990, 20)])
+    with pytest.raises(SMBBoundsError):
+        tree.pair_sum(0, 0, 5, [(0, 10)], [(1.0, 1.0)])
+    with pytest.raises(SMBValueError, match="one \\(w_a, w_b\\) per segment"):
+        tree.pair_sum(0, 0, 1, [(0, 10)], [])
+    pool.free()
+    tree.free()
+
+
+@pytest.mark.timeout(120)
 def test_counter_barrier_event_single(client):
     counter = client.counter("single", initial=40)
     assert counter.read() == 40

@@ -149,9 +149,13 @@ def _():
         loss = tf.reduce_sum(m(np.ones((2, 4), "float32")))
     eddis.DistributedGradientTape(tape, mode="gossip").gradient(loss, m.trainable_variables)
 
-@case("adasum")
+@case("adasum_easgd")
 def _():
-    eddis.DistributedOptimizer(keras.optimizers.SGD(0.1), op=eddis.Adasum)
+    eddis.DistributedOptimizer(keras.optimizers.SGD(0.1), op=eddis.Adasum, mode="easgd")
+
+@case("adasum_sample_count")
+def _():
+    eddis.DistributedGradientTape(tf.GradientTape(), op=eddis.Adasum, sample_count=4)
 
 @case("mixed_float16_wraps_loss_scale")
 def _():
@@ -269,7 +273,8 @@ EXPECTED = {
     "tape_easgd": ("ConfigError", "wrap the optimizer instead"),
     "tape_not_a_tape": ("ConfigError", "needs a tf.GradientTape"),
     "unknown_mode": ("ConfigError", "unknown mode 'gossip'"),
-    "adasum": ("ConfigError", "Adasum is not supported"),
+    "adasum_easgd": ("ConfigError", "averages models elastically"),
+    "adasum_sample_count": ("ConfigError", "not as a weighted mean"),
     "mixed_float16_wraps_loss_scale": ("ok", ""),
     "save_and_load": ("ok", ""),
     "one_rank_matches_plain_keras": ("ok", ""),

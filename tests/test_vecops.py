@@ -621,3 +621,53 @@ def test_cpu_torch_tensors_in_place():
     vecops.axpy(y, grad16, 0.5)
     want = (torch.ones(3000) + 0.5 * x.to(torch.bfloat16).float()).to(torch.float16)
     assert torch.equal(y, want)
+
+
+# --------------------------------------------------------------------------
+# Adasum's dot products
+# --------------------------------------------------------------------------
+
+def reference_dot_norms(a, b):
+    """dot_norms' exact arithmetic in numpy: float32 products, each chunk of 1024 summed
+    sequentially in float32 over 16 lanes (element i in lane i % 16), the lanes added in
+    order into float64 sums."""
+    sums = [0.0, 0.0, 0.0]
+    for off in range(0, len(a), vecops.CHUNK):
+        x, y = a[off:off + vecops.CHUNK], b[off:off + vecops.CHUNK]
+        pad = -len(x) % 16
+        for k, prod in enumerate((x * y, x * x, y * y)):
+            lanes = np.add.accumulate(np.concatenate([prod, np.zeros(pad, np.float32)]).reshape(-1, 16),
+                                      axis=0, dtype=np.float32)[-1]
+            for lane in lanes:
+                sums[k] += float(lane)
+    return tuple(sums)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("a_dtype,b_dtype", [("float32", "float32"), ("float16", "float32"),
+                                             ("bfloat16", "bfloat16"), ("float32", "bfloat16")])
+def test_dot_norms_exact_against_numpy(isa, a_dtype, b_dtype):
+    rng = np.random.default_rng(21)
+    for n in (0, 1, 15, 16, 17, 1023, 1024, 1025, 5000):
+        a = to_storage(rng.standard_normal(n) * 3, a_dtype)
+        b = to_storage(rng.standard_normal(n) - 0.5, b_dtype)
+        a32 = as_values(a, a_dtype).astype(np.float32)
+        b32 = as_values(b, b_dtype).astype(np.float32)
+        got = vecops.dot_norms(a, b, a_dtype=a_dtype, b_dtype=b_dtype)
+        assert got == reference_dot_norms(a32, b32), (n, got)
+        # close to the exact float64 values too: the float64 sums keep the error per chunk
+        exact = (a32.astype(np.float64) @ b32, a32.astype(np.float64) @ a32, b32.astype(np.float64) @ b32)
+        scale = np.sqrt(exact[1] * exact[2]) if n else 0.0
+        assert all(abs(g - e) <= 1e-5 * max(scale, e) for g, e in zip(got, exact)), (n, got, exact)
+
+
+@pytest.mark.timeout(60)
+def test_dot_norms_of_a_vector_with_itself_and_refusals():
+    x = np.random.default_rng(22).standard_normal(3000).astype(np.float32)
+    ab, aa, bb = vecops.dot_norms(x, x)
+    assert ab == aa == bb == reference_dot_norms(x, x)[0]
+    assert vecops.dot_norms(np.zeros(7, np.float32), x[:7]) == (0.0, 0.0, reference_dot_norms(x[:7], x[:7])[2])
+    with pytest.raises(SMBValueError, match="not float64"):
+        vecops.dot_norms(x.astype(np.float64), x)
+    with pytest.raises(SMBValueError, match="has 10 elements but a has 3000"):
+        vecops.dot_norms(x, x[:10])

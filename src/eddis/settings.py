@@ -313,6 +313,13 @@ register("EDDIS_SERVER_WAIT", "float", 120.0,
          "Seconds a job (eddis-train --job, or --local) waits for every smb-server to publish its "
          "address before it fails "
          "(with the servers' lines above the message); raise it for a slow node or file system.")
+register("EDDIS_REQUEUE", "bool", True,
+         "Whether a Slurm job whose trainers wrote a checkpoint on the job's warning signal "
+         "(#SBATCH --signal=B:USR1@N, which eddis submit writes) requeues itself "
+         "(scontrol requeue), so that its next run resumes from that checkpoint.")
+register("EDDIS_MAX_REQUEUES", "int", 20,
+         "How many times one job may requeue itself (Slurm's SLURM_RESTART_COUNT); a job past it "
+         "ends with its checkpoint kept and says so, instead of cycling through the queue.")
 register("EDDIS_LIVENESS_TIMEOUT", "float", 30.0,
          "Seconds a trainer or smb-server may go without a heartbeat to its eddis-train supervisor "
          "(or stay stopped, e.g. by SIGSTOP) before it counts as hung: its Python stack is dumped, it "

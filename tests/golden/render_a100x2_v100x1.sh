@@ -4,6 +4,9 @@
 #SBATCH --job-name=resnet
 #SBATCH --output=eddis-%j.out
 #SBATCH --account=proj42
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --partition=a100
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4

@@ -3,6 +3,9 @@
 # Submit: sbatch eddis_job.sh train.py [args]   (eddis submit writes scripts like this one)
 #SBATCH --job-name=eddis
 #SBATCH --output=eddis-%j.out
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --partition=a100
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=2

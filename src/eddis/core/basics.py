@@ -16,8 +16,9 @@ import importlib
 import functools
 import os
 
+from .. import settings
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import collectives, hetero, progress, reducer, runtime
+from . import adasum, collectives, hetero, progress, reducer, runtime
 from .ops import Average, resolve_op
 
 
@@ -121,13 +122,19 @@ class EddisBasics:
                         name=None):
         """``data`` (numpy) reduced over all ranks, in its dtype and shape: the numeric rules of
         every adapter's ``allreduce``. Floats are summed in float64 (metrics, not gradients:
-        exactness over speed); an integer average is refused rather than truncated."""
+        exactness over speed); an integer average is refused rather than truncated.
+        op=Adasum combines the ranks' tensors in Adasum's tree (float64, the whole tensor
+        one vector; a power-of-2 number of ranks), floats only."""
         import numpy as np
 
         self.require("eddis.allreduce()")
         op = resolve_op(op, average)
         data = np.asarray(data)
         floating = data.dtype.kind == "f" or data.dtype.name == "bfloat16"
+        if not floating and op.name == "adasum":
+            raise ConfigError(f"allreduce of an integer tensor ({data.dtype.name}) with op=Adasum: Adasum "
+                              "combines float tensors by their directions; reduce a float tensor, or "
+                              "use op=Sum")
         if not floating and (op.name == "average" or prescale_factor != 1.0 or postscale_factor != 1.0):
             raise ConfigError(f"allreduce of an integer tensor ({data.dtype.name}) with op={op!r} and "
                               f"scale factors {prescale_factor}, {postscale_factor} would have to round: "
@@ -143,11 +150,24 @@ class EddisBasics:
 
     # ------------------------------------------------------------ reduction ops
     @staticmethod
-    def gradient_op(op, what):
-        """The ReduceOp a gradient reduction may use (Average or Sum), or a ConfigError naming ``what``."""
+    def gradient_op(op, what, mode=None, sample_count=None):
+        """The ReduceOp a gradient reduction may use (Average, Sum or Adasum), or a ConfigError
+        naming ``what``. Adasum's rules, as Horovod's: no elastic modes (``mode``: easgd,
+        hybrid; None: EDDIS_MODE), no sample counts, a power-of-2 number of ranks (the
+        last two are checked again where the reducer is built and weighted)."""
         op = resolve_op(Average if op is None else op)
-        if op.name not in ("average", "sum"):
-            raise ConfigError(f"{what} reduces gradients with op=Average or Sum, not {op!r}")
+        if op.name not in ("average", "sum", "adasum"):
+            raise ConfigError(f"{what} reduces gradients with op=Average, Sum or Adasum, not {op!r}")
+        if op.name == "adasum":
+            mode = settings.get("EDDIS_MODE") if mode is None else str(mode).lower()
+            if mode in ("easgd", "hybrid"):
+                raise ConfigError(f"{what}: op=Adasum combines every rank's gradients at every step, but "
+                                  f"mode {mode!r} averages models elastically between groups: use mode "
+                                  "'sync' or 'allreduce' with Adasum, or op=Average with this mode")
+            if sample_count is not None:
+                raise ConfigError(f"{what}: sample_count with op=Adasum: {adasum.ONE_WEIGHT_ONLY}")
+            if runtime.is_initialized():
+                adasum.check_ranks(runtime.size(), what)
         return op
 
     # ------------------------------------------------------------ the global learning counter

@@ -72,6 +72,18 @@ def allreduce_array(array, op="sum", out=None, comm=None, timeout=None, what="al
 
     key = resolve_op(op).name  # one spelling of the ops for every caller
     comm = _comm(comm)
+    if key == "adasum":
+        from .adasum import allreduce_array as adasum_allreduce
+
+        src = np.asarray(array)
+        if src.dtype.kind != "f":
+            raise ConfigError(f"{what}: Adasum combines float tensors by their directions; "
+                              f"{src.dtype.name} is not one: reduce a float tensor, or use op=Sum")
+        result = adasum_allreduce(src, comm, _timeout(timeout), what).astype(src.dtype, copy=False)
+        if out is None:
+            return result
+        np.copyto(out, result)
+        return out
     src = np.ascontiguousarray(array)
     if out is None:
         out = src.copy()

@@ -1,4 +1,5 @@
-"""Reduction operators shared by the adapters: ``Average``, ``Sum``, ``Min``, ``Max``."""
+"""Reduction operators shared by the adapters: ``Average``, ``Sum``, ``Min``, ``Max`` and
+``Adasum`` (gradients and float tensors only; see ``eddis.core.adasum``)."""
 from ..errors import ConfigError
 
 
@@ -25,10 +26,8 @@ def resolve_op(op, average=None):
         op = Sum if average is False else Average
     if isinstance(op, str):
         op = ReduceOp(op.lower())
-    if op.name == "adasum":
-        raise ConfigError("Adasum is not supported by EDDIS; use op=Average (the default) or Sum")
-    if op.name not in ("average", "sum", "min", "max"):
-        raise ConfigError(f"unknown reduction op {op!r}; use Average, Sum, Min or Max")
+    if op.name not in ("average", "sum", "min", "max", "adasum"):
+        raise ConfigError(f"unknown reduction op {op!r}; use Average, Sum, Min, Max or Adasum")
     return op
 
 

@@ -12,7 +12,8 @@ A framework adapter owns a :class:`~eddis.core.buckets.BucketPlan`, fills
 or ``reducer.reduce(weight)`` for all buckets at once. ``op="average"`` gives
 ``sum_i w_i g_i / sum_i w_i`` (with equal weights, the plain mean), so ranks with
 unequal shares of a global batch still compute the gradient of the whole batch;
-``op="sum"`` gives ``sum_i g_i``.
+``op="sum"`` gives ``sum_i g_i``; ``op="adasum"`` the Adasum of the ranks' gradients
+per tensor (``eddis.core.adasum``; no weights).
 
 Buckets go on the wire strictly in plan order (bucket 0 first), the same on
 every rank. A *submit* thread compresses and sends bucket k as soon as it is
@@ -41,7 +42,7 @@ import numpy as np
 from .. import settings
 # ReductionError, ReductionTimeoutError: also importable from here, their old address
 from ..errors import ConfigError, ReductionError, ReductionTimeoutError, UsageError
-from . import observe, runtime
+from . import adasum, observe, runtime
 from .compression import get_codec
 
 log = logging.getLogger("eddis.core.reducer")
@@ -60,9 +61,9 @@ def _op_name(op):
     key = str(getattr(op, "name", op)).lower()
     if key in ("average", "mean", "avg"):
         return "average"
-    if key == "sum":
-        return "sum"
-    raise ConfigError(f"unknown reduction op {op!r}; use Average or Sum")
+    if key in ("sum", "adasum"):
+        return key
+    raise ConfigError(f"unknown reduction op {op!r}; use Average, Sum or Adasum")
 
 
 class Reducer:
@@ -153,6 +154,8 @@ class Reducer:
         weight = float(weight)
         if not weight >= 0:
             raise ConfigError(f"reduction weight must be >= 0, got {weight}")
+        if self.op == "adasum":
+            adasum.check_weight(weight)
         with self._cond:
             if self._nready:
                 raise UsageError("set the sample count before backward(): some gradient "
@@ -326,7 +329,8 @@ class AllreduceReducer(Reducer):
     fp32 buckets use ``eddis._mpi.allreduce_sum_inplace`` (GIL released) when MPI
     has THREAD_MULTIPLE, else a polled non-blocking Iallreduce; fp16/bf16
     buckets travel compressed and are summed by a user-defined MPI operation
-    (fp16 accumulation for fp16, fp32 per pairwise sum for bf16).
+    (fp16 accumulation for fp16, fp32 per pairwise sum for bf16). ``op="adasum"``
+    swaps whole buckets with recursive doubling instead (``eddis.core.adasum``).
     """
 
     mode = "allreduce"
@@ -347,7 +351,11 @@ class AllreduceReducer(Reducer):
             except ImportError:
                 self._native = None
         self._mpi_op = None
-        if not self.codec.is_identity:
+        self._adasum = None
+        if self.op == "adasum":
+            self._adasum = adasum.PairwiseExchange(self.comm, self.codec, self.timeout,
+                                                   f"{self.mode} reduction", plan.total)
+        elif not self.codec.is_identity:
             self._mpi_op = MPI.Op.Create(_half_sum if self.codec.name == "fp16" else _bf16_sum, commute=True)
         self._start_threads()
 
@@ -376,6 +384,11 @@ class AllreduceReducer(Reducer):
 
     def _submit(self, k):
         view = self.plan.bucket_view(k)
+        if self._adasum is not None:
+            bucket = self.plan.buckets[k]
+            segments = [(start - bucket.start, count) for start, count in adasum.bucket_segments(self.plan, k)]
+            self._adasum.reduce(view, segments, tag=k % 32768, offset=bucket.start)
+            return None
         if self._scale != 1.0:
             view *= np.float32(self._scale)
         if self.codec.is_identity:
@@ -438,6 +451,12 @@ def make_reducer(mode, plan, compression="none", op="average", timeout=None, nam
     """Build the reducer of ``mode`` (None: EDDIS_MODE) over ``plan``."""
     mode = settings.get("EDDIS_MODE") if mode is None else str(mode).lower()
     _load_builtin_modes()
+    if _op_name(op) == "adasum":
+        if mode in ("easgd", "hybrid"):
+            raise ConfigError(f"op=Adasum combines every rank's gradients at every step, but mode "
+                              f"{mode!r} averages models elastically between groups: use mode 'sync' or "
+                              "'allreduce' with Adasum, or op=Average with this mode")
+        adasum.check_ranks(runtime.size(), f"mode {mode!r}")
     if mode not in REDUCERS and mode not in ("sync", "easgd", "hybrid"):
         raise ConfigError(f"unknown mode {mode!r}; available: {', '.join(available_modes())}")
     if runtime.size() == 1:  # nothing to communicate: no SMB needed either

@@ -34,6 +34,9 @@ so the whole result lands in every rank's own buffer without a result pool
 an in-slot rank leaves its share's sum in the slots only. At close the buffer
 moves back to private memory with its contents, before the client unmaps the
 servers.
+
+With op=Adasum, ``make_sync_reducer`` builds ``eddis.core.adasum_sync``'s reducer
+instead: the servers combine the pairs of Adasum's tree.
 """
 import logging
 
@@ -45,6 +48,7 @@ from ..errors import ConfigError, SMBMemoryError, SMBTimeoutError
 from ..smb import _core  # without the built SMB extension there is no mode sync
 from ..smb import _vecops
 from . import collectives, runtime
+from .adasum_sync import AdasumSyncReducer
 from .buckets import column_share
 from .hier_sync import HierarchicalSyncReducer, NodeLayout
 from .reducer import Reducer, register_mode
@@ -269,8 +273,16 @@ def make_sync_reducer(plan, compression="none", op="average", timeout=None, name
 
     EDDIS_SYNC_REDUCE: auto (hierarchical across nodes, the ranks' sum on one node),
     hierarchical (also on one node), server (flat: every rank's slot to the servers) or
-    ranks (one node only)."""
+    ranks (one node only). op=Adasum: the servers combine the tree's pairs (auto, server)."""
     choice = settings.get("EDDIS_SYNC_REDUCE")
+    if str(getattr(op, "name", op)).lower() == "adasum":
+        # The servers combine the pairs of the tree (adasum_sync); the node-local sums of
+        # the other paths would have to be Adasum's pairs too, which they are not.
+        if choice in ("hierarchical", "ranks"):
+            raise ConfigError(f"EDDIS_SYNC_REDUCE={choice} has no Adasum: with op=Adasum mode sync "
+                              "combines the gradients on the SMB servers; set EDDIS_SYNC_REDUCE=auto "
+                              "(or server) for that flat path, or use op=Average")
+        return AdasumSyncReducer(plan, compression, op, timeout, name)
     if choice in ("auto", "hierarchical"):
         wait = settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
         layout = NodeLayout.gather(runtime.smb_client(), wait)

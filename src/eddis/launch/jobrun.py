@@ -24,6 +24,13 @@ waits, bounded, for its sruns and exits 143 (:class:`JobSignals`). SIGINT (Ctrl-
 interrupt: the trainers get SIGINT from their supervisors (asked through the run dir),
 the scripts' KeyboardInterrupt handlers run, the servers end after the trainers, and
 the job exits 130.
+
+SIGUSR1 (``#SBATCH --signal=B:USR1@N``: the time limit is N seconds away) asks the
+trainers for a checkpoint: a request file in the run directory and SIGUSR1 to the
+trainer step. Trainers that wrote it answer in the run directory and exit 0; the job
+then stops its servers, retires the run directory and requeues itself
+(``scontrol requeue``, at most ``EDDIS_MAX_REQUEUES`` times), and its next run resumes
+from that checkpoint (``eddis.resume``).
 """
 import os
 import signal
@@ -50,6 +57,8 @@ GUARD_JOIN_SECONDS = 15.0  # the guard may be inside one squeue call when srun e
 POLL_SECONDS = 0.2
 SIGNALLED_STATUS = 143  # 128 + SIGTERM, what a shell reports for a job script ended by scancel
 INTERRUPTED_STATUS = 130  # 128 + SIGINT: every rank's supervisor passed an interrupt on
+# #SBATCH --signal=B:USR1@N (eddis.slurm.script): the time limit is N seconds away
+CHECKPOINT_SIGNAL = signal.SIGUSR1
 
 
 # ---------------------------------------------------------------- the allocation, from Slurm's variables
@@ -231,9 +240,14 @@ class JobSignals:
     def __init__(self):
         self.stopping = None
         self.armed = False
+        self.checkpoint_asked = False  # Slurm's warning before the time limit came
 
     def handlers(self):
-        return {signal.SIGTERM: self._stop, signal.SIGINT: self._stop}
+        return {signal.SIGTERM: self._stop, signal.SIGINT: self._stop, CHECKPOINT_SIGNAL: self._ask_checkpoint}
+
+    def _ask_checkpoint(self, signum, frame):
+        # only noted here: the main loop passes it on (squeue and scancel are no work for a handler)
+        self.checkpoint_asked = True
 
     def install(self):
         for signum, handler in self.handlers().items():
@@ -271,6 +285,8 @@ class Job:
         self.run_dir = None
         self.servers = []
         self.trainer = None
+        self.checkpoint_requested = False  # passed on to the trainers
+        self.answer = None  # the checkpoint the trainers wrote on request, then stopped
 
     def run(self):
         self.signals.install()
@@ -294,6 +310,8 @@ class Job:
             interrupted = self.signals.stopping == signal.SIGINT
             say(f"eddis_job: {'interrupted' if interrupted else 'stopped'}, status {status}", sys.stderr)
             return status
+        if status == 0 and self.answer is not None:
+            return self._requeue()
         say(f"eddis_job: done, status {status}")
         return status
 
@@ -336,6 +354,10 @@ class Job:
             stop_steps(SERVER_STEP_NAME, self.servers)
             return 1
         status = self._train()
+        if status == 0:
+            from ..smb.rundir import checkpoint_answer
+
+            self.answer = checkpoint_answer(self.run_dir)
         end_server_steps(self.run_dir, self.servers)
         if status == INTERRUPTED_STATUS and root_cause(self.run_dir)[0] is None:
             # scancel --signal=INT reached the trainers' step itself: no rank failed
@@ -360,6 +382,8 @@ class Job:
         while True:
             if self.trainer.poll() is not None:
                 return exit_status(self.trainer.returncode)
+            if self.signals.checkpoint_asked and not self.checkpoint_requested:
+                self._request_checkpoint()
             ended = next((p for p in self.servers if p.poll() is not None), None)
             if ended is not None:
                 say(f"eddis_job: an smb-server step ended (status {exit_status(ended.returncode)}) "
@@ -367,6 +391,48 @@ class Job:
                 stop_steps(TRAINER_STEP_NAME, [self.trainer])
                 return 1
             time.sleep(POLL_SECONDS)
+
+    def _request_checkpoint(self):
+        """Pass Slurm's warning on: a request file for trainers not listening yet, and
+        SIGUSR1 to the trainer step (its supervisors forward it to their trainers)."""
+        from ..smb.rundir import request_checkpoint
+
+        self.checkpoint_requested = True
+        request_checkpoint(self.run_dir, "the job's time limit is near (Slurm sent SIGUSR1)")
+        steps = jobsteps.step_ids(TRAINER_STEP_NAME)
+        if steps:
+            scancel([f"--signal={CHECKPOINT_SIGNAL.name.removeprefix('SIG')}", *steps])
+        say("eddis_job: the time limit is near (SIGUSR1 from Slurm): asking the trainers for a checkpoint")
+
+    def _requeue(self):
+        """The trainers wrote the checkpoint they were asked for and stopped: queue the job again."""
+        from .. import settings
+
+        where = f"checkpoint {self.answer.get('checkpoint')} (step {self.answer.get('step')})"
+        if not settings.get("EDDIS_REQUEUE"):
+            say(f"eddis_job: the trainers stopped after writing {where}; EDDIS_REQUEUE=0, so the job "
+                "ends here: resubmit it to resume")
+            return 0
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        limit = settings.get("EDDIS_MAX_REQUEUES")
+        if restarts >= limit:
+            say(f"eddis_job: error: the trainers stopped after writing {where}, but the job has been "
+                f"requeued {restarts} times (EDDIS_MAX_REQUEUES={limit}); not requeued again: raise "
+                "EDDIS_MAX_REQUEUES or the time limit, and resubmit to resume", sys.stderr)
+            return 1
+        try:
+            proc = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True, text=True,
+                                  timeout=SLURM_COMMAND_TIMEOUT)
+            failure = None if proc.returncode == 0 else (proc.stderr or proc.stdout).strip()
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            failure = str(exc)
+        if failure is not None:
+            say(f"eddis_job: error: the trainers stopped after writing {where}, but `scontrol requeue "
+                f"{self.job_id}` failed: {failure}. Submit with --requeue (the script's #SBATCH --requeue), "
+                "or resubmit the job to resume", sys.stderr)
+            return 1
+        say(f"eddis_job: wrote {where}; requeued job {self.job_id} (run {restarts + 2}), which resumes there")
+        return 0
 
     def _retire(self):
         from ..smb.rundir import retire_run_dir

@@ -30,12 +30,14 @@ def run_dir():
 def create_run_dir(path):
     """The job's run directory, made ready for a new run: job ids start again when a
     cluster is rebuilt, and a requeued job keeps its id, so what an earlier run left
-    there (its ranks' exit records, its servers' addresses) must not be read as this
-    run's."""
-    from ..smb.rundir import SERVERS_DIR, create_run_dir as create
+    there (its ranks' exit records, its servers' addresses, its checkpoint request)
+    must not be read as this run's."""
+    from ..smb.rundir import CHECKPOINT_ANSWER_FILE, CHECKPOINT_REQUEST_FILE, SERVERS_DIR, create_run_dir as create
 
     path = Path(create(Path(path).expanduser().resolve()))
     shutil.rmtree(path / LAUNCH_DIR, ignore_errors=True)
+    for request in (CHECKPOINT_REQUEST_FILE, CHECKPOINT_ANSWER_FILE):  # the last run's
+        (path / request).unlink(missing_ok=True)
     for stale in (path / SERVERS_DIR).glob("*.json"):
         stale.unlink(missing_ok=True)
     return path

@@ -49,6 +49,7 @@ WATCH_SECONDS = 1.0
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _die_with_parent():
@@ -57,6 +58,11 @@ def _die_with_parent():
     except (OSError, AttributeError):
         pass
     os.setsid()  # own process group: stop the trainer and its workers together
+    # A checkpoint request (Slurm's SIGUSR1) that comes before the trainer has installed
+    # its handler must not kill it, which is what SIGUSR1 does by default; the request
+    # also waits in the run dir, where eddis.init() finds it.
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _exit_notifier(pid):
@@ -135,7 +141,7 @@ class Supervisor:
     def _install_signal_handlers(self):
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
-        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        for sig in FORWARDED_SIGNALS:
             signal.signal(sig, self._forward_signal)
 
     def _signal_child(self, sig):

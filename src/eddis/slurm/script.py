@@ -20,6 +20,10 @@ from typing import Mapping, Optional, Sequence
 
 from ..errors import ConfigError
 
+# Long enough for the slowest checkpoint of a large model to reach a parallel file system;
+# Slurm may send the signal up to a minute earlier than asked.
+CHECKPOINT_SIGNAL_SECONDS = 300
+
 
 @dataclass(frozen=True)
 class JobComponent:
@@ -78,13 +82,37 @@ exec eddis-train --job -- "$@"
 '''
 
 
+def time_limit_seconds(text):
+    """Seconds in a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S; "UNLIMITED" is infinite."""
+    spec = str(text).strip()
+    if spec.upper() in ("UNLIMITED", "INFINITE"):
+        return float("inf")
+    days, dash, rest = spec.rpartition("-") if "-" in spec else ("0", "", spec)
+    parts = rest.split(":")
+    if not (days.isdigit() and parts and len(parts) <= 3 and all(p.isdigit() for p in parts)):
+        raise ConfigError(f"time limit {text!r}: write minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]] "
+                          "(as sbatch --time)")
+    numbers = [int(p) for p in parts]
+    if dash:  # D-H, D-H:M, D-H:M:S
+        hours, minutes, seconds = (numbers + [0, 0])[:3]
+    else:  # M, M:S, H:M:S
+        hours, minutes, seconds = {1: (0, *numbers, 0), 2: (0, *numbers), 3: tuple(numbers)}[len(numbers)]
+    return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
 @keyword_options
 def render_job_script(*, components: Sequence[JobComponent], command: Sequence[str] = ("train.py",),
                       job_name: str = "eddis", time: str = "01:00:00", output: str = "eddis-%j.out",
                       account: Optional[str] = None, mode: Optional[str] = None,
                       settings: Optional[Mapping[str, str]] = None, server_wait: Optional[float] = None,
-                      comment: Optional[str] = None) -> str:
-    """The sbatch script text: one #SBATCH block per component (hetjob when several)."""
+                      comment: Optional[str] = None,
+                      checkpoint_signal: Optional[int] = CHECKPOINT_SIGNAL_SECONDS) -> str:
+    """The sbatch script text: one #SBATCH block per component (hetjob when several).
+
+    ``checkpoint_signal`` (seconds, None or 0 for none): Slurm sends the job SIGUSR1 that
+    long before its time limit, the trainers write a checkpoint and the job requeues itself
+    (:mod:`eddis.launch.jobrun`); the output file is appended to, so that every run of the
+    job writes into one file."""
     components = list(components)
     if not components:
         raise ConfigError("render_job_script(): components is empty; give one JobComponent per partition")
@@ -103,6 +131,14 @@ def render_job_script(*, components: Sequence[JobComponent], command: Sequence[s
             raise ConfigError(f"render_job_script(): server_wait must be a number of seconds > 0, "
                               f"got {server_wait!r}")
         exports["EDDIS_SERVER_WAIT"] = f"{server_wait:g}"
+    if checkpoint_signal is not None and (isinstance(checkpoint_signal, bool)
+                                          or not isinstance(checkpoint_signal, int) or checkpoint_signal < 0):
+        raise ConfigError(f"render_job_script(): checkpoint_signal must be whole seconds >= 0 (0: no "
+                          f"warning signal, no requeue), got {checkpoint_signal!r}")
+    if checkpoint_signal and checkpoint_signal >= time_limit_seconds(time):
+        raise ConfigError(f"the checkpoint signal ({checkpoint_signal} s before the time limit) must come "
+                          f"after the job starts, but the time limit is {time}: ask for a longer time "
+                          "or a shorter signal lead (eddis submit --checkpoint-signal SECONDS; 0: none)")
     for name in exports:
         if not name.startswith(("EDDIS_", "SMB_")):
             raise ConfigError(f"setting {name}: only EDDIS_* and SMB_* settings go into the job script")
@@ -115,6 +151,9 @@ def render_job_script(*, components: Sequence[JobComponent], command: Sequence[s
              f"#SBATCH --output={output}"]
     if account:
         head.append(f"#SBATCH --account={account}")
+    if checkpoint_signal:
+        # B: the batch step only, which is eddis-train --job; it asks the trainers itself
+        head += [f"#SBATCH --signal=B:USR1@{checkpoint_signal}", "#SBATCH --requeue", "#SBATCH --open-mode=append"]
     for i, component in enumerate(components):
         if i:
             head.append("#SBATCH hetjob")

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .. import settings
 from ..errors import ConfigError
 from .discovery import Partition, partitions
-from .script import JobComponent, render_job_script
+from .script import CHECKPOINT_SIGNAL_SECONDS, JobComponent, render_job_script
 
 
 def parse_counts(text, what):
@@ -150,6 +150,10 @@ def add_arguments(parser):
     parser.add_argument("--server-wait", type=float, default=None,
                         help="seconds for the smb-servers to publish (EDDIS_SERVER_WAIT, default "
                              f"{settings.REGISTRY['EDDIS_SERVER_WAIT'].default:g})")
+    parser.add_argument("--checkpoint-signal", type=int, default=CHECKPOINT_SIGNAL_SECONDS, metavar="SECONDS",
+                        help="Slurm signals the job this long before its time limit; the trainers write a "
+                             "checkpoint and the job requeues itself and resumes (default "
+                             f"{CHECKPOINT_SIGNAL_SECONDS}; 0: no signal, no requeue)")
     parser.add_argument("--dry-run", action="store_true", help="print the job script; submit nothing")
     parser.add_argument("train_command", nargs=argparse.REMAINDER, metavar="train.py [args]",
                         help="training script and its arguments")
@@ -170,7 +174,8 @@ def build_script(args, parts=None):
         extra["SMB_MEMORY"] = args.memory
     return render_job_script(components=components, command=tuple(command), job_name=args.job_name,
                              time=args.time, output=args.output, account=args.account, mode=args.mode,
-                             settings=extra, server_wait=args.server_wait)
+                             settings=extra, server_wait=args.server_wait,
+                             checkpoint_signal=args.checkpoint_signal)
 
 
 def run(args):

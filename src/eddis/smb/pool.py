@@ -14,8 +14,8 @@ import numpy as np
 from ..errors import SMBBoundsError, SMBKeyError, SMBValueError, UsageError
 from . import _core
 from .client import Completed, Request
-from .protocol import (DTYPES, FLOAT_DTYPES, ITEMSIZE, VEC_REQUEST, VEC_SOURCE, decode_control,
-                       partition)
+from .protocol import (DOT_NORMS_REPLY, DTYPES, FLOAT_DTYPES, ITEMSIZE, MAX_VEC_SEGMENTS, VEC_REQUEST,
+                       VEC_SEGMENT, VEC_SOURCE, decode_control, partition)
 
 try:  # numpy has no bfloat16; ml_dtypes (a torch/jax dependency) adds one
     from ml_dtypes import bfloat16 as _np_bfloat16
@@ -377,6 +377,83 @@ class Pool:
     def copy(self, dst_slot, src_slot, start=0, count=None, src_pool=None):
         """dst = src on the servers (converting between float dtypes)."""
         self.copy_nb(dst_slot, src_slot, start, count, src_pool).wait()
+
+    # ------------------------------------------------------------ Adasum's segment ops
+    def _segment_op_nb(self, kind, dst_slot, a, b, segments, weights, what, finish=None):
+        """One request per server and MAX_VEC_SEGMENTS segments: each server gets the parts of
+        the segments that fall into its columns. Returns (Request, [segment index per part
+        of each request, in posting order])."""
+        self._live(what)
+        (a_pool, a_slot), (b_pool, b_slot) = a, b
+        a_pool = self._other(a_pool, "a_pool")
+        b_pool = self._other(b_pool, "b_pool")
+        for pool, slot in ((a_pool, a_slot), (b_pool, b_slot)):
+            if not 0 <= int(slot) < pool.slots:
+                raise SMBBoundsError(f"pool {pool.name!r}: slot {slot} outside 0..{pool.slots - 1}")
+            if pool.dtype == "float64":
+                raise SMBValueError(f"{what}: pool {pool.name!r} holds float64; Adasum's segment ops take "
+                                    "float32, float16 or bfloat16 sources")
+        dst_slot = int(dst_slot)
+        if not 0 <= dst_slot < self.slots:
+            raise SMBBoundsError(f"pool {self.name!r}: slot {dst_slot} outside 0..{self.slots - 1}")
+        segments = [(int(start), int(count)) for start, count in segments]
+        for start, count in segments:
+            self._range(0, start, count)
+        client = self.client
+        pending = client._pending()
+        servers, owners = [], []
+        for seg in self.segments:
+            parts = []
+            for i, (start, count) in enumerate(segments):
+                lo, hi = max(start, seg.start), min(start + count, seg.stop)
+                if lo < hi:
+                    parts.append((i, lo - seg.start, hi - lo))
+            for first in range(0, len(parts), MAX_VEC_SEGMENTS):
+                chunk = parts[first:first + MAX_VEC_SEGMENTS]
+                lo = min(col for _, col, _ in chunk)
+                hi = max(col + n for _, col, n in chunk)
+                payload = VEC_REQUEST.pack(kind, 2, seg.rid, dst_slot, lo, hi - lo, 0.0)
+                payload += VEC_SOURCE.pack(a_pool.segments[seg.index].rid, int(a_slot), 1.0)
+                payload += VEC_SOURCE.pack(b_pool.segments[seg.index].rid, int(b_slot), 1.0)
+                payload += b"".join(VEC_SEGMENT.pack(col, n, *weights[i]) for i, col, n in chunk)
+                client._post(pending, seg.server, _core.OP_VECOP, payload)
+                servers.append(seg.server)
+                owners.append([i for i, _, _ in chunk])
+        return Request(client, pending, f"pool {self.name!r} {what}",
+                       None if finish is None else (lambda replies: finish(replies, owners)), servers)
+
+    def dot_norms_nb(self, a_slot, b_slot, segments, a_pool=None, b_pool=None):
+        """Start computing, on the servers, (a.b, a.a, b.b) of each segment (start, count) of
+        columns, a = slot a_slot of a_pool and b = slot b_slot of b_pool (default: this pool);
+        wait() gives a float64 array of shape (segments, 3), each server's partial sums added."""
+        segments = list(segments)
+
+        def total(replies, owners):
+            out = np.zeros((len(segments), 3), dtype=np.float64)
+            for data, index in zip(replies, owners):
+                partial = np.frombuffer(data, dtype="<f8").reshape(-1, DOT_NORMS_REPLY.size // 8)
+                np.add.at(out, index, partial)
+            return out
+
+        return self._segment_op_nb(_core.VEC_DOT_NORMS, 0, (a_pool, a_slot), (b_pool, b_slot), segments,
+                                   [(0.0, 0.0)] * len(segments), "dot_norms", total)
+
+    def dot_norms(self, a_slot, b_slot, segments, a_pool=None, b_pool=None, timeout=None):
+        return self.dot_norms_nb(a_slot, b_slot, segments, a_pool, b_pool).wait(timeout)
+
+    def pair_sum_nb(self, dst_slot, a_slot, b_slot, segments, weights, a_pool=None, b_pool=None):
+        """Start dst = w_a * a + w_b * b on each segment (start, count), with its weights
+        (w_a, w_b), on the servers (fp32 accumulation, written in this pool's dtype)."""
+        segments, weights = list(segments), [(float(wa), float(wb)) for wa, wb in weights]
+        if len(weights) != len(segments):
+            raise SMBValueError(f"pair_sum: {len(weights)} weight pairs for {len(segments)} segments; "
+                                "pass one (w_a, w_b) per segment")
+        return self._segment_op_nb(_core.VEC_PAIR_SUM, dst_slot, (a_pool, a_slot), (b_pool, b_slot),
+                                   segments, weights, "pair_sum")
+
+    def pair_sum(self, dst_slot, a_slot, b_slot, segments, weights, a_pool=None, b_pool=None,
+                 timeout=None):
+        self.pair_sum_nb(dst_slot, a_slot, b_slot, segments, weights, a_pool, b_pool).wait(timeout)
 
     def reduce_nb(self, contrib_slot, weight, parties, dst_slot, generation, src_pool=None,
                   start=0, count=None, average=True):

@@ -32,6 +32,10 @@ COUNTER_REQUEST = struct.Struct("<IIQqq")     # region, kind, index, a, b
 COUNTER_REPLY = struct.Struct("<q")
 VEC_REQUEST = struct.Struct("<IIIIQQd")       # kind, nsrc, dst region, dst slot, start, count, alpha
 VEC_SOURCE = struct.Struct("<IId")            # region, slot, weight
+# segment ops (Adasum's VEC_DOT_NORMS, VEC_PAIR_SUM): two sources, then segments
+VEC_SEGMENT = struct.Struct("<QQdd")          # start, count, weight of source a, of source b
+DOT_NORMS_REPLY = struct.Struct("<ddd")       # per segment: a.b, a.a, b.b
+MAX_VEC_SEGMENTS = 16384                      # segments per request (the server's limit)
 
 
 def encode_control(obj, tail=b""):

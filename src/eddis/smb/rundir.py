@@ -4,6 +4,8 @@ Layout::
 
     <run dir>/token               random job token, mode 0600
     <run dir>/servers/<i>.json    published by smb-server i once it serves
+    <run dir>/checkpoint-request  written by the job when Slurm asked for a checkpoint
+    <run dir>/checkpoint-written  the trainers' answer: the checkpoint they wrote, then stopped
 
 ``python -m eddis.smb.rundir create DIR`` creates one (the launcher does this).
 """
@@ -19,6 +21,8 @@ from ..errors import ConfigError, SMBPermissionError, SMBTimeoutError
 
 TOKEN_FILE = "token"
 SERVERS_DIR = "servers"
+CHECKPOINT_REQUEST_FILE = "checkpoint-request"
+CHECKPOINT_ANSWER_FILE = "checkpoint-written"
 
 
 def default_run_dir(job_id=None):
@@ -48,12 +52,49 @@ def create_run_dir(path):
     return path
 
 
+def request_checkpoint(path, reason):
+    """Leave a checkpoint request for trainers that start, or install their handler, after
+    the signal that carries it was sent (``eddis.init()`` looks for it once its handler is in
+    place, so no request falls between the two)."""
+    request = Path(path) / CHECKPOINT_REQUEST_FILE
+    request.write_text(f"{reason}\n")
+    return request
+
+
+def checkpoint_request(path):
+    """The reason of the job's pending checkpoint request, or None."""
+    try:
+        return (Path(path) / CHECKPOINT_REQUEST_FILE).read_text().strip() or "requested"
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def answer_checkpoint_request(path, checkpoint, step):
+    """Rank 0, once the requested checkpoint is complete: the trainers stop (status 0) not
+    because training is over but to be requeued, and the job reads this to tell the two apart."""
+    answer = Path(path) / CHECKPOINT_ANSWER_FILE
+    tmp = answer.with_name(answer.name + ".tmp")
+    tmp.write_text(json.dumps({"checkpoint": str(checkpoint), "step": int(step)}) + "\n")
+    os.replace(tmp, answer)
+    return answer
+
+
+def checkpoint_answer(path):
+    """``{"checkpoint": path, "step": n}`` when the trainers stopped after a requested checkpoint, else None."""
+    try:
+        return json.loads((Path(path) / CHECKPOINT_ANSWER_FILE).read_text())
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return None
+
+
 def retire_run_dir(path):
     """At the end of a job: delete its secret (the token) and the address files, which
     name ports that are gone; keep what the job wrote for its user (profile, timeline,
     records) and remove the directory only if nothing else is left in it."""
     path = Path(path)
     (path / TOKEN_FILE).unlink(missing_ok=True)
+    for request in (CHECKPOINT_REQUEST_FILE, CHECKPOINT_ANSWER_FILE):  # answered, or moot: the job is over
+        (path / request).unlink(missing_ok=True)
     for record in (path / SERVERS_DIR).glob("*.json"):
         record.unlink(missing_ok=True)
     for empty in (path / SERVERS_DIR, path):

@@ -72,7 +72,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         raise ConfigError(f"DistributedGradientTape needs a tf.GradientTape, got {type(gradtape).__name__}")
     if isinstance(gradtape, _DistributedGradientTape):
         raise ConfigError("this tape is already a DistributedGradientTape; wrap the plain tape once")
-    op = _basics.gradient_op(op, "DistributedGradientTape")
+    op = _basics.gradient_op(op, "DistributedGradientTape", mode=mode, sample_count=sample_count)
     reject_unsupported_horovod_options(gradient_predivide_factor, groups, num_groups, process_set)
     mode = settings.get("EDDIS_MODE") if mode is None else str(mode).lower()
     if mode in ("easgd", "hybrid"):

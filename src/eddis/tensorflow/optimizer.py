@@ -264,7 +264,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                           f"{type(optimizer).__name__}{hint}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise UsageError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    op = _basics.gradient_op(op, "DistributedOptimizer")
+    op = _basics.gradient_op(op, "DistributedOptimizer", mode=mode, sample_count=sample_count)
     if backward_passes_per_step != 1:
         raise ConfigError("backward_passes_per_step is not supported with Keras 3: create the optimizer "
                           "with gradient_accumulation_steps=N instead (Keras accumulates the reduced "

@@ -57,7 +57,7 @@ class _DistributedOptimizer:
         names = _parameter_names(params, named_parameters)
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        op = _basics.gradient_op(op, "DistributedOptimizer")
+        op = _basics.gradient_op(op, "DistributedOptimizer", mode=mode)
         bucket_bytes = settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes)
         plan = BucketPlan([(n, tuple(p.shape)) for n, p in zip(names, params)], bucket_bytes)
         devices = {p.device.type for p in params}

@@ -1,0 +1,168 @@
+"""Mode ``sync`` with op=Adasum: the ranks' gradients combined by the SMB servers.
+
+Three pools of the plan's length, co-partitioned over all servers:
+
+- ``<name>.slots`` (wire dtype): one slot per rank, its compressed gradients;
+- ``<name>.tree`` (float32, W/2 slots; only for W > 2 ranks): the inner nodes
+  of the tree, so the partial results are never rounded to the wire dtype;
+- ``<name>.result`` (wire dtype): the Adasum of all W ranks.
+
+The tree is Horovod's: at distance d = 1, 2, 4, ... the rank r with r % 2d == 0
+*drives* the pair (r, r + d), whose vectors are the results of the two
+subtrees below (a rank's own slot at d = 1, its tree slot above). Every server
+holds only its columns, while a tensor's coefficients need its dot products
+over all of them, so a pair takes two rounds:
+
+1. ``dot_norms``: each server returns (a.b, a.a, b.b) of its part of every
+   tensor of the bucket (fp32 products, float64 partial sums); the driver adds
+   up the servers' partials per tensor and computes the coefficients;
+2. ``pair_sum``: each server writes w_a a + w_b b per tensor of its columns
+   (fp32 accumulation) into the driver's tree slot, or into the result pool at
+   the top of the tree.
+
+The partner tells its driver that its subtree is in place by counting on a
+per-bucket counter of its own (an odd rank as soon as its slot is written);
+rank 0 counts on its counter once the result is complete, and every rank
+then reads the bucket back. Counters are cumulative over steps: a rank waits
+for ``base + generation``, the value read before the first step.
+"""
+import logging
+
+from .. import timeline
+from ..errors import SMBMemoryError, SMBTimeoutError
+from ..timeline.events import CAT_COMM
+from . import adasum, collectives, runtime
+from .reducer import Reducer
+
+log = logging.getLogger("eddis.core.sync")
+
+
+def tree_schedule(rank, size):
+    """([(distance, partner)] this rank drives, the distance at which it hands its subtree
+    to its driver, or None for rank 0, the root)."""
+    drives = []
+    for distance in adasum.tree_levels(size):
+        if rank % (2 * distance):
+            return drives, distance
+        drives.append((distance, rank + distance))
+    return drives, None
+
+
+class AdasumSyncReducer(Reducer):
+    mode = "sync"
+
+    def __init__(self, plan, compression="none", op="adasum", timeout=None, name="grads"):
+        super().__init__(plan, compression, op, timeout, name)
+        adasum.check_ranks(self.size, "mode 'sync'")
+        self.client = runtime.smb_client()
+        self.pool_name = f"eddis.{name}.adasum"
+        self.slots_pool = self._pool(".slots", self.size, self.codec.smb_dtype)
+        self.tree_pool = self._pool(".tree", self.size // 2, "float32") if self.size > 2 else None
+        self.result_pool = self._pool(".result", 1, self.codec.smb_dtype)
+        self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
+        self._segments = [adasum.bucket_segments(plan, k) for k in range(self.num_buckets)]
+        self._drives, self._hands_over_at = tree_schedule(self.rank, self.size)
+        # the counters this rank counts on or waits for: its own, its partners', the root's
+        ranks = sorted({self.rank, 0} | {partner for _, partner in self._drives})
+        self._counters = {(k, r): self.client.counter(f"{self.pool_name}.ready.{k}.{r}")
+                          for k in range(self.num_buckets) for r in ranks}
+        self._bases = {key: counter.read() for key, counter in self._counters.items()}
+        # nobody counts before every rank has read its bases
+        collectives.barrier(timeout=self.timeout, what="mode sync (Adasum): counter bases")
+        log.info("mode sync: Adasum on the SMB servers, %d ranks, this rank drives %s", self.size,
+                 [partner for _, partner in self._drives] or "no pair")
+        self._start_threads()
+
+    def _pool(self, suffix, slots, dtype):
+        try:
+            return self.client.pool(self.pool_name + suffix, self.plan.total, dtype=dtype, slots=slots)
+        except SMBMemoryError as exc:
+            itemsize = self.codec.itemsize
+            need = self.plan.total * ((self.size + 1) * itemsize + (self.size // 2) * 4 * (self.size > 2))
+            raise SMBMemoryError(
+                f"{exc.message}. Mode sync with Adasum needs up to {need / 2**20:.0f} MiB of SMB memory "
+                f"for this model ({self.size} gradient slots + 1 result in {self.codec.name}, and "
+                f"{self.size // 2 if self.size > 2 else 0} fp32 slots of the tree) spread over "
+                f"{self.client.num_servers} server(s): raise SMB_MEMORY / --memory, or use compression "
+                "fp16/bf16.", exc.code) from exc
+
+    # ------------------------------------------------------------ where a subtree's vector lives
+    def _vector(self, rank, distance):
+        """(pool, slot) holding rank's subtree before the level at ``distance``."""
+        if distance == 1:
+            return self.slots_pool, rank
+        return self.tree_pool, rank // 2
+
+    def _count(self, k):
+        self._counters[(k, self.rank)].fetch_add(1)
+
+    def _wait_ready(self, k, rank, generation, what):
+        counter = self._counters[(k, rank)]
+        target = self._bases[(k, rank)] + generation
+        try:
+            counter.wait_for(target, self.timeout)
+        except SMBTimeoutError as exc:
+            raise SMBTimeoutError(
+                f"step {self.step}, bucket {k}: {what} (rank {rank}) was not in place within "
+                f"{self.timeout:g} s ({exc.message}; rank {rank} failed or is far slower; raise "
+                "EDDIS_COMM_TIMEOUT if it is slow)", exc.code) from exc
+
+    # ------------------------------------------------------------ the reducer's threads
+    def _submit(self, k):
+        bucket = self.plan.buckets[k]
+        view = self.plan.bucket_view(k)
+        if self.codec.is_identity:
+            wire = view
+        else:
+            with timeline.span(timeline.COMPRESS, args={"step": self.step, "bucket": k, "bytes": view.nbytes}):
+                wire = self.codec.compress(view, out=self.plan.bucket_view(k, self._wire))
+        self.slots_pool.write(wire, slot=self.rank, start=bucket.start, timeout=self.timeout)
+        if not self._drives:  # a leaf of the tree's first level: its slot is its subtree
+            self._count(k)
+        return self.step + 1
+
+    def _combine(self, k, distance, partner):
+        segments = self._segments[k]
+        a_pool, a_slot = self._vector(self.rank, distance)
+        b_pool, b_slot = self._vector(partner, distance)
+        top = 2 * distance == self.size
+        dst_pool, dst_slot = (self.result_pool, 0) if top else (self.tree_pool, self.rank // 2)
+        with timeline.span(timeline.REDUCE, cat=CAT_COMM, args={"step": self.step, "bucket": k,
+                                                                "by": "adasum", "partner": partner}):
+            dots = dst_pool.dot_norms(a_slot, b_slot, segments, a_pool=a_pool, b_pool=b_pool,
+                                      timeout=self.timeout)
+            dst_pool.pair_sum(dst_slot, a_slot, b_slot, segments, adasum.pair_weights(dots),
+                              a_pool=a_pool, b_pool=b_pool, timeout=self.timeout)
+
+    def _finish(self, k, generation):
+        for distance, partner in self._drives:
+            self._wait_ready(k, partner, generation, f"the subtree at distance {distance}")
+            self._combine(k, distance, partner)
+        if self._drives:  # its tree slot (the root: the result) is complete
+            self._count(k)
+        if self.rank != 0:
+            self._wait_ready(k, 0, generation, "the combined result")
+        self._read_result(k)
+
+    def _read_result(self, k):
+        view = self.plan.bucket_view(k)
+        bucket = self.plan.buckets[k]
+        if self.codec.is_identity:
+            self.result_pool.read(out=view, slot=0, start=bucket.start, timeout=self.timeout)
+            return
+        wire = self.plan.bucket_view(k, self._wire)
+        self.result_pool.read(out=wire, slot=0, start=bucket.start, timeout=self.timeout)
+        with timeline.span(timeline.DECOMPRESS, args={"step": self.step, "bucket": k, "bytes": wire.nbytes}):
+            self.codec.decompress(wire, view)
+
+    def _release(self):
+        # Free the pools once every rank is done with them (an SMB barrier, so a
+        # missing rank costs a bounded wait and never poisons MPI).
+        try:
+            self.client.barrier(self.pool_name + ".close", self.size).wait(timeout=min(self.timeout, 60.0))
+            if self.rank == 0:
+                for pool in (self.slots_pool, self.tree_pool, self.result_pool):
+                    if pool is not None:
+                        pool.free()
+        except Exception as exc:  # the server frees everything when it stops anyway
+            log.warning("could not free the Adasum pools %s: %s", self.pool_name, exc)
