@@ -28,14 +28,14 @@ import time
 import warnings
 
 from .. import settings
-from ..errors import ConfigError
+from ..errors import ConfigError, EddisWarning
 
 _FORMAT_HELP = ("Write EDDIS_SIMULATE_SLOWDOWN as comma-separated KEY:FACTOR entries, KEY a rank "
                 "number (e.g. 1), a group gN (e.g. g1) or * for every rank, FACTOR >= 1, "
                 "e.g. '0:1.0,1:2.0' or 'g1:2.0'.")
 
 
-class SimulatedSlowdownWarning(UserWarning):
+class SimulatedSlowdownWarning(EddisWarning):
     """EDDIS_SIMULATE_SLOWDOWN is set: this run is slowed down on purpose."""
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import identity
-from ..errors import TimelineFormatError, TimelineNotFoundError
+from ..errors import EddisWarning, TimelineFormatError, TimelineNotFoundError
 
 FIELDS = (
     ("step", np.int64), ("time", np.float64), ("t_step", np.float64), ("t_compute", np.float64),
@@ -49,7 +49,7 @@ FIELDS = (
 FIELD_NAMES = tuple(name for name, _ in FIELDS)
 
 
-class ProfileWarning(UserWarning):
+class ProfileWarning(EddisWarning):
     """The profile could not be written; training went on without it."""
 
 

@@ -30,6 +30,7 @@ from collections import deque
 from pathlib import Path
 
 from .. import identity
+from ..errors import EddisWarning
 from .events import DEFAULT_CATEGORY
 
 perf_ns = time.perf_counter_ns
@@ -39,7 +40,7 @@ _encode_args = json.JSONEncoder(separators=(",", ":"), default=str).encode
 _DRAIN_CHUNK = 256  # events formatted between two GIL releases of the writer thread
 
 
-class TimelineWarning(UserWarning):
+class TimelineWarning(EddisWarning):
     """The timeline could not be written; it was turned off and training went on."""
 
 
