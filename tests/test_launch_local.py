@@ -236,6 +236,34 @@ def test_ctrl_c_stops_everything(tmp_path):
     assert_clean(tmp_path)
 
 
+@pytest.mark.timeout(180)
+def test_a_second_ctrl_c_stops_the_ranks_without_waiting_out_the_grace(tmp_path):
+    out = tmp_path / "out.txt"
+    env = dict(local_env(tmp_path), EDDIS_INTERRUPT_GRACE="600")
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(["eddis-train", "--local", "-n", "2", str(INTERRUPTIBLE), str(tmp_path),
+                                 "--ignore-sigint"], env=env, cwd=str(REPO), stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 90
+            while not all(re.search(rf"^\[{r}@\S+\] step 3$", out.read_text(), re.M) for r in (0, 1)):
+                assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGINT)
+            while len(re.findall(r"stopping the trainer \(SIGINT first\)", out.read_text())) < 2:
+                assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGINT)
+            code = proc.wait(timeout=90)   # far less than the 600 s grace
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = out.read_text()
+    assert code == 130 and "eddis-train: interrupted by SIGINT" in text, text
+    assert "never interrupted" not in text and "ROOT CAUSE" not in text, text
+    assert_clean(tmp_path)
+
+
 HANDLER_SCRIPT = """
 import time
 try:
