@@ -35,7 +35,30 @@ class ListModel:
         return Net()
 
 
+def main_keras(case):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import eddis.tensorflow as eddis
+
+    eddis.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    optimizer = eddis.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    if case == "keras_set_sample_count":
+        optimizer.set_sample_count(3)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    rng = np.random.default_rng(eddis.rank())
+    data = tf.data.Dataset.from_tensor_slices((rng.normal(size=(BATCH * STEPS, 6)).astype("float32"),
+                                               rng.normal(size=(BATCH * STEPS, 3)).astype("float32")))
+    model.fit(data.batch(BATCH), epochs=1, verbose=0,
+              callbacks=[eddis.callbacks.BroadcastGlobalVariablesCallback(0)])
+    eddis.shutdown()
+
+
 def main(case):
+    if case.startswith("keras"):
+        return main_keras(case)
     import torch
     import torch.nn as nn
     import eddis.torch as eddis
@@ -74,9 +97,13 @@ from conftest import PYTHON  # noqa: E402
 HERE = os.path.abspath(__file__)
 
 
+TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
+          "TF_ENABLE_ONEDNN_OPTS": "0"}
+
+
 def progress_lines(run_mpi, case):
     proc = run_mpi(RANKS, [PYTHON, HERE, case], timeout=180, check=True,
-                   env={"EDDIS_PROGRESS": "log", "EDDIS_PROGRESS_INTERVAL": "0"})
+                   env={"EDDIS_PROGRESS": "log", "EDDIS_PROGRESS_INTERVAL": "0", **TF_ENV})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[eddis] train step")]
     assert lines, proc.stdout + proc.stderr
     assert re.search(rf"step {STEPS}\b", lines[-1]), lines
@@ -88,6 +115,7 @@ def progress_lines(run_mpi, case):
     ("batch_from_forward", BATCH),
     ("accumulation", 2 * BATCH),     # both backward passes of a step count
     ("set_sample_count", 3),         # the script's count wins over the batch seen
+    ("keras_set_sample_count", 3),   # TensorFlow: the count the script gives
 ])
 def test_progress_counts_the_samples_of_every_rank(run_mpi, case, samples_per_rank_and_step):
     lines = progress_lines(run_mpi, case)
@@ -101,6 +129,7 @@ def test_progress_counts_the_samples_of_every_rank(run_mpi, case, samples_per_ra
 
 
 @pytest.mark.timeout(240)
-def test_progress_says_steps_when_no_batch_is_seen(run_mpi):
-    lines = progress_lines(run_mpi, "list_input")
+@pytest.mark.parametrize("case", ["list_input", "keras"])   # keras: nothing tells the batch there
+def test_progress_says_steps_when_no_batch_is_seen(run_mpi, case):
+    lines = progress_lines(run_mpi, case)
     assert all(" steps/s " in line and "samples" not in line for line in lines), lines
