@@ -22,7 +22,6 @@ from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
 import eddis.torch as eddis  # EDDIS
-from eddis.core import split_sizes  # EDDIS (only for unequal --shares)
 
 
 class DigitsNet(nn.Module):
@@ -66,7 +65,7 @@ def main():
     train_set, test_set = load_data()
 
     shares = [float(s) for s in args.shares.split(",")] if args.shares else None  # EDDIS
-    batch_sizes = split_sizes(args.batch_size, shares or [1.0] * size)  # EDDIS: this rank's part
+    batch_sizes = eddis.split_sizes(args.batch_size, shares or [1.0] * size)  # EDDIS: this rank's part
     sampler = eddis.DistributedSampler(train_set, shuffle=True, seed=args.seed, weights=shares)  # EDDIS
     loader = DataLoader(train_set, batch_size=batch_sizes[rank], sampler=sampler, drop_last=True)
     # every rank must take the same number of steps per epoch

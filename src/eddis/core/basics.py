@@ -18,7 +18,7 @@ import os
 
 from .. import settings
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import adasum, collectives, hetero, progress, reducer, runtime
+from . import adasum, collectives, hetero, progress, reducer, runtime, sampler
 from .ops import Average, resolve_op
 
 
@@ -116,6 +116,12 @@ class EddisBasics:
     def barrier(self):
         self.require("eddis.barrier()")
         collectives.barrier(what="eddis.barrier()")
+
+    # ------------------------------------------------------------ shares of a batch
+    # Pure functions of (sizes, weights): a script sizes its batches and cuts its
+    # columns of a stream with them, whatever the framework.
+    split_sizes = staticmethod(sampler.split_sizes)
+    batch_slice = staticmethod(sampler.batch_slice)
 
     # ------------------------------------------------------------ tensor reductions (metrics)
     def allreduce_array(self, data, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -243,7 +249,7 @@ class EddisBasics:
     SHARED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
               "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
               "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
-              "rocm_built", "ddl_built", "ccl_built")
+              "rocm_built", "ddl_built", "ccl_built", "split_sizes", "batch_slice")
 
     def bindings(self, framework_built_with_cuda):
         """The adapter's module functions for :attr:`SHARED` (``globals().update(...)``);
