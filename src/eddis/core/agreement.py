@@ -49,14 +49,17 @@ def _enabled():
             and _mode() in SYNCHRONOUS_MODES)
 
 
-def tick():
+def tick(abstain=False):
     """One synchronous training step ended on this rank (every rank ticks alike); every
-    EDDIS_CHECK_PARAMETERS ticks the ranks compare their parameters (collective)."""
+    EDDIS_CHECK_PARAMETERS ticks the ranks compare their parameters (collective).
+    ``abstain``: this rank's parameters did not take the step (a joined rank under a
+    gradient tape, see eddis.core.join): it takes part without checksums, which the
+    comparison then skips."""
     if not _enabled():
         return
     _steps[0] += 1
     if _steps[0] % settings.get("EDDIS_CHECK_PARAMETERS") == 0:
-        check(f"step {_steps[0]}")
+        check(f"step {_steps[0]}", abstain=abstain)
 
 
 def local_checksums():
@@ -103,9 +106,9 @@ def message(rank, names, total, when, wrapped):
                    "EDDIS_CHECK_PARAMETERS=0 turns this check off.")
 
 
-def check(when):
+def check(when, abstain=False):
     """Collective: raise ParameterDriftError when the ranks' parameters differ."""
-    entries = local_checksums()
+    entries = [] if abstain else local_checksums()
     gathered = collectives.allgather_object(entries, what="eddis parameter check (EDDIS_CHECK_PARAMETERS)")
     if not gathered[0]:
         return

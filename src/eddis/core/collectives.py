@@ -30,16 +30,34 @@ def _timeout(timeout):
     return settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
 
 
+PROBE_AFTER = 1.0   # seconds a collective waits before asking the probes why
+_wait_probes = []
+
+
+def add_wait_probe(fn):
+    """``fn(what)`` is called once in a collective's wait that lasts PROBE_AFTER seconds; it
+    raises an EddisError when it knows the others cannot come (eddis.core.join)."""
+    if fn not in _wait_probes:
+        _wait_probes.append(fn)
+
+
 def wait_request(request, timeout, what):
     """Poll an MPI request until done; raise CollectiveTimeoutError after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
+    probed = False
     delay = 2e-6
     while True:
         with runtime.mpi_lock():
             if request.Test():
                 return
 
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if not probed and now - start > PROBE_AFTER:
+            probed = True
+            for probe in _wait_probes:
+                probe(what)
+        if now > deadline:
             runtime.mark_broken(what)
             raise CollectiveTimeoutError(
                 f"{what}: not every rank joined within {timeout:g} s. Another rank failed, "

@@ -32,7 +32,7 @@ import numpy as np
 from .. import settings
 from ..errors import ConfigError, FinalModelWarning, UsageError
 from . import balance as _balance
-from . import collectives, easgd, hybrid, progress, runtime, simulate
+from . import collectives, easgd, hybrid, join, progress, runtime, simulate
 
 _current = [None]   # the newest HeteroStep (for module-level helpers)
 _loop_mark = [0.0]  # when should_stop() last returned
@@ -93,6 +93,7 @@ class HeteroStep:
                                   "faster ranks do more iterations. Drop balance or use mode='sync'.")
             self.balancer = _balance.Balancer(self.size, self.rank, initial=initial)
         self.averager = None
+        self.join_barrier = None   # easgd's counted barrier of eddis.join()
         self.group_comm = None
         self.exchanging = False
         self._centre_ready = False
@@ -142,6 +143,8 @@ class HeteroStep:
         self.averager = easgd.ElasticAverager(runtime.smb_client(), self.plan.total, worker, workers,
                                               alpha=hybrid.default_alpha(workers), name=name,
                                               iterations_per_step=iterations_per_step)
+        # read before the centre's initialization barrier, which every rank passes before it joins
+        self.join_barrier = join.ElasticJoin(runtime.smb_client(), name)
         self.exchanging = self.group_comm is None or self.group_comm.Get_rank() == 0
         if self._final_model_check is None:
             self._final_model_check = _FinalModelCheck(self)

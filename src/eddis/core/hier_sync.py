@@ -40,6 +40,7 @@ from ..smb import _vecops
 from ..timeline.events import CAT_COMM
 from . import collectives, runtime
 from .buckets import column_share
+from .join import JoinBoard
 from .reducer import Reducer
 
 log = logging.getLogger("eddis.core.sync")
@@ -88,6 +89,8 @@ class HierarchicalSyncReducer(Reducer):
         if layout is None or layout.problem:
             raise ConfigError(f"hierarchical mode sync: {layout.problem if layout else 'no node layout'}")
         self.client = client = runtime.smb_client()
+        # before this reducer's first collective (eddis.core.join)
+        self.join_board = JoinBoard(client, f"eddis.{name}", self.rank, self.size)
         self.layout = layout
         self.node = layout.node_of[self.rank]
         self.members = layout.members[self.node]

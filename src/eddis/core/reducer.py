@@ -98,6 +98,11 @@ class Reducer:
         self._error = None
         self._closed = False
         self._threads = []
+        # eddis.join(): this rank contributes zeros (eddis.core.join); how many ranks had data
+        # in the last step, where the mode's step tells (allreduce); the SMB modes' board
+        self.joined = False
+        self.active_ranks = None
+        self.join_board = None
         _built[0] += 1
         observe.attach_reducer(self)  # timeline/profile listener, only when on
 
@@ -373,14 +378,17 @@ class AllreduceReducer(Reducer):
         wait_request(req, self.timeout, f"{self.mode} reduction")
 
     def _prepare_step(self):
+        # the step's total weight, and how many ranks still have data (0: every rank has
+        # joined, eddis.join()'s last step); with op=sum only the latter is needed
+        totals = np.array([self._step_weight, 0.0 if self.joined else 1.0], dtype=np.float64)
+        self._allreduce(totals, self.MPI.DOUBLE, self.MPI.SUM)
+        self.active_ranks = int(totals[1])
         if self.op != "average":
             self._scale = 1.0
             return
-        total = np.array([self._step_weight], dtype=np.float64)
-        self._allreduce(total, self.MPI.DOUBLE, self.MPI.SUM)
-        if total[0] <= 0:
+        if totals[0] <= 0:
             raise ConfigError("the sample counts of all ranks add up to 0; every step needs samples")
-        self._scale = self._step_weight / float(total[0])
+        self._scale = self._step_weight / float(totals[0])
 
     def _submit(self, k):
         view = self.plan.bucket_view(k)

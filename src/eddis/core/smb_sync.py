@@ -51,6 +51,7 @@ from . import collectives, runtime
 from .adasum_sync import AdasumSyncReducer
 from .buckets import column_share
 from .hier_sync import HierarchicalSyncReducer, NodeLayout
+from .join import JoinBoard
 from .reducer import Reducer, register_mode
 
 log = logging.getLogger("eddis.core.sync")
@@ -63,6 +64,7 @@ class SyncReducer(Reducer):
         super().__init__(plan, compression, op, timeout, name)
         self.client = runtime.smb_client()
         self.pool_name = f"eddis.{name}"
+        self.join_board = JoinBoard(self.client, self.pool_name, self.rank, self.size)  # before a collective
         self.slots_pool = self._pool(".slots", self.size)
         by_ranks, self._in_slot = self._choose_path()
         # the result pool is where the servers (or the ranks, with private buffers) put the

@@ -1,0 +1,277 @@
+"""``join()``: ranks with fewer batches than the others finish without hanging anyone.
+
+Horovod's semantics: a rank that has run out of data calls ``join()``; until every
+rank has joined, it keeps taking part in the gradient reductions the others still
+do, contributing nothing, and ``join()`` then returns the same rank on every rank,
+the one that joined last.
+
+What a joined rank contributes. Zeros, with the weight :data:`JOINED_WEIGHT` in the
+sample-weighted average (the smallest positive double: it vanishes exactly beside
+any sample count, yet the weights of a step in which every rank has joined do not
+sum to 0, which the servers refuse). So ``Average`` is the mean over the samples
+of the ranks that still had data, the gradient of the batch that was really
+computed. Horovod divides the sum by all ranks instead, which shrinks the step by
+the share of ranks that joined; EDDIS keeps the step the one of the samples seen,
+as its weighted reduction does everywhere. ``Sum`` is the sum over the ranks with
+data, as in Horovod.
+
+A joined rank steps its optimizer too. Each of its join steps hands the reduced
+gradients to the wrapped optimizer like a normal step (the adapter's *idle step*),
+so its parameters and optimizer state stay those of the others: the drift check
+(EDDIS_CHECK_PARAMETERS) and balanced sync's collective decisions go on at the
+same steps on every rank, and after ``join()`` every rank holds the final model.
+A rank whose gradients go through a ``DistributedGradientTape`` has no optimizer
+EDDIS can step: its variables stay where they were, and it leaves the drift
+check to the others until it trains again (broadcast the last rank's variables
+after ``join()``, as with Horovod).
+
+How a joined rank learns whether another step comes, with nothing added to a
+normal step's path:
+
+- ``allreduce``: the one tiny allreduce every step already does (the total
+  sample weight of the step, for ``Average``) carries a second number, how many
+  ranks still have data. A step in which it is 0 is the last one. With ``Sum``
+  that allreduce is new: one of two doubles per step.
+- ``sync`` (every path: the servers' sum, the ranks' sum on one node, the
+  hierarchy): a :class:`JoinBoard` of SMB counters, one per rank, created with
+  the reducer; a rank that joins writes the step it joined at into its own
+  (before it contributes to that step). After each step it took part in, a
+  joined rank reads the board: once every rank has joined at that step or
+  before, everyone contributed zeros to it, and every rank comes to that
+  conclusion after the same step. The training ranks never touch the board.
+- ``easgd`` (and ``hybrid`` with one rank a group): no rank waits for another in
+  a step, so ``join()`` is a counted barrier on an SMB counter (bounded by
+  EDDIS_COMM_TIMEOUT), then the rank that arrived last is agreed over MPI.
+
+Every wait is bounded: a join step is a reduction step (EDDIS_COMM_TIMEOUT), the
+easgd barrier counts with the same limit. A collective other than the gradient
+reduction that a training rank calls while some rank has joined (``allreduce`` of
+a metric, ``broadcast``, ``allgather``, ``barrier``) cannot be answered by a joined
+rank, which only knows the reducer's steps; it fails on the training rank with a
+:class:`UsageError` naming the joined ranks within a second or so (``probe``),
+instead of waiting out EDDIS_COMM_TIMEOUT.
+"""
+import logging
+import sys
+import weakref
+
+from .. import settings
+from ..errors import CollectiveTimeoutError, ConfigError, SMBTimeoutError, UsageError
+from . import collectives, runtime
+
+log = logging.getLogger("eddis.core.join")
+
+JOINED_WEIGHT = sys.float_info.min   # a joined rank's weight (see the module docstring)
+
+_participants = []   # (weak reducer, weak idle step) registered by the adapters
+
+
+def register(reducer, reduce_zeros, apply_result):
+    """The adapter's two halves of a step of this rank without data on ``reducer``:
+    ``reduce_zeros()`` contributes zeros and waits for the result, ``apply_result()``
+    hands it to the optimizer and ends the step (hooks, drift check). The last step,
+    in which every rank has joined, is reduced but not applied. Held weakly."""
+    _participants[:] = [entry for entry in _participants
+                        if entry[0]() is not None and entry[0]() is not reducer]
+    _participants.append((weakref.ref(reducer), _weak_callable(reduce_zeros), _weak_callable(apply_result)))
+
+
+def _weak_callable(fn):
+    try:
+        return weakref.WeakMethod(fn)
+    except TypeError:  # a plain function or a closure: held as it is
+        return lambda: fn
+
+
+def _live():
+    live = []
+    for ref, reduce_ref, apply_ref in _participants:
+        reducer, reduce_zeros, apply_result = ref(), reduce_ref(), apply_ref()
+        if reducer is not None and reduce_zeros is not None and apply_result is not None \
+                and not reducer.closed:
+            live.append((reducer, (reduce_zeros, apply_result)))
+    return live
+
+
+class JoinBoard:
+    """One SMB counter per rank: ``1 +`` the reducer step at which that rank joined
+    (relative to the value found at creation, so that counters an earlier reducer of
+    the same name left behind do not count). Create it before the reducer's first
+    collective: then every rank has read the bases before any rank can join."""
+
+    def __init__(self, client, name, rank, size):
+        self.rank = rank
+        self.counters = [client.counter(f"{name}.joined.{r}") for r in range(size)]
+        self.bases = [c.read() for c in self.counters]
+        self.published = 0     # this rank's value (relative to its base)
+        self.since = -1        # the last step of the previous join(): joins after it are this one's
+
+    def publish(self, step):
+        value = int(step) + 1
+        self.counters[self.rank].fetch_add(value - self.published)
+        self.published = value
+
+    def join_steps(self):
+        """Per rank, the step it joined at in the current join(), or None (not joined)."""
+        steps = []
+        for counter, base in zip(self.counters, self.bases):
+            step = counter.read() - base - 1
+            steps.append(step if step > self.since else None)
+        return steps
+
+    def everyone_joined_by(self, step):
+        steps = self.join_steps()
+        return all(s is not None and s <= step for s in steps)
+
+
+def _joined_elsewhere(reducer):
+    """Ranks that have joined while this one has not, as far as this rank can tell
+    without waiting (None: it cannot tell)."""
+    board = getattr(reducer, "join_board", None)
+    if board is not None:
+        if getattr(reducer, "joined", False):
+            return []
+        return [r for r, s in enumerate(board.join_steps()) if s is not None]
+    active = getattr(reducer, "active_ranks", None)
+    if active is None or getattr(reducer, "joined", False):
+        return []
+    return None if active >= reducer.size else ["some"]
+
+
+def probe(what):
+    """Called by a collective that has waited a while: a UsageError when the wait is
+    for ranks that joined (they answer the gradient reduction only). Only the calls a
+    script makes (``eddis.allreduce(...)``, ``eddis.barrier()``, ``eddis.shutdown``: their
+    descriptions start with ``eddis.``): the collectives of a step (the drift check,
+    balanced sync's exchange) are made by joined ranks too, and may just be slow."""
+    if not str(what).startswith("eddis."):
+        return
+    for reducer, _ in _live():
+        try:
+            joined = _joined_elsewhere(reducer)
+        except Exception:  # noqa: BLE001 - a probe must never turn a wait into another error
+            return
+        if joined:
+            who = "some ranks" if joined == ["some"] else f"rank(s) {joined}"
+            runtime.mark_broken(what)
+            raise UsageError(
+                f"{what}: {who} called eddis.join() and take part only in the gradient "
+                "reduction of the optimizer's steps until every rank has joined, so this "
+                "collective would wait for them forever. Call it before join() on every rank, "
+                "or after join() returned.")
+
+
+collectives.add_wait_probe(probe)
+
+
+def _pick(live, what):
+    if len(live) > 1:
+        raise ConfigError(
+            f"{what}: {len(live)} gradient reducers (DistributedOptimizers or gradient tapes over "
+            "different variables) are open, and a joined rank cannot tell which of them the "
+            "other ranks step next. Close the ones no longer used (optimizer.close()) or train "
+            "through one DistributedOptimizer.")
+    return live[0] if live else (None, None)
+
+
+def last_joined(join_steps):
+    """The rank that joined last: the one that took the most steps before joining
+    (among several, the highest rank), so that every rank names the same one."""
+    latest = max(join_steps)
+    return max(r for r, s in enumerate(join_steps) if s == latest)
+
+
+def join(what="eddis.join()"):
+    """Collective: see the module docstring. Returns the rank that joined last."""
+    runtime.require(what)
+    if runtime.size() == 1:
+        return 0
+    from . import hetero  # it imports this module (its easgd barrier)
+
+    reducer, idle_step = _pick(_live(), what)
+    state = hetero.current()
+    mode = reducer.mode if reducer is not None else (state.mode if state is not None else None)
+    if mode in ("easgd", "hybrid") or (reducer is None and state is not None and state.averager is not None):
+        return _join_elastic(state, what)
+    if reducer is None:
+        # nothing reduces gradients: every rank is here with 0 steps; a barrier is all
+        steps = collectives.allgather_object(0, what=what)
+        return last_joined(steps)
+    return _join_synchronous(reducer, idle_step, what)
+
+
+def _join_synchronous(reducer, idle_step, what):
+    if reducer.in_progress:
+        raise UsageError(f"{what} was called while gradient buckets of a step are on their way: "
+                         "call it after optimizer.step() (or synchronize()), between steps")
+    start = reducer.step
+    board = getattr(reducer, "join_board", None)
+    saved_weight = reducer._weight
+    reducer.joined = True
+    if board is not None:
+        board.publish(start)
+    try:
+        reduce_zeros, apply_result = idle_step
+        while True:
+            reducer.set_weight(JOINED_WEIGHT)
+            reduce_zeros()
+            step = reducer.step - 1
+            if board is not None:
+                if board.everyone_joined_by(step):
+                    break
+            elif reducer.active_ranks == 0:
+                break
+            apply_result()   # a step some rank had data for: take it as they do
+    finally:
+        reducer.joined = False
+        reducer.active_ranks = None   # the last step's count would read as ranks joined
+        if not reducer.in_progress and not reducer.closed:
+            reducer.set_weight(saved_weight)
+    if board is not None:
+        board.since = step
+    # every rank is here now, after the same step: a collective is safe again
+    steps = collectives.allgather_object(start, what="join: who joined last")
+    last = last_joined(steps)
+    log.info("join: this rank joined at step %d, %d join step(s); last to join: rank %d",
+             start, step + 1 - start, last)
+    return last
+
+
+class ElasticJoin:
+    """easgd's counted barrier: one SMB counter, its base read at set-up (before the
+    collective that ends it, so before any rank can count itself in)."""
+
+    def __init__(self, client, name):
+        self.counter = client.counter(f"{name}.joined")
+        self.base = self.counter.read()
+        self.calls = 0
+
+
+def _join_elastic(state, what):
+    lockstep_group = state.group_comm is None or state.group_comm.Get_size() > 1
+    if state.mode == "hybrid" and lockstep_group:
+        raise ConfigError(
+            f"{what} in mode hybrid: the ranks of a group reduce their gradients in lock-step, "
+            "which a joined rank cannot follow across groups here. Give every rank the same "
+            "number of batches in hybrid, or use mode easgd (each rank its own worker) or sync.")
+    board = getattr(state, "join_barrier", None)
+    if board is None:
+        raise UsageError(f"{what}: mode {state.mode} has not set up its centre variable yet; "
+                         "create the DistributedOptimizer (and take a step) on every rank first")
+    if state.needs_centre:
+        state.init_centre()   # the others wait for this rank there at their first step
+    size = runtime.size()
+    board.calls += 1
+    order = board.counter.fetch_add(1) - board.base
+    target = board.base + board.calls * size
+    timeout = settings.get("EDDIS_COMM_TIMEOUT")
+    try:
+        board.counter.wait_for(target, timeout)
+    except SMBTimeoutError as exc:
+        missing = target - board.counter.read()
+        raise CollectiveTimeoutError(
+            f"{what} (mode {state.mode}): {missing} of the {size} ranks did not join within "
+            f"{timeout:g} s. They are still training (raise EDDIS_COMM_TIMEOUT if they only need "
+            "longer) or failed; every rank must call join() as often as the others.") from exc
+    orders = collectives.allgather_object(order, what="join: who joined last")
+    return max(range(size), key=lambda r: orders[r])
