@@ -18,7 +18,7 @@ import os
 
 from .. import settings
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import adasum, collectives, hetero, progress, reducer, runtime, sampler
+from . import adasum, collectives, hetero, join as _join, progress, reducer, runtime, sampler
 from .ops import Average, resolve_op
 
 
@@ -154,6 +154,17 @@ class EddisBasics:
             out *= postscale_factor
         return np.asarray(out).reshape(data.shape).astype(data.dtype, copy=False)
 
+    # ------------------------------------------------------------ uneven batches
+    @staticmethod
+    def join(device=-1):
+        """Collective: this rank has no data left. Until every rank has joined it keeps
+        taking part in the others' gradient reductions with zeros (and weight 0, so
+        ``Average`` is the mean over the ranks that still had data) and steps its
+        optimizer with their result; returns the rank that joined last, the same on
+        every rank. ``device`` (Horovod's, for its zero tensors) is not needed: the
+        reduction runs on the host. See eddis.core.join."""
+        return _join.join()
+
     # ------------------------------------------------------------ reduction ops
     @staticmethod
     def gradient_op(op, what, mode=None, sample_count=None):
@@ -249,7 +260,7 @@ class EddisBasics:
     SHARED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
               "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
               "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
-              "rocm_built", "ddl_built", "ccl_built", "split_sizes", "batch_slice")
+              "rocm_built", "ddl_built", "ccl_built", "split_sizes", "batch_slice", "join")
 
     def bindings(self, framework_built_with_cuda):
         """The adapter's module functions for :attr:`SHARED` (``globals().update(...)``);

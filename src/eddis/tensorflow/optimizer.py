@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from .. import settings
 from ..core import hetero, runtime
+from ..core import join as _core_join
 from ..errors import ConfigError, UsageError
 from . import agreement
 from .compression import codec_of
@@ -45,6 +46,8 @@ class _Config:
         self.op = op
         self.bucket_bytes = bucket_bytes
         self.reducer = None
+        self.variables = None
+        self.joined_result = None
         self.variables_key = None
         self.sample_count = None
 
@@ -109,9 +112,29 @@ class _DistributedOptimizer:
                               gather=_gatherer(cfg.reducer.plan, variables),
                               scatter=_scatterer(cfg.reducer.plan, variables))
             cfg.reducer.hooks = cfg.hetero
+            cfg.variables = list(variables)
+            _core_join.register(cfg.reducer.reducer, self._eddis_join_reduce, self._eddis_join_apply)
             if cfg.sample_count is not None and not _is_tensor(cfg.sample_count):
                 cfg.reducer.set_sample_count(cfg.sample_count)
         return cfg.reducer
+
+    def _eddis_join_reduce(self):
+        """A step of a rank that has no data left (eddis.join(), eagerly; it set the joined
+        weight): zeros into the reduction; the others' result is kept for the update."""
+        cfg = self._eddis
+        cfg.reducer.plan.buffer[...] = 0.0
+        cfg.joined_result = cfg.reducer.run_step()
+
+    def _eddis_join_apply(self):
+        """The rest of that step: the wrapped update with the others' gradients (so this
+        rank's variables and slots keep up with theirs), the step's hooks, the drift check."""
+        cfg = self._eddis
+        flat, slots = cfg.joined_result, cfg.reducer.plan.slots
+        grads = [tf.convert_to_tensor(flat[s.start:s.start + s.count].reshape(s.shape).astype(_np_dtype(v)))
+                 for s, v in zip(slots, cfg.variables)]
+        super(_DistributedOptimizer, self).apply(grads, cfg.variables)
+        cfg.hetero.after_step()
+        agreement.tick()
 
     def set_sample_count(self, samples):
         """This rank's weight in the gradient average from the next step on: the

@@ -21,7 +21,9 @@ import numpy as np
 import tensorflow as tf
 
 from ..core import BucketPlan, collectives, make_reducer
+from ..core import join as _core_join
 from ..errors import ConfigError
+from . import agreement
 
 _ids = itertools.count(1)
 
@@ -61,6 +63,7 @@ class GradientReducer:
                                     name=f"tensorflow.{next(_ids)}")
         self.mode = self.reducer.mode
         self.hooks = None  # an eddis.core.hetero.HeteroStep (before_push, before_sync)
+        _core_join.register(self.reducer, self.join_reduce, self.join_apply)  # a DistributedOptimizer replaces it
 
     @property
     def closed(self):
@@ -88,6 +91,24 @@ class GradientReducer:
             self.hooks.before_sync()
         self.reducer.wait()
         return self.plan.buffer.copy()
+
+    def run_step(self):
+        """One reduction of the plan's buffer as it is (every bucket at once), without the
+        hooks of a training step: eddis.join()'s steps. Returns the reduced buffer (a copy)."""
+        self.reducer.mark_all_ready()
+        self.reducer.wait()
+        return self.plan.buffer.copy()
+
+    def join_reduce(self):
+        """A joined rank's step for a gradient tape (eddis.join()): zeros in."""
+        self.plan.buffer[...] = 0.0
+        self.run_step()
+
+    @staticmethod
+    def join_apply():
+        """Nothing to apply the result to (the tape's optimizer is not EDDIS's), so this
+        rank's variables stay behind and it sits out the drift check."""
+        agreement.tick(abstain=True)
 
     # ------------------------------------------------------------ tensor side
     def reduce(self, grads, sample_count=None, depends_on=None):

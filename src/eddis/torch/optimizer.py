@@ -23,6 +23,7 @@ import torch
 
 from .. import settings, timeline
 from ..core import BucketPlan, LocalReducer, collectives, make_reducer, observe, runtime
+from ..core import join as _core_join
 from ..errors import ConfigError, UsageError
 from . import agreement, hetero
 from .compression import codec_of
@@ -94,6 +95,7 @@ class _DistributedOptimizer:
         self._eddis_hooks = [p.register_post_accumulate_grad_hook(self._eddis_make_hook(i))
                              for i, p in enumerate(params)]
         self._eddis_samples = ForwardSampleCounter(params)
+        _core_join.register(self.reducer, self._eddis_join_reduce, self._eddis_join_apply)
 
     def _eddis_bind(self, flat):
         """Use ``flat`` (a tensor over the plan's buffer) and one view of it per parameter."""
@@ -207,6 +209,28 @@ class _DistributedOptimizer:
                     p.grad = view.to(device=p.device, dtype=p.dtype, non_blocking=True)
                 else:
                     p.grad.copy_(view, non_blocking=True)
+
+    def _eddis_join_reduce(self):
+        """A step of a rank that has no data left (eddis.join(), which set the joined
+        weight): zeros into the reduction, the others' result into .grad."""
+        if not self._eddis_passthrough:
+            self._eddis_flat.zero_()
+        self.reducer.mark_all_ready()
+        self.reducer.wait()
+        if not self._eddis_passthrough:
+            self._eddis_unstage()
+        with self._eddis_lock:
+            self._eddis_counts = [0] * len(self._eddis_params)
+            self._eddis_left = [len(b.params) for b in self._eddis_plan.buckets]
+        self._eddis_synchronized = False
+
+    def _eddis_join_apply(self):
+        """The rest of that step, as the others take it: the wrapped optimizer's update (so
+        this rank's parameters keep up with theirs), the step's hooks, the drift check."""
+        with timeline.span(timeline.OPTIMIZER_STEP):
+            super(_DistributedOptimizer, self).step()
+        self._eddis_hetero.after_step()
+        agreement.tick()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
