@@ -14,7 +14,8 @@ SCRIPTS = REPO / "tests" / "horovod_style"
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("script", ["torch_style.py", "tensorflow_style.py", "keras_style.py"])
+@pytest.mark.parametrize("script", ["torch_style.py", "tensorflow_style.py", "keras_style.py",
+                                    "torch_join_style.py"])
 def test_horovod_style_script_runs_on_two_ranks(tmp_path, script):
     proc = eddis_train(tmp_path, "--local", "-n", "2", SCRIPTS / script, timeout=400)
     output = proc.stdout + proc.stderr
