@@ -4,6 +4,7 @@ import pytest
 
 from eddis import smb
 from eddis.core import join
+from eddis.errors import ConfigError
 
 
 @pytest.fixture
@@ -53,3 +54,9 @@ def test_board_ignores_an_earlier_join_call_and_counters_left_behind(client):
     assert not boards[0].everyone_joined_by(9)
     boards[0].publish(6)
     assert boards[0].everyone_joined_by(6) and not boards[0].everyone_joined_by(5)
+
+
+def test_two_open_reducers_are_refused_naming_the_fix():
+    with pytest.raises(ConfigError, match=r"2 gradient reducers .*\(optimizer.close\(\)\)"):
+        join._pick([("a", None), ("b", None)], "eddis.join()")
+    assert join._pick([], "eddis.join()") == (None, None)
