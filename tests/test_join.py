@@ -64,15 +64,22 @@ def expected_lasts(size):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("framework,mode,size", [
-    ("torch", "allreduce", 2),
-    ("torch", "sync", 3),
-    ("tensorflow", "sync", 2),
-    ("tensorflow", "allreduce", 3),
+@pytest.mark.parametrize("framework,mode,size,settings", [
+    ("torch", "allreduce", 2, []),
+    ("torch", "allreduce", 3, ["EDDIS_CHECK_PARAMETERS=1"]),   # the drift check at every step
+    ("torch", "sync", 3, []),                                  # the ranks' sum on one node
+    ("torch", "sync", 3, ["EDDIS_SYNC_REDUCE=server", "EDDIS_CHECK_PARAMETERS=1"]),
+    ("torch", "sync", 2, ["EDDIS_SYNC_REDUCE=hierarchical"]),
+    ("tensorflow", "sync", 2, ["EDDIS_CHECK_PARAMETERS=1"]),
+    ("tensorflow", "allreduce", 3, []),
+    # a joined rank's variables stay behind; the script broadcasts the last rank's after join()
+    ("tensorflow", "sync", 3, ["--tape", "EDDIS_CHECK_PARAMETERS=1"]),
 ])
-def test_join_uneven_batches_matches_the_weighted_mean_of_the_ranks_with_data(tmp_path, framework, mode, size):
+def test_join_uneven_batches_matches_the_weighted_mean_of_the_ranks_with_data(tmp_path, framework, mode, size,
+                                                                            settings):
+    extra = [arg for item in settings for arg in ((item,) if item.startswith("--") else ("--set", item))]
     proc = eddis_train(tmp_path, "--local", "-n", str(size), SCRIPT, "--framework", framework, "--mode", mode,
-                       timeout=280)
+                       *extra, timeout=280)
     want = reference(size)
     for found in results(proc, size):
         assert found["lasts"] == expected_lasts(size), found
@@ -92,3 +99,15 @@ def test_join_in_easgd_is_a_counted_barrier_naming_the_last_rank(tmp_path):
     assert 0 <= epoch0 < 3 and 0 <= epoch1 < 3
     final = {tuple(np.round(r["params"], 6)) for r in found}
     assert len(final) == 1, found          # final_model(): the centre on every rank
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,who", [("sync", "rank(s) [1]"), ("allreduce", "some ranks")])
+def test_a_collective_that_waits_for_a_joined_rank_fails_naming_it(tmp_path, mode, who):
+    proc = eddis_train(tmp_path, "--local", "-n", "2", SCRIPT, "--framework", "torch", "--mode", mode,
+                       "--misuse", timeout=280)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-6000:]
+    line = re.search(r"JOIN-MISUSE (.*)", proc.stdout)
+    assert line, output[-6000:]
+    assert f"eddis.allreduce(loss): {who} called eddis.join()" in line.group(1), line.group(1)

@@ -6,10 +6,17 @@ Two epochs of a linear least-squares model with momentum SGD. In epoch 0 rank r 
 sample count as its weight; then every rank calls join(). Prints one JOIN-RESULT line:
 the ranks join() named last in each epoch and the final parameters (fp32).
 
-    join_trainer.py --framework torch|tensorflow [--mode sync|allreduce|easgd]
+    join_trainer.py --framework torch|tensorflow [--mode sync|allreduce|easgd] [--set NAME=VALUE ...]
+    join_trainer.py --framework torch --mode sync --misuse
+
+--misuse: rank 1 joins after one step while rank 0 takes a second one and then asks for
+a metric allreduce, which no joined rank answers: rank 0 prints JOIN-MISUSE and the
+error, and exits 3.
 """
 import argparse
 import json
+import os
+import sys
 
 import numpy as np
 
@@ -65,7 +72,7 @@ def run_torch(mode):
     return hvd, lasts, params
 
 
-def run_tensorflow(mode):
+def run_tensorflow(mode, tape_only=False):
     import keras
     import tensorflow as tf
 
@@ -75,17 +82,25 @@ def run_tensorflow(mode):
     w0, b0 = initial()
     model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
     model.layers[0].set_weights([w0, b0])
-    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=MOMENTUM), mode=mode)
+    optimizer = keras.optimizers.SGD(LR, momentum=MOMENTUM)
+    if not tape_only:
+        optimizer = hvd.DistributedOptimizer(optimizer, mode=mode)
     lasts = []
     for epoch in range(2):
         for step in range(steps_of(epoch, hvd.rank(), hvd.size())):
             x, y = batch(epoch, hvd.rank(), step)
-            optimizer.set_sample_count(len(x))
+            if not tape_only:
+                optimizer.set_sample_count(len(x))
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+            if tape_only:
+                tape = hvd.DistributedGradientTape(tape, mode=mode, sample_count=len(x))
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
         lasts.append(hvd.join())
+        if tape_only:
+            # a joined rank's own optimizer did not step: take the last rank's state, as in Horovod
+            hvd.broadcast_variables(model.variables + optimizer.variables, root_rank=lasts[-1])
         assert float(hvd.allreduce(tf.constant([1.0]), op=hvd.Sum)[0]) == hvd.size()
     if mode == "easgd":
         optimizer.final_model()
@@ -93,12 +108,47 @@ def run_tensorflow(mode):
     return hvd, lasts, np.concatenate([kernel.reshape(-1), bias]).astype(np.float32)
 
 
+def misuse(mode):
+    import torch
+
+    import eddis.torch as hvd
+    from eddis.errors import UsageError
+
+    hvd.init()
+    model = torch.nn.Linear(FEATURES, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), mode=mode)
+    for step in range(2 if hvd.rank() == 0 else 1):
+        x, y = (torch.from_numpy(a) for a in batch(0, hvd.rank(), step))
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    if hvd.rank() != 0:
+        hvd.join()
+        sys.exit(0)
+    try:
+        hvd.allreduce(torch.tensor([1.0]), name="loss")
+    except UsageError as exc:
+        print(f"JOIN-MISUSE {exc}", flush=True)
+        sys.exit(3)
+    print("JOIN-MISUSE the allreduce returned", flush=True)
+    sys.exit(4)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--framework", choices=("torch", "tensorflow"), required=True)
     parser.add_argument("--mode", default="sync")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--misuse", action="store_true")
+    parser.add_argument("--tape", action="store_true", help="tensorflow: DistributedGradientTape, plain optimizer")
     args = parser.parse_args()
-    hvd, lasts, params = (run_torch if args.framework == "torch" else run_tensorflow)(args.mode)
+    os.environ.update(item.split("=", 1) for item in args.set)
+    if args.misuse:
+        misuse(args.mode)
+    if args.framework == "torch":
+        hvd, lasts, params = run_torch(args.mode)
+    else:
+        hvd, lasts, params = run_tensorflow(args.mode, tape_only=args.tape)
     print("JOIN-RESULT " + json.dumps({"rank": hvd.rank(), "size": hvd.size(), "lasts": lasts,
                                         "params": [float(v) for v in params]}), flush=True)
     hvd.shutdown()
