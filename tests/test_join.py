@@ -102,7 +102,8 @@ def test_join_in_easgd_is_a_counted_barrier_naming_the_last_rank(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,who", [("sync", "rank(s) [1]"), ("allreduce", "some ranks")])
+@pytest.mark.parametrize("mode,who", [("sync", "rank(s) [1]"), ("allreduce", "some ranks"),
+                                      ("easgd", "1 of the 2 ranks")])
 def test_a_collective_that_waits_for_a_joined_rank_fails_naming_it(tmp_path, mode, who):
     proc = eddis_train(tmp_path, "--local", "-n", "2", SCRIPT, "--framework", "torch", "--mode", mode,
                        "--misuse", timeout=280)

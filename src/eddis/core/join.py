@@ -48,8 +48,8 @@ easgd barrier counts with the same limit. A collective other than the gradient
 reduction that a training rank calls while some rank has joined (``allreduce`` of
 a metric, ``broadcast``, ``allgather``, ``barrier``) cannot be answered by a joined
 rank, which only knows the reducer's steps; it fails on the training rank with a
-:class:`UsageError` naming the joined ranks within a second or so (``probe``),
-instead of waiting out EDDIS_COMM_TIMEOUT.
+:class:`UsageError` naming the joined ranks (easgd: how many) within a second or
+so (``probe``), instead of waiting out EDDIS_COMM_TIMEOUT.
 """
 import logging
 import sys
@@ -153,12 +153,33 @@ def probe(what):
             return
         if joined:
             who = "some ranks" if joined == ["some"] else f"rank(s) {joined}"
-            runtime.mark_broken(what)
-            raise UsageError(
-                f"{what}: {who} called eddis.join() and take part only in the gradient "
-                "reduction of the optimizer's steps until every rank has joined, so this "
-                "collective would wait for them forever. Call it before join() on every rank, "
-                "or after join() returned.")
+            _refuse(what, who)
+    try:
+        arrived = _elastic_arrivals()
+    except Exception:  # noqa: BLE001 - as above
+        return
+    if arrived:
+        _refuse(what, f"{arrived} of the {runtime.size()} ranks")
+
+
+def _elastic_arrivals():
+    """easgd: how many ranks wait in the current join() while this one is not in it."""
+    from . import hetero
+
+    state = hetero.current()
+    barrier = None if state is None else getattr(state, "join_barrier", None)
+    if barrier is None or barrier.waiting:
+        return 0
+    return barrier.counter.read() - barrier.base - barrier.calls * runtime.size()
+
+
+def _refuse(what, who):
+    runtime.mark_broken(what)
+    raise UsageError(
+        f"{what}: {who} called eddis.join() and answer no other collective until every rank "
+        "has joined (in sync and allreduce they take part in the gradient reductions only), so "
+        "this collective would wait for them forever. Call it before join() on every rank, or "
+        "after join() returned.")
 
 
 collectives.add_wait_probe(probe)
@@ -244,7 +265,8 @@ class ElasticJoin:
     def __init__(self, client, name):
         self.counter = client.counter(f"{name}.joined")
         self.base = self.counter.read()
-        self.calls = 0
+        self.calls = 0          # join() calls this rank made
+        self.waiting = False    # in one now
 
 
 def _join_elastic(state, what):
@@ -265,6 +287,7 @@ def _join_elastic(state, what):
     order = board.counter.fetch_add(1) - board.base
     target = board.base + board.calls * size
     timeout = settings.get("EDDIS_COMM_TIMEOUT")
+    board.waiting = True
     try:
         board.counter.wait_for(target, timeout)
     except SMBTimeoutError as exc:
@@ -273,5 +296,7 @@ def _join_elastic(state, what):
             f"{what} (mode {state.mode}): {missing} of the {size} ranks did not join within "
             f"{timeout:g} s. They are still training (raise EDDIS_COMM_TIMEOUT if they only need "
             "longer) or failed; every rank must call join() as often as the others.") from exc
+    finally:
+        board.waiting = False
     orders = collectives.allgather_object(order, what="join: who joined last")
     return max(range(size), key=lambda r: orders[r])
