@@ -105,7 +105,25 @@ class ParameterDriftError(EddisError, RuntimeError):
 
 
 class CheckpointError(EddisError, OSError):
-    """Saving a checkpoint or model failed on rank 0; every rank raises it, naming rank 0's error."""
+    """Saving, finding or restoring a checkpoint failed (or does not fit this job); every rank
+    raises it, naming the rank and the cause."""
+
+
+# The exit status of a rank that stopped after writing a requested checkpoint (BSD's
+# EX_TEMPFAIL: try again later). Defined here, in the base layer, so that the launcher,
+# which may not import the runtime, can tell a stop for requeue from a failure.
+REQUEUE_EXIT_STATUS = 75
+
+
+class CheckpointStop(EddisError, SystemExit):
+    """Raised on every rank at the step boundary where a requested checkpoint (SIGUSR1,
+    ``eddis.core.checkpoint.request``) was written: the run stops so the job can be requeued.
+    A SystemExit whose ``code`` is :data:`REQUEUE_EXIT_STATUS`, so an uncaught one ends the
+    process with that status (no traceback, a clean shutdown)."""
+
+    def __init__(self, message, path=None):
+        super().__init__(message, code=REQUEUE_EXIT_STATUS)
+        self.path = path
 
 
 # ---------------------------------------------------------------- profiles and timelines

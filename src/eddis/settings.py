@@ -218,6 +218,15 @@ register("EDDIS_CLAIM_CHUNK", "int", 1,
 register("EDDIS_STALENESS", "int", -1,
          "Staleness bound s: no rank starts step t while another is before step t - s; "
          "-1: unbounded.")
+register("EDDIS_CHECKPOINT_DIR", "path", None,
+         "Folder of the periodic and requested checkpoints (eddis.checkpoint/eddis.resume); set, "
+         "eddis.init() also installs the SIGUSR1 handler that asks for a checkpoint and a stop.")
+register("EDDIS_CHECKPOINT_INTERVAL", "str", None,
+         "Periodic checkpoints into EDDIS_CHECKPOINT_DIR: every N optimizer steps ('500'), or "
+         "every N seconds of rank 0's clock ('600s'); unset: none (requests only).")
+register("EDDIS_CHECKPOINT_KEEP", "int", 3,
+         "Complete checkpoints kept in EDDIS_CHECKPOINT_DIR; older ones are removed after each "
+         "new one is committed (0: keep all).")
 register("EDDIS_BALANCE", "bool", False,
          "sync: give each rank a share of the global batch proportional to its measured "
          "throughput (balanced sync).")
