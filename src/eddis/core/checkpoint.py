@@ -1,0 +1,230 @@
+"""Checkpoint folders on disk: names, manifest, atomic commit, the latest complete one, keep-last-N,
+the interval setting and the signal-safe request flag. Framework-free and collective-free.
+
+A checkpoint is one folder; it counts as complete only under its final name, which only a
+rename gives it, and only after every rank's files and the manifest (written last) are in::
+
+    <dir>/ckpt-00001200/            complete: step 1200
+        manifest.json               format, EDDIS version, world size, mode, step, settings, files
+        training.h5                 the SMB state (centre, counter values, balance shares, ...)
+        rank-00000.h5               rank 0's RNG states and data position (core)
+        rank-00000.pt               rank 0's model, optimizer and framework RNG (adapter's format)
+        ...
+    <dir>/.ckpt-00001300.tmp-<id>/  being written (or left by a crash): never read, removed later
+
+``request(reason)`` only sets a flag, so a signal handler may call it; the runtime reads
+it at the next step boundary (``eddis.core.checkpoint_run``).
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import time
+
+from .. import __version__, settings
+from ..errors import CheckpointError, ConfigError
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+TRAINING_STATE = "training.h5"
+PREFIX = "ckpt-"
+TMP_PREFIX = ".ckpt-"
+_COMPLETE = re.compile(r"^ckpt-(\d+)$")
+_TEMPORARY = re.compile(r"^\.ckpt-(\d+)\.tmp-")
+
+
+def folder_name(step):
+    return f"{PREFIX}{int(step):08d}"
+
+
+def temporary_name(step, token):
+    return f"{TMP_PREFIX}{int(step):08d}.tmp-{token}"
+
+
+def rank_file(rank, ext):
+    return f"rank-{int(rank):05d}{ext}"
+
+
+# ---------------------------------------------------------------- the manifest
+def make_manifest(*, framework, world_size, mode, step, epoch, batch, global_step, settings_used,
+                  files, extra=None, reason="explicit", per_rank=None):
+    """The manifest of one checkpoint (a dict, written as JSON); ``files``: names in the folder."""
+    return {"format": FORMAT, "eddis_version": __version__, "framework": framework,
+            "world_size": int(world_size), "mode": mode, "step": int(step), "epoch": int(epoch),
+            "batch": int(batch), "global_step": int(global_step), "settings": dict(settings_used),
+            "files": sorted(files), "extra": dict(extra or {}), "reason": reason,
+            "per_rank": list(per_rank or []), "written_at": time.time()}
+
+
+def write_manifest(folder, manifest):
+    """Write the manifest durably (it is what marks the folder's content as written)."""
+    path = os.path.join(folder, MANIFEST)
+    try:
+        text = json.dumps(manifest, indent=1, sort_keys=True)
+    except TypeError as exc:
+        raise CheckpointError(f"the checkpoint's extra values must be JSON values (numbers, strings, "
+                              f"lists, dicts): {exc}. Pass plain numbers, or save tensors yourself.") from None
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(folder):
+    """The manifest of a complete checkpoint folder, checked; a CheckpointError otherwise."""
+    path = os.path.join(folder, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder} is not a checkpoint: it has no {MANIFEST}. Pass a folder "
+                              "eddis.checkpoint() wrote, or the folder that holds them.") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has checkpoint format {manifest.get('format')!r} where this EDDIS "
+                              f"({__version__}) reads format {FORMAT}")
+    missing = [name for name in manifest.get("files", ()) if not os.path.exists(os.path.join(folder, name))]
+    if missing:
+        raise CheckpointError(f"checkpoint {folder} lacks {', '.join(missing[:5])}, which its manifest "
+                              "lists: the folder was changed after it was written; use an older one")
+    return manifest
+
+
+# ---------------------------------------------------------------- finding and pruning
+def complete_checkpoints(directory):
+    """``[(step, path)]`` of the complete checkpoints in ``directory``, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        match = _COMPLETE.match(name)
+        if match and os.path.isfile(os.path.join(directory, name, MANIFEST)):
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    return sorted(found)
+
+
+def latest(directory):
+    """The newest complete checkpoint folder in ``directory``, or None."""
+    found = complete_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def resolve(path_or_dir):
+    """The checkpoint folder ``path_or_dir`` names: itself when it holds a manifest, else the
+    newest complete checkpoint in it, else None (nothing to resume: a fresh start)."""
+    path = os.fspath(path_or_dir)
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    if os.path.basename(os.path.normpath(path)).startswith(TMP_PREFIX):
+        raise CheckpointError(f"{path} is a checkpoint that was never completed (its writer stopped "
+                              "before the commit); pass the folder that holds the checkpoints instead")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file, not a checkpoint folder: pass a folder "
+                              "eddis.checkpoint() wrote, or the folder that holds them")
+    return latest(path)
+
+
+def prune(directory, keep):
+    """Remove all but the newest ``keep`` complete checkpoints (``keep`` 0: remove none) and the
+    temporary folders of uncompleted ones older than the newest complete one. Returns the
+    removed paths."""
+    found = complete_checkpoints(directory)
+    removed = []
+    if keep > 0:
+        for _, path in found[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    newest = found[-1][0] if found else None
+    if newest is not None:
+        for name in os.listdir(directory):
+            match = _TEMPORARY.match(name)
+            if match and int(match.group(1)) <= newest:
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+                removed.append(os.path.join(directory, name))
+    return removed
+
+
+def commit(tmp_folder, final_folder):
+    """Give a fully written folder its final name (atomic on one file system). A checkpoint of
+    the same step already there (a periodic one, then the loop's own) is replaced; until the
+    new one is in, the older checkpoints are the complete ones."""
+    old = None
+    if os.path.exists(final_folder):
+        old = tmp_folder + "-replaced"
+        os.rename(final_folder, old)
+    os.rename(tmp_folder, final_folder)
+    _fsync_dir(os.path.dirname(final_folder) or ".")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- the interval setting
+def parse_interval(text):
+    """EDDIS_CHECKPOINT_INTERVAL: None, ``("steps", n)`` or ``("seconds", s)``."""
+    if text is None or str(text).strip() == "":
+        return None
+    t = str(text).strip().lower()
+    unit = "seconds" if t.endswith("s") else "steps"
+    number = t[:-1] if unit == "seconds" else t
+    try:
+        value = float(number) if unit == "seconds" else int(number)
+    except ValueError:
+        value = None
+    if value is None or value <= 0:
+        raise ConfigError(f"EDDIS_CHECKPOINT_INTERVAL={text!r} is not a positive number of steps "
+                          "('500') or seconds ('600s'); set one of them or unset it")
+    return unit, value
+
+
+def interval_from_settings():
+    return parse_interval(settings.get("EDDIS_CHECKPOINT_INTERVAL"))
+
+
+# ---------------------------------------------------------------- the request flag
+_requested = []   # reasons; appending is atomic, so a signal handler may do it
+
+
+def request(reason="requested"):
+    """Ask for a checkpoint into EDDIS_CHECKPOINT_DIR and a stop at the next step boundary
+    (signal-safe: it only records ``reason``). Every rank then writes the checkpoint at the
+    same step and raises :class:`eddis.errors.CheckpointStop` (exit status 75)."""
+    _requested.append(str(reason))
+
+
+def pending_request():
+    """The first reason of an unhandled request, or None."""
+    return _requested[0] if _requested else None
+
+
+def clear_request():
+    del _requested[:]
+
+
+def _on_signal(signum, frame):
+    request(f"signal {signal.Signals(signum).name}")
+
+
+def install_signal_handler(signum=signal.SIGUSR1):
+    """Make ``signum`` a checkpoint-and-stop request (main thread only; returns whether it did)."""
+    try:
+        signal.signal(signum, _on_signal)
+    except ValueError:  # not the main thread: a handler cannot be installed from here
+        return False
+    return True

@@ -1,0 +1,157 @@
+"""The pure parts of checkpoints: folder names, manifest, finding the latest complete one,
+keep-last-N, the atomic commit, the interval setting, the request flag and the Start a
+resume returns. The collective parts run on real ranks in tests/test_checkpoint_resume.py."""
+import json
+import os
+import signal
+
+import pytest
+
+from eddis import __version__
+from eddis.core import checkpoint as layout
+from eddis.core import checkpoint_state
+from eddis.core.checkpoint_run import Start
+from eddis.errors import CheckpointError, CheckpointStop, ConfigError, REQUEUE_EXIT_STATUS
+
+
+def manifest(step=5, **kw):
+    args = dict(framework="torch", world_size=2, mode="sync", step=step, epoch=1, batch=2,
+                global_step=10, settings_used={"mode": "sync"}, files=["b", "a"])
+    args.update(kw)
+    return layout.make_manifest(**args)
+
+
+def complete(root, step, files=("a",)):
+    folder = root / layout.folder_name(step)
+    folder.mkdir(parents=True)
+    for name in files:
+        (folder / name).write_text("x")
+    layout.write_manifest(str(folder), manifest(step, files=list(files)))
+    return folder
+
+
+def test_manifest_round_trip_records_version_world_size_mode_and_layout(tmp_path):
+    m = manifest(extra={"note": "hi"})
+    (tmp_path / "a").write_text("x")
+    (tmp_path / "b").write_text("x")
+    layout.write_manifest(str(tmp_path), m)
+    back = layout.read_manifest(str(tmp_path))
+    assert back["eddis_version"] == __version__ and back["format"] == layout.FORMAT
+    assert (back["world_size"], back["mode"], back["step"], back["epoch"], back["batch"]) == (2, "sync", 5, 1, 2)
+    assert back["files"] == ["a", "b"] and back["extra"] == {"note": "hi"}
+
+
+def test_manifest_refuses_what_json_cannot_hold(tmp_path):
+    with pytest.raises(CheckpointError, match="JSON values"):
+        layout.write_manifest(str(tmp_path), manifest(extra={"tensor": object()}))
+
+
+def test_read_manifest_names_a_missing_file_and_a_foreign_format(tmp_path):
+    layout.write_manifest(str(tmp_path), manifest(files=["gone.h5"]))
+    with pytest.raises(CheckpointError, match="lacks gone.h5"):
+        layout.read_manifest(str(tmp_path))
+    (tmp_path / layout.MANIFEST).write_text(json.dumps({"format": 99}))
+    with pytest.raises(CheckpointError, match="format 99"):
+        layout.read_manifest(str(tmp_path))
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        layout.read_manifest(str(tmp_path / "nothing"))
+
+
+def test_latest_ignores_uncommitted_and_manifestless_folders(tmp_path):
+    complete(tmp_path, 2)
+    complete(tmp_path, 10)
+    (tmp_path / layout.temporary_name(12, "abc")).mkdir()            # a crash mid-write
+    (tmp_path / layout.folder_name(11)).mkdir()                        # no manifest
+    assert [s for s, _ in layout.complete_checkpoints(str(tmp_path))] == [2, 10]
+    assert layout.latest(str(tmp_path)) == str(tmp_path / "ckpt-00000010")
+    assert layout.resolve(str(tmp_path)) == str(tmp_path / "ckpt-00000010")
+    assert layout.resolve(str(tmp_path / "ckpt-00000002")) == str(tmp_path / "ckpt-00000002")
+
+
+def test_resolve_of_an_empty_or_missing_folder_is_a_fresh_start(tmp_path):
+    assert layout.resolve(str(tmp_path)) is None
+    assert layout.resolve(str(tmp_path / "not-yet")) is None
+
+
+def test_resolve_refuses_an_uncommitted_checkpoint_and_a_file(tmp_path):
+    tmp = tmp_path / layout.temporary_name(3, "x")
+    tmp.mkdir()
+    with pytest.raises(CheckpointError, match="never completed"):
+        layout.resolve(str(tmp))
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        layout.resolve(str(tmp_path / "f"))
+
+
+def test_prune_keeps_the_newest_n_and_removes_stale_temporaries(tmp_path):
+    for step in (1, 2, 3, 4):
+        complete(tmp_path, step)
+    (tmp_path / layout.temporary_name(3, "old")).mkdir()
+    (tmp_path / layout.temporary_name(9, "now")).mkdir()               # maybe being written
+    layout.prune(str(tmp_path), 2)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt-00000003", "ckpt-00000004",
+                                                   layout.temporary_name(9, "now")])
+    layout.prune(str(tmp_path), 0)
+    assert len(layout.complete_checkpoints(str(tmp_path))) == 2
+
+
+def test_commit_renames_and_replaces_a_checkpoint_of_the_same_step(tmp_path):
+    complete(tmp_path, 4, files=("old",))
+    tmp = tmp_path / layout.temporary_name(4, "n")
+    tmp.mkdir()
+    (tmp / "new").write_text("x")
+    layout.write_manifest(str(tmp), manifest(4, files=["new"]))
+    layout.commit(str(tmp), str(tmp_path / layout.folder_name(4)))
+    assert os.listdir(tmp_path) == ["ckpt-00000004"]
+    assert layout.read_manifest(str(tmp_path / "ckpt-00000004"))["files"] == ["new"]
+
+
+@pytest.mark.parametrize("text,expected", [(None, None), ("", None), ("500", ("steps", 500)),
+                                           ("600s", ("seconds", 600.0)), ("1.5S", ("seconds", 1.5))])
+def test_interval_in_steps_or_seconds(text, expected):
+    assert layout.parse_interval(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "ten", "5m", "2.5"])
+def test_a_bad_interval_names_the_forms_it_takes(text):
+    with pytest.raises(ConfigError, match="'500'.*'600s'"):
+        layout.parse_interval(text)
+
+
+def test_the_request_flag_is_set_by_the_signal_handler():
+    layout.clear_request()
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        assert layout.install_signal_handler()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert layout.pending_request() == "signal SIGUSR1"
+        layout.request("second")
+        assert layout.pending_request() == "signal SIGUSR1"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        layout.clear_request()
+    assert layout.pending_request() is None
+
+
+def test_checkpoint_stop_exits_with_the_requeue_status():
+    stop = CheckpointStop("stopped", path="/x")
+    assert isinstance(stop, SystemExit) and stop.code == REQUEUE_EXIT_STATUS == 75 and stop.path == "/x"
+
+
+def test_start_tells_a_loop_what_was_done():
+    fresh = Start()
+    assert not fresh.resumed and fresh.step == 0 and not fresh.done(0, 0)
+    start = Start("/c", step=7, epoch=1, batch=2, extra={"a": 1})
+    assert start.resumed and start["step"] == 7 and start.extra == {"a": 1}
+    assert start.done(0, 99) and start.done(1, 1) and not start.done(1, 2) and not start.done(2, 0)
+
+
+def test_data_position_counts_the_batches_of_the_current_epoch():
+    checkpoint_state.reset_position()
+    checkpoint_state.note_epoch(0)
+    assert checkpoint_state.data_position(3) == (0, 3)
+    checkpoint_state.set_position(epoch=2, batch=3, step=11)      # resumed: 3 batches of epoch 2 done
+    checkpoint_state.note_epoch(2)                                 # the loop sets the same epoch
+    assert checkpoint_state.data_position(12) == (2, 4)
+    assert checkpoint_state.batches_done(5) == 0
+    checkpoint_state.reset_position()
