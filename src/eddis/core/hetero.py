@@ -100,6 +100,7 @@ class HeteroStep:
         self._final_model_step = None   # self.step at the last final_model()
         self._final_model_check = None
         self.flat = None
+        self._when_attached = []   # e.g. a resumed centre variable, once its pool exists
         progress.set_mode_hint(self.mode)
         _current[0] = self
         if plan is not None:
@@ -121,6 +122,17 @@ class HeteroStep:
             self._setup_averaging()
         if self.global_batch is not None:
             self._set_weight(self.step)
+        pending, self._when_attached = self._when_attached, []
+        for fn in pending:
+            fn(self)
+
+    def on_attached(self, fn):
+        """Call ``fn(self)`` once the parameters are attached (now, if they are): what a
+        resume restores into the pools that ``attach`` creates (collective when ``fn`` is)."""
+        if self.plan is not None:
+            fn(self)
+        else:
+            self._when_attached.append(fn)
 
     def _setup_averaging(self):
         if self.mode == "hybrid":

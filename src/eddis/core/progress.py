@@ -106,7 +106,9 @@ class ProgressController:
         # need no message (a broadcast per step cost the members up to several ms).
         self._exclusive = lockstep_comm is not None and self.unit == self.size
         self._predicted = None        # the counter value the next claim finds (exclusive unit)
-        self.counter = client.counter(f"{name}.counter", initial=0)
+        # a resumed run starts from the iterations its checkpoint had used (eddis.resume)
+        start = _resume_point or {"consumed": 0, "steps_done": None}
+        self.counter = client.counter(f"{name}.counter", initial=start["consumed"])
         # where a unit's leader posts its claims for the members: (claims posted, newest's value)
         self._posted = self._posted_value = None
         self._last_posted_value = 0
@@ -123,10 +125,12 @@ class ProgressController:
         self._mine = None
         self._others = []
         if self.staleness >= 0:
-            peers = [client.counter(f"{name}.rank{r}", initial=0) for r in range(self.size)]
+            done = start["steps_done"] or [0] * self.size
+            peers = [client.counter(f"{name}.rank{r}", initial=int(done[r])) for r in range(self.size)]
             self._mine = peers[self.rank]
             self._others = [(r, c) for r, c in enumerate(peers) if r != self.rank]
-        self.steps_done = 0           # steps this rank completed
+        self.steps_done = 0           # steps this rank completed (in this run)
+        self._published_early = False  # the running step's completion is published already
         self.started = False          # a step is running (should_stop returned False)
         self.finished = False
         self.reserved = 0             # unit steps left in the current claim
@@ -183,8 +187,17 @@ class ProgressController:
         self.started = False
         self._log("done", self.steps_done)
         self.steps_done += 1
-        if self._mine is not None:
+        if self._mine is not None and not self._published_early:
             self._mine.fetch_add(1)
+        self._published_early = False
+
+    def publish_completed(self):
+        """Publish the running step as completed now (it is, at a step boundary) to the
+        staleness bound, so that no rank waits for this one while it waits in a collective
+        checkpoint for them."""
+        if self._mine is not None and self.started and not self._published_early:
+            self._mine.fetch_add(1)
+            self._published_early = True
 
     def _finish(self):
         self.finished = True
@@ -261,6 +274,7 @@ class ProgressController:
 
 # ---------------------------------------------------------------- module API
 _controller = None
+_resume_point = None   # {"consumed": iterations, "steps_done": per rank or None}, from a checkpoint
 _instance = itertools.count()
 _mode_hint = None
 
@@ -292,7 +306,7 @@ def _lockstep_comm(mode):
 
 def configure(total=None, chunk=None, staleness=None, mode=None, record=False):
     """Set up the global learning counter (collective). Returns the controller."""
-    global _controller
+    global _controller, _resume_point
     runtime.require("eddis progress control")
     if total is None:
         total = settings.get("EDDIS_TOTAL_ITERATIONS")
@@ -309,9 +323,21 @@ def configure(total=None, chunk=None, staleness=None, mode=None, record=False):
                                       chunk=chunk, staleness=staleness, lockstep_comm=comm,
                                       name=name, record=record)
     _controller.mode = mode
+    _resume_point = None   # used by this controller; a later run starts afresh
     runtime.register_closable(_controller)
     collectives.barrier(what="progress control set-up")
     return _controller
+
+
+def resume_from(consumed, steps_done=None):
+    """The next controller starts at ``consumed`` iterations of the counter and, when given,
+    every rank's completed steps (a resumed run; ``eddis.resume`` calls it on every rank)."""
+    global _resume_point
+    if _controller is not None and not _controller.finished:
+        raise UsageError("eddis.resume() came after the global learning counter was set up (by "
+                         "should_stop() or configure_progress()): resume before the training loop")
+    _resume_point = {"consumed": int(consumed), "steps_done": None if steps_done is None else
+                     [int(v) for v in steps_done]}
 
 
 def controller():
@@ -332,7 +358,7 @@ def global_step():
 
 def reset():
     """Forget the controller (after training), so that another run can configure anew."""
-    global _controller
+    global _controller, _resume_point
     if _controller is not None:
         _controller.close()
         try:
@@ -340,6 +366,7 @@ def reset():
         except Exception:
             pass
     _controller = None
+    _resume_point = None
 
 
 def progress_counts():

@@ -1,0 +1,159 @@
+"""What a checkpoint holds besides the framework's tensors, captured and restored framework-free.
+
+- per rank (``rank-NNNNN.h5``): Python's and numpy's global RNG states, the optimizer's step
+  count, the easgd worker's measured throughput, the data position (epoch, batches of it done);
+- for the job (``training.h5``, rank 0): the easgd/hybrid centre variable and the workers'
+  published throughputs (SMB pools), the global learning counter's value less the iterations
+  claimed but not run, every rank's completed steps (the staleness counters) and the balanced
+  shares of the global batch.
+
+Everything is read at a consistent cut: every rank waits at a step boundary (``checkpoint_run``)
+and its last centre update is applied before rank 0 reads the pools.
+"""
+import random
+
+import numpy as np
+
+from . import hetero as _hetero
+from . import progress
+
+# ---------------------------------------------------------------- the data position
+# The epoch the EDDIS samplers were last set to and the optimizer step it began at (after a
+# resume: the step it would have begun at, so batches done before the resume count).
+_epoch = {"epoch": 0, "start_step": 0}
+
+
+def _current_step():
+    state = _hetero.current()
+    return state.step if state is not None else 0
+
+
+def note_epoch(epoch):
+    """An EDDIS sampler's ``set_epoch(epoch)``: remember where that epoch began (in optimizer
+    steps), so a checkpoint knows how many of its batches are done. Setting the current
+    epoch again (a resumed loop's first ``set_epoch``) keeps where it began."""
+    if int(epoch) != _epoch["epoch"]:
+        _epoch.update(epoch=int(epoch), start_step=_current_step())
+
+
+def data_position(step):
+    """``(epoch, batches of it done)`` after ``step`` optimizer steps."""
+    return _epoch["epoch"], max(0, int(step) - _epoch["start_step"])
+
+
+def batches_done(epoch):
+    """Batches of ``epoch`` done so far (0 for another epoch than the current one)."""
+    return data_position(_current_step())[1] if int(epoch) == _epoch["epoch"] else 0
+
+
+def set_position(epoch, batch, step):
+    """After a resume: ``batch`` batches of ``epoch`` were done by optimizer step ``step``."""
+    _epoch.update(epoch=int(epoch), start_step=int(step) - int(batch))
+
+
+def reset_position():
+    _epoch.update(epoch=0, start_step=0)
+
+
+# ---------------------------------------------------------------- per rank
+def write_rank(h5, state, epoch, batch):
+    """This rank's RNG states, step and data position into the open HDF5 file ``h5``."""
+    version, internal, gauss = random.getstate()
+    g = h5.create_group("rng")
+    g.create_dataset("python", data=np.asarray(internal, dtype=np.int64))
+    g.attrs["python_version"] = version
+    g.attrs["python_gauss"] = "none" if gauss is None else repr(float(gauss))
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    g.create_dataset("numpy", data=keys)
+    g.attrs.update(numpy_kind=kind, numpy_pos=pos, numpy_has_gauss=has_gauss, numpy_cached=cached)
+    h = h5.create_group("hetero")
+    h.attrs["step"] = state.step if state is not None else 0
+    averager = None if state is None else state.averager
+    h.attrs["rate"] = averager.rate if averager is not None else 0.0
+    h.attrs["mass"] = averager.mass if averager is not None else 1.0
+    d = h5.create_group("data")
+    d.attrs.update(epoch=int(epoch), batch=int(batch))
+
+
+def read_rank(h5, state, restore_step=True):
+    """Restore what :func:`write_rank` saved; returns ``(step, epoch, batch)``."""
+    g = h5["rng"]
+    gauss = g.attrs["python_gauss"]
+    random.setstate((int(g.attrs["python_version"]), tuple(int(v) for v in g["python"][()]),
+                     None if gauss == "none" else float(gauss)))
+    np.random.set_state((str(g.attrs["numpy_kind"]), g["numpy"][()], int(g.attrs["numpy_pos"]),
+                         int(g.attrs["numpy_has_gauss"]), float(g.attrs["numpy_cached"])))
+    step = int(h5["hetero"].attrs["step"])
+    if state is not None and restore_step:
+        state.step = step
+        if state.averager is not None:
+            state.averager.rate = float(h5["hetero"].attrs["rate"])
+            state.averager.mass = float(h5["hetero"].attrs["mass"])
+    return step, int(h5["data"].attrs["epoch"]), int(h5["data"].attrs["batch"])
+
+
+def progress_of_rank():
+    """This rank's part of the global learning counter at a step boundary:
+    ``(steps completed, iterations claimed for its unit but not run, or 0 if not its leader)``."""
+    ctl = progress.controller()
+    if ctl is None:
+        return None
+    done = ctl.steps_done + (1 if ctl.started else 0)
+    unused = ctl.reserved * ctl.unit if ctl.leader and not ctl.finished else 0
+    return done, unused
+
+
+# ---------------------------------------------------------------- the job (rank 0)
+def write_training(h5, state, progress_parts):
+    """The SMB pools and counters of the run into ``h5`` (rank 0, after every rank's last
+    centre update is in). ``progress_parts``: every rank's :func:`progress_of_rank`."""
+    averager = None if state is None else state.averager
+    if averager is not None and state._centre_ready:
+        h5.create_dataset("centre", data=averager.read_center())
+        if averager.rates is not None:
+            h5.create_dataset("rates", data=averager.rates.read(out=np.empty(averager.workers), slot=0))
+    ctl = progress.controller()
+    if ctl is not None and all(p is not None for p in progress_parts):
+        p = h5.create_group("progress")
+        value = ctl.counter.read()
+        p.attrs["counter"] = value
+        p.attrs["consumed"] = value - sum(unused for _, unused in progress_parts)
+        p.attrs["total"] = ctl.total
+        p.create_dataset("steps_done", data=np.asarray([done for done, _ in progress_parts], dtype=np.int64))
+    balancer = None if state is None else state.balancer
+    if balancer is not None:
+        b = h5.create_group("balance")
+        b.create_dataset("shares", data=np.asarray(balancer.shares_for(state.step), dtype=np.float64))
+        b.attrs["global_batch"] = -1 if balancer.global_batch is None else balancer.global_batch
+    if state is not None and state.global_batch is not None:
+        h5.attrs["global_batch"] = state.global_batch
+
+
+def read_training(h5, state, same_size):
+    """Restore the SMB state into this job (every rank calls it; rank 0 writes the pools).
+    Returns the parts that need a collective step after it (nothing here blocks)."""
+    if "progress" in h5:
+        p = h5["progress"]
+        steps = p["steps_done"][()].tolist() if same_size else None
+        progress.resume_from(int(p.attrs["consumed"]), steps)
+    if state is not None and state.balancer is not None and "balance" in h5 and same_size:
+        shares = h5["balance"]["shares"][()]
+        state.balancer.shares = shares.copy()
+        state.balancer.schedule = [(0, shares.copy())]
+        gb = int(h5["balance"].attrs["global_batch"])
+        if gb > 0 and state.balancer.global_batch is None:
+            state.balancer.global_batch = gb
+    centre = h5["centre"][()] if "centre" in h5 else None
+    rates = h5["rates"][()] if "rates" in h5 and same_size else None
+    return centre, rates
+
+
+def restore_centre(state, centre, rates, rank):
+    """Rank 0 writes the saved centre (and throughputs) into this job's pools; no rank
+    initialises the centre from its parameters any more. Collective barrier by the caller."""
+    averager = state.averager
+    if rank == 0:
+        averager.initialize(centre)
+        if rates is not None and averager.rates is not None and len(rates) == averager.workers:
+            averager.rates.write(np.ascontiguousarray(rates, dtype=np.float64), slot=0)
+    state._centre_ready = True
