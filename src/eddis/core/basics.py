@@ -18,7 +18,8 @@ import os
 
 from .. import settings
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import adasum, collectives, hetero, join as _join, progress, reducer, runtime, sampler
+from . import (adasum, checkpoint, checkpoint_run, checkpoint_state, collectives, hetero, join as _join,
+               progress, reducer, runtime, sampler)
 from .ops import Average, resolve_op
 
 
@@ -255,12 +256,39 @@ class EddisBasics:
             raise CheckpointError(f"{what}({path!r}) failed on rank 0: {error}")
         return path
 
+    # ------------------------------------------------------------ checkpoints of a run
+    def save_training(self, directory, state, participant, extra, epoch=None, batch=None):
+        """Collective: a checkpoint of the whole run (every rank's part, the SMB state) into
+        the folder of checkpoints ``directory``; returns the new checkpoint's path. The
+        adapter's ``participant`` writes and reads the framework's tensors
+        (:mod:`eddis.core.checkpoint_run`)."""
+        self.require("eddis.checkpoint()")
+        if directory is None:
+            raise ConfigError("eddis.checkpoint() needs a folder: pass one, or set EDDIS_CHECKPOINT_DIR")
+        return checkpoint_run.save(directory, state, participant, extra=extra, epoch=epoch, batch=batch)
+
+    def resume_training(self, path_or_dir, state, participant):
+        """Collective: restore the checkpoint ``path_or_dir`` names (a checkpoint, or the newest
+        complete one in a folder of them); a :class:`~eddis.core.checkpoint_run.Start`, all
+        zeros when there is nothing to resume."""
+        self.require("eddis.resume()")
+        if path_or_dir is None:
+            path_or_dir = settings.get("EDDIS_CHECKPOINT_DIR")
+            if path_or_dir is None:
+                raise ConfigError("eddis.resume() needs a folder: pass one, or set EDDIS_CHECKPOINT_DIR")
+        return checkpoint_run.resume(path_or_dir, state, participant)
+
+    at_step_boundary = staticmethod(checkpoint_run.at_step_boundary)
+    request_checkpoint = staticmethod(checkpoint.request)
+    note_epoch = staticmethod(checkpoint_state.note_epoch)
+    batches_done = staticmethod(checkpoint_state.batches_done)
 
     # What every adapter exports as module functions, the same objects in each.
     SHARED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
               "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
               "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
-              "rocm_built", "ddl_built", "ccl_built", "split_sizes", "batch_slice", "join")
+              "rocm_built", "ddl_built", "ccl_built", "split_sizes", "batch_slice", "join",
+              "request_checkpoint")
 
     def bindings(self, framework_built_with_cuda):
         """The adapter's module functions for :attr:`SHARED` (``globals().update(...)``);

@@ -104,6 +104,11 @@ def init():
 
         trace.set_default_comm(comm)
         observe.on_init(_state.comm, _state.rank, _state.size, _state.hostname, _state.group)
+        if settings.get("EDDIS_CHECKPOINT_DIR") is not None:
+            from . import checkpoint
+
+            checkpoint.interval_from_settings()   # a malformed interval fails here, not later
+            checkpoint.install_signal_handler()   # SIGUSR1: checkpoint at the next step, then stop
         atexit.register(_exit_hook)
         if sys.excepthook is _previous_excepthook:
             sys.excepthook = _excepthook

@@ -1,0 +1,405 @@
+"""Collective checkpoint and resume of a training run, and the step-boundary agreement on when.
+
+The adapters bind this (``eddis.torch.checkpoint``/``resume``, ``eddis.tensorflow``'s) and
+give a *participant*, the framework's side, with two methods::
+
+    participant.framework, participant.ext      # "torch", ".pt"
+    participant.write(path, include_model)       # this rank's framework RNG, and the model's
+                                                 # and optimizer's state when include_model
+    participant.read(model_file, rng_file)       # either may be None
+
+Which ranks write the model: in ``sync``/``allreduce`` every rank's parameters and optimizer
+state are the same (the same averaged gradients, the same update; the parameter agreement
+check holds them to it), so rank 0's suffice and a checkpoint's size does not grow with the
+ranks; in ``easgd``/``hybrid`` the workers differ, so every rank writes its own. Every rank
+writes its RNG states, since they differ in every mode.
+
+Changed number of ranks on resume: in ``sync``/``allreduce`` each step's data depends on the
+number of ranks (a DistributedSampler shards by rank, a rank's batch is a share of the global
+one), so the run would not continue the same math: refused, unless the checkpoint was trained
+on a fixed global batch (``BalancedBatchSampler``/``balanced_slice``: the same permutation in
+the same global batches, the gradient weighted by sample counts is the global batch's whatever
+the ranks). In ``easgd``/``hybrid`` the centre variable is the shared state: it is restored and
+every worker starts from it, with a fresh optimizer state.
+
+When (``Schedule``, at every optimizer step's end when EDDIS_CHECKPOINT_DIR is set): a request
+(rank 0's interval, or any rank's :func:`eddis.core.checkpoint.request`) is one ``fetch_add``
+on an SMB counter of the run; the leader of each set of ranks that step together (all ranks in
+sync, a group in hybrid, each rank in easgd) reads that counter once per step and, when it
+changed, posts "after step c + 1" on its unit's counter, which every member reads once per
+step. No member can finish step c + 1 before the leader has contributed to it, which it does
+only after posting, so every member sees the post by then: all take the checkpoint after the
+same step, with no MPI collective on steps without one.
+"""
+import logging
+import os
+import time
+import uuid
+
+from .. import settings
+from ..errors import CheckpointError, CheckpointStop, UsageError
+from . import checkpoint as layout
+from . import checkpoint_state as cstate
+from . import collectives, progress, runtime
+
+log = logging.getLogger("eddis.core.checkpoint")
+
+STOP = 1 << 32          # a request counter's increment for checkpoint-and-stop (periodic: 1)
+SYNC_MODES = ("sync", "allreduce")
+
+
+def before_commit(tmp_folder):
+    """Called on rank 0 between the last file written and the rename (tests replace it to
+    crash a run exactly there)."""
+
+
+class Start:
+    """What :func:`resume` found: where the training loop continues.
+
+    ``step`` (optimizer steps done), ``epoch`` and ``batch`` (batches of that epoch done),
+    ``global_step`` (iterations job-wide), ``extra`` (the keyword values given to checkpoint),
+    ``path`` (None: nothing to resume, everything 0). A loop written once works both ways::
+
+        start = eddis.resume(ckpt_dir, model, optimizer)
+        for epoch in range(start.epoch, epochs):
+            sampler.set_epoch(epoch)
+            for i, batch in enumerate(loader):
+                if start.done(epoch, i):
+                    continue
+    """
+
+    def __init__(self, path=None, step=0, epoch=0, batch=0, global_step=0, extra=None, manifest=None):
+        self.path, self.step, self.epoch, self.batch = path, int(step), int(epoch), int(batch)
+        self.global_step = int(global_step)
+        self.extra = dict(extra or {})
+        self.manifest = manifest
+
+    @property
+    def resumed(self):
+        return self.path is not None
+
+    def done(self, epoch, batch):
+        """Whether batch ``batch`` of ``epoch`` was trained before the checkpoint."""
+        return (int(epoch), int(batch)) < (self.epoch, self.batch)
+
+    def __getitem__(self, key):
+        return self.as_dict()[key]
+
+    def as_dict(self):
+        return {"path": self.path, "step": self.step, "epoch": self.epoch, "batch": self.batch,
+                "global_step": self.global_step, "extra": self.extra}
+
+    def __repr__(self):
+        return f"Start({self.as_dict()!r})"
+
+
+# ---------------------------------------------------------------- what decides the math
+def math_settings(state):
+    """The settings a resumed run must share to continue the same computation."""
+    reducer = None if state is None else state.reducer
+    codec = getattr(reducer, "codec", None)
+    averager = None if state is None else state.averager
+    return {"mode": "sync" if state is None else state.mode,
+            "compression": codec.name if codec is not None else settings.get("EDDIS_COMPRESSION"),
+            "global_batch": None if state is None else state.global_batch,
+            "balance": state is not None and state.balancer is not None,
+            "tau": averager.tau if averager is not None else settings.get("EDDIS_EASGD_TAU"),
+            "alpha": averager.alpha if averager is not None else settings.get("EDDIS_EASGD_ALPHA"),
+            "total_iterations": progress.controller().total if progress.controller() is not None
+            else settings.get("EDDIS_TOTAL_ITERATIONS"),
+            "staleness": settings.get("EDDIS_STALENESS")}
+
+
+def _mode(state):
+    return "sync" if state is None else state.mode
+
+
+def _share_error(what, error):
+    """Every rank's ``error`` (a string or None); a CheckpointError on all if any failed."""
+    errors = collectives.allgather_object(error, what=what)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise CheckpointError(f"{what} failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed[:4]))
+
+
+def _attempt(fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:  # every rank must hear of it, or the others wait forever
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+# ---------------------------------------------------------------- checkpoint
+def save(directory, state, participant, extra=None, reason="explicit", epoch=None, batch=None, keep=None):
+    """Collective: write a checkpoint of the run into ``directory`` (a folder of checkpoints),
+    as ``ckpt-<step>``; returns its path. Every rank must be at a step boundary."""
+    import h5py
+
+    rt = runtime.require("eddis.checkpoint()")
+    rank, size = rt.rank, rt.size
+    ctl = progress.controller()
+    if ctl is not None:
+        ctl.publish_completed()   # no rank may wait for this one's progress while it waits here
+    collectives.barrier(what="checkpoint: every rank at a step boundary")
+    if state is not None and state.averager is not None:
+        state.averager.finish()   # this worker's last centre update is in the pool
+    collectives.barrier(what="checkpoint: every worker's last centre update applied")
+    directory = os.path.abspath(os.fspath(directory))
+    step = state.step if state is not None else 0
+    data_epoch, data_batch = cstate.data_position(step)
+    epoch = data_epoch if epoch is None else int(epoch)
+    batch = data_batch if batch is None else int(batch)
+    include_model = rank == 0 or _mode(state) not in SYNC_MODES
+    folder = None
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            folder = os.path.join(directory, layout.temporary_name(step, uuid.uuid4().hex[:8]))
+            os.mkdir(folder)
+        except OSError as exc:
+            error = f"cannot create a checkpoint folder in {directory}: {exc}"
+    folder, error = collectives.broadcast_object((folder, error), root=0, what="checkpoint: folder")
+    if error is not None:
+        raise CheckpointError(f"eddis.checkpoint(): {error}")
+
+    def write_mine():
+        with h5py.File(os.path.join(folder, layout.rank_file(rank, ".h5")), "w") as h5:
+            cstate.write_rank(h5, state, epoch, batch)
+        participant.write(os.path.join(folder, layout.rank_file(rank, participant.ext)), include_model)
+
+    mine = {"rank": rank, "step": step, "epoch": epoch, "batch": batch, "model": include_model,
+            "progress": cstate.progress_of_rank()}
+    _share_error("checkpoint: writing every rank's files", _attempt(write_mine))
+    per_rank = collectives.allgather_object(mine, what="checkpoint: every rank's position")
+    result = None
+    if rank == 0:
+        def write_job():
+            with h5py.File(os.path.join(folder, layout.TRAINING_STATE), "w") as h5:
+                cstate.write_training(h5, state, [r["progress"] for r in per_rank])
+            files = sorted(os.listdir(folder))
+            manifest = layout.make_manifest(
+                framework=participant.framework, world_size=size, mode=_mode(state), step=step,
+                epoch=epoch, batch=batch, global_step=progress.global_step(),
+                settings_used=math_settings(state), files=files, extra=extra, reason=reason,
+                per_rank=[{k: v for k, v in r.items() if k != "progress"} for r in per_rank])
+            layout.write_manifest(folder, manifest)
+            before_commit(folder)
+            layout.commit(folder, os.path.join(directory, layout.folder_name(step)))
+            kept = settings.get("EDDIS_CHECKPOINT_KEEP") if keep is None else int(keep)
+            layout.prune(directory, kept)
+
+        result = _attempt(write_job)
+    result = collectives.broadcast_object(result, root=0, what="checkpoint: commit")
+    if result is not None:
+        raise CheckpointError(f"eddis.checkpoint() into {directory} failed on rank 0: {result}")
+    path = os.path.join(directory, layout.folder_name(step))
+    log.info("checkpoint %s written (%s)", path, reason)
+    return path
+
+
+# ---------------------------------------------------------------- resume
+def resume(path_or_dir, state, participant):
+    """Collective: restore the newest complete checkpoint ``path_or_dir`` names (or that one);
+    returns a :class:`Start` (all zeros when there is none)."""
+    import h5py
+
+    rt = runtime.require("eddis.resume()")
+    rank, size = rt.rank, rt.size
+    found = error = manifest = None
+    if rank == 0:
+        try:
+            found = layout.resolve(path_or_dir)
+            manifest = None if found is None else layout.read_manifest(found)
+        except CheckpointError as exc:
+            error = str(exc)
+    found, manifest, error = collectives.broadcast_object((found, manifest, error), root=0,
+                                                          what="resume: finding the checkpoint")
+    if error is not None:
+        raise CheckpointError(error)
+    if found is None:
+        return Start()
+    mode = _mode(state)
+    _check_fits(found, manifest, mode, size, participant.framework, state)
+    same_size = manifest["world_size"] == size
+    saved_rank = rank if rank < manifest["world_size"] else None
+    model_rank = 0 if mode in SYNC_MODES else saved_rank if same_size else None
+
+    def restore_mine():
+        if saved_rank is not None:
+            with h5py.File(os.path.join(found, layout.rank_file(saved_rank, ".h5")), "r") as h5:
+                cstate.read_rank(h5, state, restore_step=same_size or mode in SYNC_MODES)
+        participant.read(
+            None if model_rank is None else os.path.join(found, layout.rank_file(model_rank, participant.ext)),
+            None if saved_rank is None else os.path.join(found, layout.rank_file(saved_rank, participant.ext)))
+        with h5py.File(os.path.join(found, layout.TRAINING_STATE), "r") as h5:
+            return cstate.read_training(h5, state, same_size)
+
+    centre = []
+
+    def restore():
+        centre.append(restore_mine())
+
+    _share_error("resume: reading the checkpoint", _attempt(restore))
+    saved_centre, rates = centre[0]
+    if saved_centre is not None and state is not None:
+        state.on_attached(lambda s: _restore_centre(s, saved_centre, rates, rank, same_size))
+    cstate.set_position(manifest["epoch"], manifest["batch"], state.step if state is not None else 0)
+    collectives.barrier(what="resume: every rank restored")
+    log.info("resumed from %s at step %d", found, manifest["step"])
+    return Start(found, manifest["step"], manifest["epoch"], manifest["batch"], manifest["global_step"],
+                 manifest.get("extra"), manifest)
+
+
+def _restore_centre(state, centre, rates, rank, same_size):
+    """Collective (the barrier): the saved centre into this job's pool; with another number
+    of workers, every worker starts from it."""
+    if state.averager is None:
+        return
+    if len(centre) != state.averager.length:
+        raise CheckpointError(f"the checkpoint's centre variable has {len(centre)} values, this model "
+                              f"{state.averager.length}: resume with the model that was trained")
+    cstate.restore_centre(state, centre, rates, rank)
+    if not same_size:
+        state.scatter(centre)
+    collectives.barrier(what=f"resume: {state.mode} centre variable restored")
+
+
+def _check_fits(found, manifest, mode, size, framework, state):
+    old_size, old_mode = manifest["world_size"], manifest["mode"]
+    if manifest["framework"] != framework:
+        raise CheckpointError(f"checkpoint {found} was written by eddis.{manifest['framework']}, not "
+                              f"eddis.{framework}: resume it with the framework that wrote it")
+    if old_mode != mode:
+        raise CheckpointError(f"checkpoint {found} was trained in mode {old_mode!r}, this run uses mode "
+                              f"{mode!r}: resume with EDDIS_MODE={old_mode} (or mode={old_mode!r}), or "
+                              "start a new run in a new checkpoint folder")
+    fixed_batch = manifest["settings"].get("global_batch") is not None
+    if old_size != size and mode in SYNC_MODES and not fixed_batch:
+        raise CheckpointError(
+            f"checkpoint {found} was written by {old_size} ranks in mode {mode}, this job has {size}: "
+            "in synchronous training each step's data and batch depend on the number of ranks, so "
+            f"the run would not continue the same computation. Resume with {old_size} ranks, or train "
+            "on a fixed global batch (eddis.BalancedBatchSampler / balanced_slice), which resumes "
+            "on any number of ranks.")
+    now = math_settings(state)
+    for key in ("compression", "tau", "alpha", "total_iterations", "staleness"):
+        then = manifest["settings"].get(key)
+        if then is not None and now.get(key) is not None and then != now[key]:
+            log.warning("checkpoint %s was trained with %s=%s, this run uses %s=%s: the resumed run "
+                        "does not continue the same computation", found, key, then, key, now[key])
+
+
+# ---------------------------------------------------------------- when: the step boundary
+class Schedule:
+    """Periodic and requested checkpoints at step boundaries (see the module docstring)."""
+
+    def __init__(self, state, directory, interval=None, keep=None):
+        from . import hybrid
+
+        rt = runtime.require("periodic checkpoints")
+        self.state = state
+        self.directory = directory
+        self.interval = layout.interval_from_settings() if interval is None else interval
+        self.keep = keep
+        self.rank = rt.rank
+        mode = _mode(state)
+        if mode in SYNC_MODES:
+            unit = list(range(rt.size))
+        elif mode == "hybrid":
+            unit = hybrid.group_members()[runtime.group()]
+        else:
+            unit = [self.rank]
+        name = collectives.broadcast_object(f"eddis.checkpoint.{uuid.uuid4().hex[:12]}", root=0,
+                                            what="checkpoint schedule set-up")
+        client = runtime.smb_client()
+        self.requests = client.counter(f"{name}.requests", initial=0)
+        self.leader = self.rank == unit[0]
+        self.unit_size = len(unit)
+        self.target = client.counter(f"{name}.unit{unit[0]}", initial=0) if len(unit) > 1 else None
+        self.seen = 0            # the request counter as the leader last saw it
+        self.posted = 0          # what the leader posted on the unit's counter: 2 (step) + stop
+        self.taken = 0           # the post this rank has acted on
+        self.sent_request = False
+        self.last_time = time.monotonic()
+        self.last_periodic = 0
+
+    def _periodic_due(self, completed):
+        if self.rank != 0 or self.interval is None:
+            return False
+        unit, value = self.interval
+        if unit == "seconds":
+            if time.monotonic() - self.last_time < value:
+                return False
+            self.last_time = time.monotonic()
+            return True
+        at = completed + (1 if self.target is not None else 0)
+        if at % value == 0 and at > self.last_periodic:
+            self.last_periodic = at
+            return True
+        return False
+
+    def decide(self, completed):
+        """After step ``completed`` (steps done): None, or ``(reason, stop)`` for a checkpoint now."""
+        reason = layout.pending_request()
+        if reason is not None and not self.sent_request:
+            self.requests.fetch_add(STOP)
+            self.sent_request = True
+        if self._periodic_due(completed):
+            self.requests.fetch_add(1)
+        if self.leader:
+            value = self.requests.read()
+            if value != self.seen:
+                stop = (value // STOP) > (self.seen // STOP)
+                self.seen = value
+                if self.target is None:
+                    return ("requested" if stop else "periodic"), stop
+                post = 2 * (completed + 1) + int(stop)
+                self.target.fetch_add(post - self.posted)
+                self.posted = post
+        if self.target is None:
+            return None
+        post = self.posted if self.leader else self.target.read()
+        if post != self.taken and post // 2 == completed:
+            self.taken = post
+            stop = bool(post % 2)
+            return ("requested" if stop else "periodic"), stop
+        return None
+
+
+_schedules = {}   # id(state) -> Schedule
+_warned = []
+
+
+def at_step_boundary(state, participant):
+    """The adapters' optimizer calls this after every step: writes a periodic or requested
+    checkpoint when the ranks agreed on one for this step; after a requested one, raises
+    :class:`CheckpointStop` on every rank."""
+    directory = settings.get("EDDIS_CHECKPOINT_DIR")
+    if directory is None or state is None:
+        if layout.pending_request() is not None and not _warned:
+            _warned.append(True)
+            log.error("a checkpoint was requested (%s), but EDDIS_CHECKPOINT_DIR is not set: nothing "
+                      "is written and training goes on", layout.pending_request())
+        return None
+    # set up at every rank's first boundary (collective), whether or not anything is due yet:
+    # a request may come on any one rank later
+    schedule = _schedules.get(id(state))
+    if schedule is None:
+        schedule = _schedules[id(state)] = Schedule(state, directory)
+    decision = schedule.decide(state.step)
+    if decision is None:
+        return None
+    reason, stop = decision
+    if participant is None:
+        raise UsageError("a checkpoint is due, but the optimizer does not know the model to save: call "
+                         "eddis.resume(EDDIS_CHECKPOINT_DIR, model, optimizer) (or eddis.checkpoint) "
+                         "once before training")
+    path = save(directory, state, participant, reason=reason)
+    if stop:
+        layout.clear_request()
+        raise CheckpointStop(f"stopped after step {state.step} for a requested checkpoint ({path}); "
+                             f"exit status {CheckpointStop('').code}: requeue the job to continue", path)
+    return path
+
