@@ -36,6 +36,7 @@ import tensorflow as _tf  # noqa: E402
 
 from ..core.basics import basics as _basics  # noqa: E402
 from . import callbacks, data  # noqa: E402
+from .checkpointing import checkpoint, resume  # noqa: E402
 from .compression import Compression  # noqa: E402
 from .data import balanced_batches, local_batch_size, shard, shard_batches  # noqa: E402
 from .gradient_tape import DistributedGradientTape  # noqa: E402
@@ -58,5 +59,5 @@ __all__ = [
     "Max", "Adasum", "ReduceOp", "broadcast_variables", "broadcast_global_variables", "allreduce", "broadcast", "allgather",
     "allgather_object", "broadcast_object", "barrier", "callbacks", "data", "shard",
     "shard_batches", "local_batch_size", "balanced_batches", "configure_progress", "should_stop", "global_step",
-    "progress_counts", "reset_progress", "final_model", "save_model", "start_timeline", "stop_timeline",
+    "progress_counts", "reset_progress", "final_model", "save_model", "checkpoint", "resume", "start_timeline", "stop_timeline",
 ]

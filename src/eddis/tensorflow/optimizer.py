@@ -50,6 +50,7 @@ class _Config:
         self.joined_result = None
         self.variables_key = None
         self.sample_count = None
+        self.checkpointing = None   # what periodic checkpoints save (eddis.resume/checkpoint bind it)
 
 
 class _VariableList(list):
@@ -92,6 +93,9 @@ class _DistributedOptimizer:
             result = super(_DistributedOptimizer, self).apply(grads, trainable_variables)
             state.after_step()
             agreement.tick()  # a traced step (model.fit) is counted by the callbacks instead
+            # periodic or requested checkpoints: in eager steps (a traced step cannot stop to
+            # write files; see docs/user-guide.md)
+            _basics.at_step_boundary(state, self._eddis.checkpointing)
             return result
         token = _graph_init_centre(state, reducer, variables) if state.averager is not None else None
         grads = reducer.reduce(grads, count, depends_on=token)

@@ -23,6 +23,7 @@ import torch as _torch
 
 from ..core.basics import basics as _basics
 from . import buffers  # noqa: F401  (torch tensors as SMB buffers, bfloat16 included)
+from .checkpointing import checkpoint, resume
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .hetero import (BalancedBatchSampler, balanced_slice, configure_progress, final_model,
@@ -46,5 +47,5 @@ __all__ = [
     "broadcast_", "allgather", "allgather_object", "broadcast_object", "barrier",
     "DistributedSampler",
     "should_stop", "global_step", "configure_progress", "progress_counts", "reset_progress", "final_model",
-    "save_checkpoint", "balanced_slice", "BalancedBatchSampler", "start_timeline", "stop_timeline", "trace_module",
+    "save_checkpoint", "checkpoint", "resume", "balanced_slice", "BalancedBatchSampler", "start_timeline", "stop_timeline", "trace_module",
 ]

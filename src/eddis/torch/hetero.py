@@ -142,6 +142,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     def set_epoch(self, epoch):
         self.epoch = int(epoch)
+        _basics.note_epoch(self.epoch)   # where the epoch began, for checkpoints
 
     def __len__(self):
         return -(-len(self.dataset) // self.global_batch_size)
@@ -149,7 +150,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
     def __iter__(self):
         state = _state_of(self.optimizer)
         if self._step is None:
-            self._step = state.step
+            # a resumed run's loop skips the epoch's batches done before: they keep their steps
+            self._step = state.step - _basics.batches_done(self.epoch)
         n = len(self.dataset)
         order = (np.random.default_rng(self.seed + self.epoch).permutation(n) if self.shuffle
                  else np.arange(n))

@@ -253,6 +253,8 @@ class _DistributedOptimizer:
             result = super(_DistributedOptimizer, self).step(closure)
         self._eddis_hetero.after_step()  # easgd/hybrid exchange, rebalancing
         agreement.tick()
+        # a periodic or requested checkpoint when the ranks agreed on this step
+        _basics.at_step_boundary(self._eddis_hetero, getattr(self, "_eddis_checkpointing", None))
         return result
 
     def zero_grad(self, set_to_none=True):

@@ -3,6 +3,7 @@ with optional per-rank weights (unequal shares for ranks of unequal speed)."""
 import torch.utils.data
 
 from ..core import runtime, sampler
+from ..core.basics import basics as _basics
 
 
 class DistributedSampler(torch.utils.data.Sampler):
@@ -39,6 +40,7 @@ class DistributedSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch):
         self.epoch = int(epoch)
         self._indices = None
+        _basics.note_epoch(self.epoch)   # where the epoch began, for checkpoints
 
     def indices(self):
         if self._indices is None:

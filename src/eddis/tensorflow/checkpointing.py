@@ -1,0 +1,98 @@
+"""Checkpoint and resume of a whole run in ``eddis.tensorflow``: the Keras tensors of it.
+
+    start = eddis.resume(ckpt_dir, model, optimizer)     # step 0 when ckpt_dir has none
+    for step in range(start.step, steps):
+        ...tape, optimizer.apply(...)                   # periodic/requested checkpoints (eager)
+    eddis.checkpoint(ckpt_dir, model, optimizer)
+
+What is written, where and when is :mod:`eddis.core.checkpoint_run`'s; this module gives it
+``rank-NNNNN.keras.h5`` (h5py): every variable of the model (``model.variables``, in order:
+weights, and the seed generators' states where Keras tracks them), the optimizer's variables
+(iterations, slots such as momenta) and TensorFlow's global generator state.
+"""
+import h5py
+import numpy as np
+import tensorflow as tf
+
+from ..core.basics import basics as _basics
+from ..errors import CheckpointError, ConfigError
+
+
+class KerasParticipant:
+    """The TensorFlow side of one rank's checkpoint: a Keras model and its DistributedOptimizer."""
+
+    framework = "tensorflow"
+    ext = ".keras.h5"
+
+    def __init__(self, model, optimizer):
+        from .optimizer import _DistributedOptimizer
+
+        if not isinstance(optimizer, _DistributedOptimizer):
+            raise ConfigError("eddis.checkpoint/resume need the optimizer returned by "
+                              "eddis.DistributedOptimizer(...)")
+        if not hasattr(model, "variables"):
+            raise ConfigError(f"eddis.checkpoint/resume need the Keras model that is trained, got "
+                              f"{type(model).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+
+    def _optimizer_variables(self):
+        if not self.optimizer.built:
+            self.optimizer.build(self.model.trainable_variables)
+        return list(self.optimizer.variables)
+
+    def write(self, path, include_model):
+        with h5py.File(path, "w") as h5:
+            h5.create_dataset("rng/tf", data=tf.random.get_global_generator().state.numpy())
+            if include_model:
+                for group, variables in (("model", self.model.variables),
+                                         ("optimizer", self._optimizer_variables())):
+                    g = h5.create_group(group)
+                    for i, v in enumerate(variables):
+                        g.create_dataset(f"{i:05d}", data=np.asarray(v.numpy()))
+
+    def read(self, model_file, rng_file):
+        if model_file is not None:
+            with h5py.File(model_file, "r") as h5:
+                for group, variables in (("model", self.model.variables),
+                                         ("optimizer", self._optimizer_variables())):
+                    saved = h5[group]
+                    if len(saved) != len(variables):
+                        raise CheckpointError(f"{model_file} holds {len(saved)} {group} variables, this "
+                                              f"{group} has {len(variables)}: resume with the model and "
+                                              "optimizer that were trained")
+                    for i, v in enumerate(variables):
+                        v.assign(saved[f"{i:05d}"][()])
+        if rng_file is not None:
+            with h5py.File(rng_file, "r") as h5:
+                tf.random.get_global_generator().reset(h5["rng/tf"][()])
+
+
+def _bind(model, optimizer):
+    participant = KerasParticipant(model, optimizer)
+    optimizer._eddis.checkpointing = participant
+    return optimizer.hetero, participant
+
+
+def checkpoint(path, model, optimizer, epoch=None, batch=None, **extra):
+    """Collective, between two optimizer steps: write a checkpoint of the whole run into the
+    folder ``path`` (as ``path/ckpt-<step>``; None: EDDIS_CHECKPOINT_DIR); returns its path.
+    ``extra``: JSON values returned by :func:`resume`."""
+    state, participant = _bind(model, optimizer)
+    if path is None:
+        from .. import settings
+
+        path = settings.get("EDDIS_CHECKPOINT_DIR")
+    return _basics.save_training(path, state, participant, extra, epoch=epoch, batch=batch)
+
+
+def resume(path_or_dir, model, optimizer):
+    """Collective, before training (the model built): restore the checkpoint ``path_or_dir``
+    names (or the newest in a folder of them; None: EDDIS_CHECKPOINT_DIR) into ``model``,
+    ``optimizer``, the RNGs and this job's SMB servers; returns a ``Start``, all zeros when
+    there is nothing to resume. Also binds the model to the optimizer's periodic checkpoints."""
+    state, participant = _bind(model, optimizer)
+    return _basics.resume_training(path_or_dir, state, participant)
+
+
+__all__ = ["checkpoint", "resume"]
