@@ -10,7 +10,7 @@ SHARED = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "l
           "broadcast_object", "allgather_object", "barrier", "configure_progress", "should_stop",
           "global_step", "progress_counts", "reset_progress", "mpi_built", "mpi_enabled", "gloo_built",
           "gloo_enabled", "nccl_built", "rocm_built", "ddl_built", "ccl_built", "split_sizes",
-          "batch_slice", "join"]
+          "batch_slice", "join", "request_checkpoint"]
 
 BOTH = r"""
 import eddis.tensorflow as tfe

@@ -1,0 +1,179 @@
+"""Checkpoint and resume on 2 real ranks (eddis-train --local, real smb-servers, torch CPU).
+
+Stated figures: a sync run of 10 steps and one checkpointed after step 7 (inside its second
+epoch) and resumed by a new launch end with the same parameters (relative error below 1e-5)
+and every rank trained the same samples in the same order; in easgd the global learning
+counter of the resumed launch ends at exactly the total, the checkpoint's unused iterations
+plus the resumed launch's steps make the total, and the centre variable read from the new
+job's servers equals the saved one; periodic checkpoints every 2 steps with keep 2 leave
+exactly the newest 2; a rank killed between writing a checkpoint and committing it leaves no
+complete-looking checkpoint and the resume takes the one before; SIGUSR1 on rank 1 makes both
+ranks write one checkpoint after the same step and exit with status 75; a sync checkpoint of 2
+ranks is refused by 3 ranks with a message saying why.
+"""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import PYTHON, REPO, python_env, run_process_group
+from launch_helpers import make_bin
+
+pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
+
+TRAINER = REPO / "tests" / "launch_scripts" / "ckpt_trainer.py"
+TOLERANCE = 1e-5
+
+
+def env_for(tmp_path, **settings):
+    bin_dir = make_bin(tmp_path / "bin")
+    env = python_env({"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
+                      "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1"})
+    env.update({k: str(v) for k, v in settings.items()})
+    return env
+
+
+def launch(tmp_path, out, *args, ranks=2, timeout=150, **settings):
+    argv = ["eddis-train", "--local", "-n", str(ranks), PYTHON, str(TRAINER), "--out", str(out), *map(str, args)]
+    return run_process_group(argv, env_for(tmp_path, **settings), timeout)
+
+
+def results(out, ranks=2):
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(ranks)]
+
+
+def checked(proc):
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def relative_error(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def complete(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("ckpt-"))
+
+
+@pytest.mark.timeout(600)
+def test_sync_resume_continues_the_same_run_and_another_size_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    checked(launch(tmp_path, tmp_path / "full", "--steps", 10))
+    checked(launch(tmp_path, tmp_path / "first", "--steps", 10, "--ckpt", ckpt, "--checkpoint-at", 7))
+    assert complete(ckpt) == ["ckpt-00000007"]
+    manifest = json.loads((ckpt / "ckpt-00000007" / "manifest.json").read_text())
+    assert (manifest["world_size"], manifest["mode"], manifest["step"]) == (2, "sync", 7)
+    assert (manifest["epoch"], manifest["batch"]) == (1, 2)     # 5 batches an epoch per rank
+    # sync: rank 0's model and optimizer suffice, every rank's RNG is there
+    assert {"rank-00000.pt", "rank-00001.pt", "rank-00000.h5", "rank-00001.h5"} <= set(manifest["files"])
+    assert [r["model"] for r in manifest["per_rank"]] == [True, False]
+    checked(launch(tmp_path, tmp_path / "second", "--steps", 10, "--ckpt", ckpt))
+    full, first, second = results(tmp_path / "full"), results(tmp_path / "first"), results(tmp_path / "second")
+    for rank in (0, 1):
+        assert second[rank]["start"]["step"] == 7 and second[rank]["start"]["extra"] == {"note": "explicit"}
+        assert first[rank]["order"] + second[rank]["order"] == full[rank]["order"]
+        assert relative_error(second[rank]["params"], full[rank]["params"]) < TOLERANCE
+
+    proc = launch(tmp_path, tmp_path / "three", "--steps", 10, "--ckpt", ckpt, ranks=3)
+    assert proc.returncode != 0
+    assert "was written by 2 ranks in mode sync, this job has 3" in proc.stdout + proc.stderr
+    assert "Resume with 2 ranks" in proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(400)
+def test_easgd_resume_restores_the_centre_and_the_counter_ends_at_the_total(tmp_path):
+    ckpt, total = tmp_path / "ckpt", 40
+    settings = {"EDDIS_TOTAL_ITERATIONS": total, "EDDIS_EASGD_TAU": 2}
+    checked(launch(tmp_path, tmp_path / "first", "--mode", "easgd", "--ckpt", ckpt, "--checkpoint-at", 6,
+                   **settings))
+    [folder] = [ckpt / name for name in complete(ckpt)]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["mode"] == "easgd" and [r["step"] for r in manifest["per_rank"]] == [6, 6]
+    assert manifest["per_rank"][1]["model"]          # easgd: every worker's own parameters
+    with h5py.File(folder / "training.h5", "r") as h5:
+        centre = h5["centre"][()]
+        consumed = int(h5["progress"].attrs["consumed"])
+    assert consumed == 12
+    checked(launch(tmp_path, tmp_path / "second", "--mode", "easgd", "--ckpt", ckpt, **settings))
+    second = results(tmp_path / "second")
+    for rank in (0, 1):
+        assert second[rank]["start"]["step"] == 6
+        assert np.array_equal(np.asarray(second[rank]["centre_after_resume"], dtype=np.float32), centre)
+        assert second[rank]["counter"] == total
+    assert consumed + sum(r["steps_done"] for r in second) == total
+
+
+@pytest.mark.timeout(400)
+def test_periodic_checkpoints_keep_the_newest_and_survive_a_crash_before_the_commit(tmp_path):
+    periodic = tmp_path / "periodic"
+    checked(launch(tmp_path, tmp_path / "p", "--steps", 9, EDDIS_CHECKPOINT_DIR=periodic,
+                   EDDIS_CHECKPOINT_INTERVAL=2, EDDIS_CHECKPOINT_KEEP=2))
+    assert sorted(os.listdir(periodic)) == ["ckpt-00000006", "ckpt-00000008"]
+    assert json.loads((periodic / "ckpt-00000008" / "manifest.json").read_text())["reason"] == "periodic"
+
+    crashed = tmp_path / "crashed"
+    proc = launch(tmp_path, tmp_path / "c", "--steps", 9, "--crash-commit-at", 6,
+                  EDDIS_CHECKPOINT_DIR=crashed, EDDIS_CHECKPOINT_INTERVAL=2)
+    assert proc.returncode != 0
+    assert complete(crashed) == ["ckpt-00000002", "ckpt-00000004"]
+    left = [name for name in os.listdir(crashed) if name.startswith(".ckpt-00000006.tmp-")]
+    assert len(left) == 1 and (crashed / left[0] / "manifest.json").exists()   # written, not committed
+    checked(launch(tmp_path, tmp_path / "r", "--steps", 9, EDDIS_CHECKPOINT_DIR=crashed,
+                   EDDIS_CHECKPOINT_INTERVAL=2))
+    assert [r["start"]["step"] for r in results(tmp_path / "r")] == [4, 4]
+    assert complete(crashed) == ["ckpt-00000004", "ckpt-00000006", "ckpt-00000008"]
+    assert not [name for name in os.listdir(crashed) if name.startswith(".")]
+
+
+@pytest.mark.timeout(300)
+def test_sigusr1_on_one_rank_checkpoints_both_at_the_same_step_and_exits_75(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    argv = ["eddis-train", "--local", "-n", "2", PYTHON, str(TRAINER), "--out", str(out), "--steps", "100000",
+            "--step-seconds", "0.05"]
+    proc = subprocess.Popen(argv, env=env_for(tmp_path, EDDIS_CHECKPOINT_DIR=ckpt), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "pid-1").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert (out / "pid-1").exists(), "rank 1 never started"
+        time.sleep(2)   # let it train a few steps; the request is taken at any boundary
+        os.kill(int((out / "pid-1").read_text()), signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 75, stdout[-3000:] + stderr[-3000:]
+    [name] = complete(ckpt)
+    manifest = json.loads((ckpt / name / "manifest.json").read_text())
+    assert manifest["reason"] == "requested"
+    steps = [r["step"] for r in manifest["per_rank"]]
+    assert steps[0] == steps[1] == manifest["step"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_tensorflow_sync_resume_ends_with_the_parameters_of_the_uninterrupted_run(tmp_path):
+    trainer = REPO / "tests" / "launch_scripts" / "ckpt_tf_trainer.py"
+    ckpt = tmp_path / "ckpt"
+
+    def tf_launch(out, *args):
+        argv = ["eddis-train", "--local", "-n", "2", PYTHON, str(trainer), "--out", str(out), *map(str, args)]
+        return checked(run_process_group(argv, env_for(tmp_path), 240))
+
+    tf_launch(tmp_path / "full", "--steps", 8)
+    tf_launch(tmp_path / "first", "--steps", 8, "--ckpt", ckpt, "--checkpoint-at", 3)
+    manifest = json.loads((ckpt / "ckpt-00000003" / "manifest.json").read_text())
+    assert manifest["framework"] == "tensorflow" and "rank-00000.keras.h5" in manifest["files"]
+    tf_launch(tmp_path / "second", "--steps", 8, "--ckpt", ckpt)
+    full, second = results(tmp_path / "full"), results(tmp_path / "second")
+    for rank in (0, 1):
+        assert second[rank]["start"] == 3
+        assert second[rank]["iterations"] == full[rank]["iterations"] == 8   # the optimizer's own state
+        assert relative_error(second[rank]["params"], full[rank]["params"]) < TOLERANCE
