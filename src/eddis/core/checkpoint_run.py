@@ -226,10 +226,16 @@ def resume(path_or_dir, state, participant):
     saved_rank = rank if rank < manifest["world_size"] else None
     model_rank = 0 if mode in SYNC_MODES else saved_rank if same_size else None
 
+    # this rank's own place (easgd/hybrid workers differ); a rank the checkpoint did not have
+    # starts where rank 0 was in the data
+    position = [(manifest["step"], manifest["epoch"], manifest["batch"])]
+
     def restore_mine():
         if saved_rank is not None:
             with h5py.File(os.path.join(found, layout.rank_file(saved_rank, ".h5")), "r") as h5:
-                cstate.read_rank(h5, state, restore_step=same_size or mode in SYNC_MODES)
+                position[0] = cstate.read_rank(h5, state, restore_step=same_size or mode in SYNC_MODES)
+        elif state is not None and mode in SYNC_MODES:
+            state.step = manifest["step"]    # a new rank of a fixed-global-batch run: in step
         participant.read(
             None if model_rank is None else os.path.join(found, layout.rank_file(model_rank, participant.ext)),
             None if saved_rank is None else os.path.join(found, layout.rank_file(saved_rank, participant.ext)))
@@ -245,11 +251,13 @@ def resume(path_or_dir, state, participant):
     saved_centre, rates = centre[0]
     if saved_centre is not None and state is not None:
         state.on_attached(lambda s: _restore_centre(s, saved_centre, rates, rank, same_size))
-    cstate.set_position(manifest["epoch"], manifest["batch"], state.step if state is not None else 0)
+    step, epoch, batch = position[0]
+    if state is not None and state.step != step:   # easgd on another number of workers: afresh
+        step, epoch, batch = state.step, 0, 0
+    cstate.set_position(epoch, batch, step)
     collectives.barrier(what="resume: every rank restored")
-    log.info("resumed from %s at step %d", found, manifest["step"])
-    return Start(found, manifest["step"], manifest["epoch"], manifest["batch"], manifest["global_step"],
-                 manifest.get("extra"), manifest)
+    log.info("resumed from %s at step %d", found, step)
+    return Start(found, step, epoch, batch, manifest["global_step"], manifest.get("extra"), manifest)
 
 
 def _restore_centre(state, centre, rates, rank, same_size):
