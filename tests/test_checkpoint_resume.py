@@ -108,6 +108,14 @@ def test_easgd_resume_restores_the_centre_and_the_counter_ends_at_the_total(tmp_
         assert second[rank]["counter"] == total
     assert consumed + sum(r["steps_done"] for r in second) == total
 
+    # three workers from a checkpoint of two: every worker starts from the centre
+    checked(launch(tmp_path, tmp_path / "three", "--mode", "easgd", "--ckpt", folder, ranks=3, **settings))
+    three = results(tmp_path / "three", ranks=3)
+    for rank in range(3):
+        assert np.array_equal(np.asarray(three[rank]["params_after_resume"], dtype=np.float32), centre)
+        assert three[rank]["start"]["step"] == 0 and three[rank]["counter"] == total
+    assert consumed + sum(r["steps_done"] for r in three) == total
+
 
 @pytest.mark.timeout(400)
 def test_periodic_checkpoints_keep_the_newest_and_survive_a_crash_before_the_commit(tmp_path):
@@ -116,6 +124,16 @@ def test_periodic_checkpoints_keep_the_newest_and_survive_a_crash_before_the_com
                    EDDIS_CHECKPOINT_INTERVAL=2, EDDIS_CHECKPOINT_KEEP=2))
     assert sorted(os.listdir(periodic)) == ["ckpt-00000006", "ckpt-00000008"]
     assert json.loads((periodic / "ckpt-00000008" / "manifest.json").read_text())["reason"] == "periodic"
+
+    # by rank 0's clock, every 1 ms: a request at nearly every step, each taken after one step by all
+    timed = tmp_path / "timed"
+    checked(launch(tmp_path, tmp_path / "t", "--steps", 6, EDDIS_CHECKPOINT_DIR=timed,
+                   EDDIS_CHECKPOINT_INTERVAL="0.001s", EDDIS_CHECKPOINT_KEEP=0))
+    assert complete(timed), "no checkpoint by time"
+    for name in complete(timed):
+        manifest = json.loads((timed / name / "manifest.json").read_text())
+        assert [r["step"] for r in manifest["per_rank"]] == [manifest["step"]] * 2
+        assert name == f"ckpt-{manifest['step']:08d}"
 
     crashed = tmp_path / "crashed"
     proc = launch(tmp_path, tmp_path / "c", "--steps", 9, "--crash-commit-at", 6,
@@ -163,15 +181,19 @@ def test_tensorflow_sync_resume_ends_with_the_parameters_of_the_uninterrupted_ru
     trainer = REPO / "tests" / "launch_scripts" / "ckpt_tf_trainer.py"
     ckpt = tmp_path / "ckpt"
 
-    def tf_launch(out, *args):
+    def tf_launch(out, *args, **settings):
         argv = ["eddis-train", "--local", "-n", "2", PYTHON, str(trainer), "--out", str(out), *map(str, args)]
-        return checked(run_process_group(argv, env_for(tmp_path), 240))
+        return checked(run_process_group(argv, env_for(tmp_path, **settings), 240))
 
     tf_launch(tmp_path / "full", "--steps", 8)
     tf_launch(tmp_path / "first", "--steps", 8, "--ckpt", ckpt, "--checkpoint-at", 3)
     manifest = json.loads((ckpt / "ckpt-00000003" / "manifest.json").read_text())
     assert manifest["framework"] == "tensorflow" and "rank-00000.keras.h5" in manifest["files"]
-    tf_launch(tmp_path / "second", "--steps", 8, "--ckpt", ckpt)
+    periodic = tmp_path / "periodic"   # eager steps take the periodic checkpoints too
+    tf_launch(tmp_path / "second", "--steps", 8, "--ckpt", ckpt, EDDIS_CHECKPOINT_DIR=periodic,
+              EDDIS_CHECKPOINT_INTERVAL=2)
+    # (step 4 is the first boundary of the resumed run: a request there is taken one step on)
+    assert complete(periodic) == ["ckpt-00000006", "ckpt-00000008"]
     full, second = results(tmp_path / "full"), results(tmp_path / "second")
     for rank in (0, 1):
         assert second[rank]["start"] == 3

@@ -62,6 +62,7 @@ def main():
     if args.mode == "easgd" and start.resumed:
         state = optimizer._eddis_hetero
         result["centre_after_resume"] = state.averager.read_center().tolist()
+        result["params_after_resume"] = state.gather().tolist()   # in the centre's (bucket plan) layout
 
     def train_step(x, y):
         optimizer.zero_grad()

@@ -356,7 +356,9 @@ class Schedule:
             self.sent_request = True
         if self._periodic_due(completed):
             self.requests.fetch_add(1)
-        if self.leader:
+        # a leader posts again only once its members have acted on the last post: a new post
+        # before then could replace "after step c" while a member already took it at c
+        if self.leader and (self.target is None or self.posted == self.taken):
             value = self.requests.read()
             if value != self.seen:
                 stop = (value // STOP) > (self.seen // STOP)
