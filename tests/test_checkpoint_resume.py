@@ -9,7 +9,9 @@ job's servers equals the saved one; periodic checkpoints every 2 steps with keep
 exactly the newest 2; a rank killed between writing a checkpoint and committing it leaves no
 complete-looking checkpoint and the resume takes the one before; SIGUSR1 on rank 1 makes both
 ranks write one checkpoint after the same step and exit with status 75; a sync checkpoint of 2
-ranks is refused by 3 ranks with a message saying why.
+ranks is refused by 3 ranks with a message saying why, while one trained on a fixed global batch
+(BalancedBatchSampler) resumes on 3 ranks and ends with the parameters of the uninterrupted
+2-rank run.
 """
 import json
 import os
@@ -84,6 +86,19 @@ def test_sync_resume_continues_the_same_run_and_another_size_is_refused(tmp_path
     assert proc.returncode != 0
     assert "was written by 2 ranks in mode sync, this job has 3" in proc.stdout + proc.stderr
     assert "Resume with 2 ranks" in proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(400)
+def test_sync_on_a_fixed_global_batch_resumes_on_another_number_of_ranks(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    checked(launch(tmp_path, tmp_path / "full", "--balanced", "--steps", 10))
+    checked(launch(tmp_path, tmp_path / "first", "--balanced", "--steps", 10, "--ckpt", ckpt,
+                   "--checkpoint-at", 7))
+    checked(launch(tmp_path, tmp_path / "three", "--balanced", "--steps", 10, "--ckpt", ckpt, ranks=3))
+    full, three = results(tmp_path / "full"), results(tmp_path / "three", ranks=3)
+    for rank in range(3):
+        assert three[rank]["start"]["step"] == 7 and three[rank]["steps"] == 3
+        assert relative_error(three[rank]["params"], full[0]["params"]) < TOLERANCE
 
 
 @pytest.mark.timeout(400)

@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--checkpoint-at", type=int, default=None)
     ap.add_argument("--crash-commit-at", type=int, default=None)
     ap.add_argument("--step-seconds", type=float, default=0.0)
+    ap.add_argument("--balanced", action="store_true",
+                    help="sync on a fixed global batch of 8 (BalancedBatchSampler), without dropout")
     args = ap.parse_args()
 
     import torch
@@ -51,7 +53,8 @@ def main():
     xs = torch.randn(40, 6, generator=g)
     ys = torch.randint(0, 3, (40,), generator=g)
     dataset = torch.utils.data.TensorDataset(xs, ys, torch.arange(40))
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Identity() if args.balanced else nn.Dropout(0.2),
+                          nn.Linear(16, 3))
     optimizer = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                            named_parameters=model.named_parameters(), mode=args.mode)
     eddis.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -82,11 +85,16 @@ def main():
             json.dump(result, f)
 
     if args.mode == "sync":
-        sampler = eddis.DistributedSampler(dataset, shuffle=True, seed=7)
         # its own generator: a DataLoader draws a seed from the global RNG at each epoch start,
         # which a resumed epoch would draw again
-        loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler,
-                                             generator=torch.Generator().manual_seed(3))
+        if args.balanced:
+            sampler = eddis.BalancedBatchSampler(dataset, 8, shuffle=True, seed=7, optimizer=optimizer)
+            loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
+                                                 generator=torch.Generator().manual_seed(3))
+        else:
+            sampler = eddis.DistributedSampler(dataset, shuffle=True, seed=7)
+            loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler,
+                                                 generator=torch.Generator().manual_seed(3))
         step = start.step
         for epoch in range(start.epoch, 1000):
             sampler.set_epoch(epoch)
