@@ -133,6 +133,22 @@ def test_the_request_flag_is_set_by_the_signal_handler():
     assert layout.pending_request() is None
 
 
+def test_a_request_the_job_left_in_the_run_dir_is_taken_up_and_answered(tmp_path, monkeypatch):
+    from eddis.smb import rundir
+
+    monkeypatch.setenv("EDDIS_RUN_DIR", str(tmp_path))
+    layout.clear_request()
+    try:
+        assert layout.request_from_run_dir() is None and layout.pending_request() is None
+        rundir.request_checkpoint(tmp_path, "the job's time limit is near")
+        assert layout.request_from_run_dir() == "the job's time limit is near"
+        assert layout.pending_request() == "the job's time limit is near"
+    finally:
+        layout.clear_request()
+    layout.answer_request(tmp_path / "ckpt-00000012", 12)
+    assert rundir.checkpoint_answer(tmp_path) == {"checkpoint": str(tmp_path / "ckpt-00000012"), "step": 12}
+
+
 def test_checkpoint_stop_exits_with_the_requeue_status():
     stop = CheckpointStop("stopped", path="/x")
     assert isinstance(stop, SystemExit) and stop.code == REQUEUE_EXIT_STATUS == 75 and stop.path == "/x"

@@ -24,6 +24,7 @@ import time
 
 from .. import __version__, settings
 from ..errors import CheckpointError, ConfigError
+from ..smb import rundir
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -215,6 +216,24 @@ def pending_request():
 
 def clear_request():
     del _requested[:]
+
+
+def request_from_run_dir():
+    """Take up the job's request left in the run directory (the launcher's answer to Slurm's
+    warning that came before this rank could listen); call after the handler is installed."""
+    run_dir = settings.get("EDDIS_RUN_DIR")
+    reason = None if run_dir is None else rundir.checkpoint_request(run_dir)
+    if reason is not None:
+        request(reason)
+    return reason
+
+
+def answer_request(path, step):
+    """Rank 0, after the requested checkpoint is complete: tell the job (eddis-train --job or
+    --local) that the trainers stop to be requeued, not because training is over."""
+    run_dir = settings.get("EDDIS_RUN_DIR")
+    if run_dir is not None and os.path.isdir(run_dir):
+        rundir.answer_checkpoint_request(run_dir, path, step)
 
 
 def _on_signal(signum, frame):

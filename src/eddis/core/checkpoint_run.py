@@ -409,6 +409,8 @@ def at_step_boundary(state, participant):
     path = save(directory, state, participant, reason=reason)
     if stop:
         layout.clear_request()
+        if runtime.rank() == 0:
+            layout.answer_request(path, state.step)
         raise CheckpointStop(f"stopped after step {state.step} for a requested checkpoint ({path}); "
                              f"exit status {CheckpointStop('').code}: requeue the job to continue", path)
     return path

@@ -109,6 +109,7 @@ def init():
 
             checkpoint.interval_from_settings()   # a malformed interval fails here, not later
             checkpoint.install_signal_handler()   # SIGUSR1: checkpoint at the next step, then stop
+            checkpoint.request_from_run_dir()     # a request sent before the handler was in place
         atexit.register(_exit_hook)
         if sys.excepthook is _previous_excepthook:
             sys.excepthook = _excepthook

@@ -34,6 +34,7 @@ import threading
 import time
 
 from .. import settings
+from ..errors import REQUEUE_EXIT_STATUS
 from .liveness import LivenessWatch
 from .mpishm import MpiShm
 from .output import LinePump, TracebackCatcher
@@ -307,6 +308,8 @@ class Supervisor:
                 time.sleep(0.05)
             if self.stop_signal is not None:
                 why = "stopped"
+        if why == "exited" and code == REQUEUE_EXIT_STATUS:
+            why = "checkpointed"  # it wrote the checkpoint the job asked for and stopped: no failure
         if why == "hung" or (why == "exited" and rc != 0):
             why = "hung" if why == "hung" else "failed"
             record = self._record(code, sig, ended, why, catcher.result(), list(catcher.tail))
@@ -326,6 +329,10 @@ class Supervisor:
             # interrupted and exits 130 itself; a non-zero status here would only make mpirun
             # report that it aborted the job.
             return 0 if requested else INTERRUPTED_EXIT_CODE
+        if why == "checkpointed":
+            # 0, not 75: srun --kill-on-bad-exit would kill the peers still closing down after
+            # the same checkpoint; the answer rank 0 left in the run dir tells the job why
+            return 0
         if why == "stopped":
             # Stopped because a peer failed: exit 0, so that srun --kill-on-bad-exit does not
             # SIGKILL the ranks still cleaning up; the failed rank exits last, with its own
