@@ -329,6 +329,13 @@ register("EDDIS_REQUEUE", "bool", True,
 register("EDDIS_MAX_REQUEUES", "int", 20,
          "How many times one job may requeue itself (Slurm's SLURM_RESTART_COUNT); a job past it "
          "ends with its checkpoint kept and says so, instead of cycling through the queue.")
+register("EDDIS_MAX_RESTARTS", "int", 0,
+         "How many times a job (eddis-train --job or --local) starts its smb-servers and trainers "
+         "again after the trainers failed, within the same allocation (as torchrun --max-restarts); "
+         "a script that calls eddis.resume() continues from its last checkpoint. 0: never.")
+register("EDDIS_RESTART_COUNT", "int", 0,
+         "How many times the launcher has restarted the trainers in this allocation "
+         "(EDDIS_MAX_RESTARTS).", internal=True)
 register("EDDIS_LIVENESS_TIMEOUT", "float", 30.0,
          "Seconds a trainer or smb-server may go without a heartbeat to its eddis-train supervisor "
          "(or stay stopped, e.g. by SIGSTOP) before it counts as hung: its Python stack is dumped, it "

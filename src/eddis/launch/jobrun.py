@@ -345,6 +345,33 @@ class Job:
             say(f"eddis_job: error: cannot create the run directory {run_dir}: {exc}", sys.stderr)
             return 1
         say(f"eddis_job: job {self.job_id}, {len(self.components)} component(s), run dir {run_dir}")
+        restarts = 0
+        while True:
+            status = self._attempt()
+            if not self._restart_after(status, restarts):
+                return status
+            restarts += 1
+            os.environ["EDDIS_RESTART_COUNT"] = str(restarts)
+            self.run_dir = jobsteps.create_run_dir(self.run_dir)  # the failed attempt's records are reported
+
+    def _restart_after(self, status, restarts):
+        """Whether to run the steps again after they ended with ``status`` (EDDIS_MAX_RESTARTS)."""
+        from .. import settings
+
+        limit = settings.get("EDDIS_MAX_RESTARTS")
+        if status == 0 or self.signals.stopping is not None or limit <= 0:
+            return False
+        if restarts >= limit:
+            say(f"eddis_job: the trainers failed again after {restarts} restart(s) (EDDIS_MAX_RESTARTS={limit}); "
+                "the job ends", sys.stderr)
+            return False
+        say(f"eddis_job: restarting the smb-servers and trainers in this allocation (restart {restarts + 1} "
+            f"of {limit}); a script that calls eddis.resume() continues from its last checkpoint", sys.stderr)
+        return True
+
+    def _attempt(self):
+        """One run of the job's steps: the servers, the trainers, the servers' end, the report."""
+        self.servers, self.trainer, self.checkpoint_requested = [], None, False
         first = 0
         for component in self.components:
             self.servers.append(start_step(server_step_command(component, first)))

@@ -19,7 +19,7 @@ import sys
 import time
 
 from .. import settings
-from ..errors import ConfigError
+from ..errors import REQUEUE_EXIT_STATUS, ConfigError
 from ..smb import rundir
 from . import jobsteps
 from .report import LAUNCH_DIR, STOP_FILE, exit_status, format_report, request_stop, root_cause
@@ -63,17 +63,39 @@ def _stop(proc, sig=signal.SIGTERM, timeout=SERVER_STOP_SECONDS):
 def run_local(argv, ranks=1, memory=None):
     if ranks < 1:
         raise ConfigError(f"-n {ranks}: give at least one rank")
+    limit = settings.get("EDDIS_MAX_RESTARTS")
+    restarts = 0
+    while True:
+        code, signalled = _launch(argv, ranks, memory, restarts)
+        if code in (0, REQUEUE_EXIT_STATUS) or signalled or limit <= 0:
+            return code
+        if restarts >= limit:
+            print(f"eddis-train: the ranks failed again after {restarts} restart(s) "
+                  f"(EDDIS_MAX_RESTARTS={limit}); giving up", file=sys.stderr, flush=True)
+            return code
+        restarts += 1
+        print(f"eddis-train: restarting the smb-server and the ranks (restart {restarts} of {limit}); a "
+              "script that calls eddis.resume() continues from its last checkpoint", file=sys.stderr, flush=True)
+
+
+def _launch(argv, ranks, memory, restarts):
+    """One run of the server and the ranks: (exit status, whether a signal stopped it)."""
+    stop_signal = []  # the signals this run received, filled by its handler
+    code = _launch_once(argv, ranks, memory, restarts, stop_signal)
+    return code, bool(stop_signal)
+
+
+def _launch_once(argv, ranks, memory, restarts, stop_signal):
     run_dir = jobsteps.create_run_dir(jobsteps.run_dir())
     shutil.rmtree(run_dir / LAUNCH_DIR, ignore_errors=True)  # records of an earlier run in this dir
     _remove_dead_server_files(run_dir)
     env = _clean_environment()
     env["EDDIS_RUN_DIR"] = str(run_dir)
+    env["EDDIS_RESTART_COUNT"] = str(restarts)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     if os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-
-    stop_signal = []
 
     def on_signal(signum, frame):
         stop_signal.append(signum)
@@ -131,6 +153,12 @@ def run_local(argv, ranks=1, memory=None):
             print(f"eddis-train: {what} by {signal.Signals(stop_signal[0]).name}; the ranks have ended "
                   f"(exit status {128 + stop_signal[0]})", file=sys.stderr, flush=True)
             return 128 + stop_signal[0]
+        answer = rundir.checkpoint_answer(run_dir) if code == 0 else None
+        if answer is not None:
+            print(f"eddis-train: the ranks stopped after writing the requested checkpoint {answer['checkpoint']} "
+                  f"(step {answer['step']}); run the same command again to resume from it (exit status "
+                  f"{REQUEUE_EXIT_STATUS})", file=sys.stderr, flush=True)
+            return REQUEUE_EXIT_STATUS
         if code != 0:
             first, failures, exits = root_cause(run_dir)
             print(format_report(first, failures, exits, run_dir=run_dir, job_code=code),

@@ -1,0 +1,148 @@
+"""A sync run that loses its ranks (a killed rank, Slurm's time limit) continues from its last
+checkpoint and ends with the parameters of one uninterrupted run (relative error below 1e-5).
+
+- ``EDDIS_MAX_RESTARTS``: ``eddis-train --local`` reports the killed rank, starts a fresh
+  server and ranks, and the script's ``eddis.resume()`` continues from the periodic checkpoint.
+- Requeue: a job on the local Slurm cluster (2 nodes, 1 rank each) gets Slurm's warning
+  signal twice; each time the trainers write a checkpoint and stop, the job requeues itself
+  and its next run resumes. The test sends the warning as Slurm's ``--signal=B:USR1@N``
+  does (``scancel --batch --signal=USR1``) at chosen steps, because slurmctld checks time
+  limits every 30 s, which would make each run's length a matter of chance; it also lifts
+  the 2-minute hold Slurm 22.05 puts on a requeued job (``scontrol update StartTime=now``).
+"""
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+
+from conftest import PYTHON, REPO, python_env, run_process_group
+from launch_helpers import job_state, make_bin, wait_until
+
+SCRIPT = REPO / "tests" / "launch_scripts" / "resumable_sync.py"
+STEPS = 20
+TOLERANCE = 1e-5
+SETTLED_SECONDS = 10.0
+RELEASE_AFTER_SECONDS = 5.0
+
+
+def local_env(tmp_path, **settings):
+    bin_dir = make_bin(tmp_path / "bin")
+    env = python_env({"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
+                      "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1"})
+    env.update({k: str(v) for k, v in settings.items()})
+    return env
+
+
+def reference(tmp_path):
+    """The parameters of the uninterrupted run."""
+    out = tmp_path / "reference.npz"
+    proc = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(SCRIPT), str(STEPS), str(out)],
+                             local_env(tmp_path / "ref", EDDIS_CHECKPOINT_DIR=tmp_path / "ref" / "ckpt"), 180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dict(np.load(out))
+
+
+def assert_same_parameters(got, want):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        error = np.linalg.norm(got[name] - want[name]) / np.linalg.norm(want[name])
+        assert error < TOLERANCE, (name, error)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_a_restart_after_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path):
+    want = reference(tmp_path)
+    out = tmp_path / "restarted.npz"
+    env = local_env(tmp_path, EDDIS_CHECKPOINT_DIR=tmp_path / "ckpt", EDDIS_CHECKPOINT_INTERVAL=5,
+                    EDDIS_MAX_RESTARTS=2, TEST_CRASH_AFTER_STEP=12)
+    proc = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(SCRIPT), str(STEPS), str(out)],
+                             env, 300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert re.search(r"ROOT CAUSE: rank 1 on host \S+ was killed by signal 9 \(SIGKILL\)", text), text[-4000:]
+    assert text.count("restarting the smb-server and the ranks (restart 1 of 2)") == 1, text[-4000:]
+    assert "restart 2 of 2" not in text
+    # the checkpoint after step 10 is the last one before the crash after step 12
+    assert sorted(set(re.findall(r"run 0\.(\d) starts at step (\d+)", text))) == [("0", "0"), ("1", "10")], text
+    assert_same_parameters(dict(np.load(out)), want)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_restarts_are_bounded_and_say_so(tmp_path):
+    env = local_env(tmp_path, EDDIS_MAX_RESTARTS=1)
+    bad = tmp_path / "fails.py"
+    bad.write_text("import sys\nsys.exit(3)\n")
+    proc = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(bad)], env, 180)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 3, text[-3000:]
+    assert text.count("restarting the smb-server and the ranks") == 1, text[-3000:]
+    assert "the ranks failed again after 1 restart(s) (EDDIS_MAX_RESTARTS=1); giving up" in text, text[-3000:]
+
+
+def release_requeued(cluster, job_id, held_since):
+    """Start a requeued job soon instead of after Slurm's hold (Reason=BeginTime). Not at once:
+    slurmd refuses a job credential issued in the second its last run's was revoked ("Job
+    credential revoked"), which is what the hold protects against. Returns when it was seen held."""
+    listing = cluster.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], timeout=30, check=False).stdout.split()
+    if listing[:2] != ["PENDING", "BeginTime"]:
+        return None
+    held_since = held_since or time.monotonic()
+    if time.monotonic() - held_since > RELEASE_AFTER_SECONDS:
+        cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30, check=False)
+    return held_since
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
+def test_a_job_warned_of_its_time_limit_requeues_itself_and_resumes(slurm_cluster, tmp_path):
+    from eddis.slurm.script import JobComponent, render_job_script
+
+    want = reference(tmp_path)
+    out, ckpt, log = tmp_path / "requeued.npz", tmp_path / "ckpt", tmp_path / "job.out"
+    script = tmp_path / "job.sh"
+    script.write_text(render_job_script(
+        components=[JobComponent("all", nodes=2, tasks_per_node=1)], job_name="eddis-requeue-test",
+        command=[PYTHON, str(SCRIPT), str(STEPS), str(out), "1.0"], time="00:10:00", output=str(log),
+        checkpoint_signal=120, settings={"EDDIS_CHECKPOINT_DIR": str(ckpt)}))
+    bin_dir = make_bin(tmp_path / "bin")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
+           "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1"}
+    job_id = slurm_cluster.run(["sbatch", "--parsable", str(script)], env=env, timeout=60).stdout.strip()
+    warned, ended_since, held_since = [], None, None
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        state = job_state(slurm_cluster, job_id)
+        # a job being requeued shows an ended state (FAILED) for a moment before it is PENDING
+        if state is not None and state[0] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING",
+                                                   "REQUEUED"):
+            ended_since = ended_since or time.monotonic()
+            if time.monotonic() - ended_since > SETTLED_SECONDS:
+                break
+        else:
+            ended_since = None
+        held_since = release_requeued(slurm_cluster, job_id, held_since)
+        done = [int(s) for s in re.findall(r"^\[0@\S+\] step (\d+) done", text, re.M)]
+        # the warning once after step 4 of the first run and once after step 10 of the second
+        if len(warned) < 2 and done and done[-1] >= (4, 10)[len(warned)] \
+                and text.count("requeued job") == len(warned):
+            slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job_id], timeout=30)
+            warned.append(done[-1])
+        time.sleep(0.5)
+    else:
+        slurm_cluster.run(["scancel", job_id], timeout=30, check=False)
+        pytest.fail(f"job {job_id} did not end within 600 s:\n{log.read_text(errors='replace')[-4000:]}")
+    text = log.read_text(errors="replace")
+    assert state[:2] == ("COMPLETED", "0:0"), text[-4000:]
+    assert text.count("asking the trainers for a checkpoint") == 2, text[-4000:]
+    requeues = re.findall(r"eddis_job: wrote checkpoint (\S+) \(step (\d+)\); requeued job", text)
+    assert len(requeues) == 2, text[-4000:]
+    # each run starts where the last one's checkpoint was taken: no step lost beyond it
+    starts = [int(s) for s in re.findall(r"^\[0@\S+\] run \d+\.0 starts at step (\d+)", text, re.M)]
+    assert starts == [0, *[int(step) for _, step in requeues]], text[-4000:]
+    assert re.search(r"^\[0@\S+\] finished 20 steps", text, re.M), text[-4000:]
+    assert_same_parameters(dict(np.load(out)), want)
