@@ -99,6 +99,10 @@ class ProgressError(EddisError, RuntimeError):
     """The global learning counter does not hold what this job's claims left in it."""
 
 
+class MembershipTimeoutError(EddisError, TimeoutError):
+    """An elastic run's wait for its live ranks ran out (a rank neither arrived nor was lost)."""
+
+
 class ParameterDriftError(EddisError, RuntimeError):
     """In a synchronous mode the ranks' parameters no longer agree: something trains outside
     the gradient averaging (nothing wrapped, or an update that bypasses the wrapper)."""

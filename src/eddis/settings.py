@@ -227,6 +227,15 @@ register("EDDIS_CHECKPOINT_INTERVAL", "str", None,
 register("EDDIS_CHECKPOINT_KEEP", "int", 3,
          "Complete checkpoints kept in EDDIS_CHECKPOINT_DIR; older ones are removed after each "
          "new one is committed (0: keep all).")
+register("EDDIS_ELASTIC", "bool", False,
+         "easgd/hybrid: when a rank dies (or a hybrid group, whose synchronous reductions its dead "
+         "member stops), the other ranks train on against the centre variable until the global "
+         "learning counter reaches the total, and eddis-train reports the run as finished degraded, "
+         "naming the lost ranks (exit status 0). Refused in sync/allreduce, which restart from the "
+         "last checkpoint instead (EDDIS_MAX_RESTARTS). Needs the launcher's smb-servers.")
+register("EDDIS_ELASTIC_LOST_AFTER", "float", 10.0,
+         "Elastic runs: seconds a rank's heartbeat in SMB may stay still before the others count "
+         "it as lost and stop waiting for it (staleness bound, final model, shutdown).")
 register("EDDIS_BALANCE", "bool", False,
          "sync: give each rank a share of the global batch proportional to its measured "
          "throughput (balanced sync).")

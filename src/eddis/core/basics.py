@@ -18,8 +18,8 @@ import os
 
 from .. import settings
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import (adasum, checkpoint, checkpoint_run, checkpoint_state, collectives, hetero, join as _join,
-               progress, reducer, runtime, sampler)
+from . import (adasum, checkpoint, checkpoint_run, checkpoint_state, collectives, elastic, hetero,
+               join as _join, progress, reducer, runtime, sampler)
 from .ops import Average, resolve_op
 
 
@@ -238,6 +238,9 @@ class EddisBasics:
         The temporary name keeps ``path``'s extension (Keras picks the format by it)."""
         self.require(f"eddis.{what}()")
         path = os.fspath(path)
+        members = elastic.current()
+        if members is not None:
+            return self._save_on_first_live_rank(members, path, write, what)
         error = None
         if runtime.rank() == 0:
             base, ext = os.path.splitext(path)
@@ -283,6 +286,18 @@ class EddisBasics:
     note_epoch = staticmethod(checkpoint_state.note_epoch)
     batches_done = staticmethod(checkpoint_state.batches_done)
 
+    @staticmethod
+    def _save_on_first_live_rank(members, path, write, what):
+        """Elastic runs: rank 0 may be lost, so the lowest rank at the barrier writes; an MPI
+        broadcast of the outcome would never end, so only the writer hears of a failure
+        (its exit then fails the job)."""
+        members.barrier(f"{what}: who writes")
+        if runtime.rank() == members.arrived()[0]:
+            _write_atomically(path, write, what, runtime.rank())
+        members.barrier(f"{what}: written")
+        return path
+
+
     # What every adapter exports as module functions, the same objects in each.
     SHARED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",
               "num_groups", "hostname", "cross_rank", "cross_size", "mpi_threads_supported",
@@ -296,6 +311,21 @@ class EddisBasics:
         names = {name: getattr(self, name) for name in self.SHARED}
         names["cuda_built"] = functools.partial(self.cuda_built, framework_built_with_cuda)
         return names
+
+
+
+def _write_atomically(path, write, what, rank):
+    base, ext = os.path.splitext(path)
+    tmp = f"{base}.tmp-{os.getpid()}{ext}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except Exception as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise CheckpointError(f"{what}({path!r}) failed on rank {rank}: {type(exc).__name__}: {exc}") from exc
 
 
 basics = EddisBasics()

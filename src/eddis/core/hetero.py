@@ -32,7 +32,7 @@ import numpy as np
 from .. import settings
 from ..errors import ConfigError, FinalModelWarning, UsageError
 from . import balance as _balance
-from . import collectives, easgd, hybrid, join, progress, runtime, simulate
+from . import collectives, easgd, elastic, hybrid, join, progress, runtime, simulate
 
 _current = [None]   # the newest HeteroStep (for module-level helpers)
 _loop_mark = [0.0]  # when should_stop() last returned
@@ -94,6 +94,8 @@ class HeteroStep:
             self.balancer = _balance.Balancer(self.size, self.rank, initial=initial)
         self.averager = None
         self.join_barrier = None   # easgd's counted barrier of eddis.join()
+        self.elastic = self.size > 1 and elastic.requested(self.mode)   # refused in sync modes
+        self.members = None   # elastic: who is alive (core/elastic.py)
         self.group_comm = None
         self.exchanging = False
         self._centre_ready = False
@@ -135,6 +137,8 @@ class HeteroStep:
             self._when_attached.append(fn)
 
     def _setup_averaging(self):
+        if self.elastic:
+            self.members = elastic.join(self.mode)
         if self.mode == "hybrid":
             members = hybrid.group_members()
             hybrid.check_groups(members)
@@ -146,6 +150,8 @@ class HeteroStep:
                 self.group_comm = None
                 return
             iterations_per_step = len(members[self.group])
+            if self.members is not None:
+                self.members.depend_on(members[self.group], f"hybrid group {self.group}")
         else:
             worker, workers = self.rank, self.size
             iterations_per_step = 1
@@ -223,7 +229,7 @@ class HeteroStep:
         """Collective: rank 0's parameters become the centre variable."""
         if self.rank == 0:
             self.averager.initialize(self.gather() if flat is None else flat)
-        collectives.barrier(what=f"{self.mode}: centre variable initialization")
+        self._barrier(f"{self.mode}: centre variable initialization")
         self._centre_ready = True
 
     @property
@@ -293,10 +299,17 @@ class HeteroStep:
         if self.exchanging:
             self.averager.exchange(self.gather(), measure=False)   # the last local steps count too
         self.averager.finish()
-        collectives.barrier(what=f"{self.mode}: final model (every worker's last exchange)")
+        self._barrier(f"{self.mode}: final model (every worker's last exchange)")
         self.scatter(self.averager.read_center(out=self.flat))
-        collectives.barrier(what=f"{self.mode}: final model (centre read)")
+        self._barrier(f"{self.mode}: final model (centre read)")
         self._final_model_step = self.step
+
+    def _barrier(self, what):
+        """Every rank waits for every other; in elastic runs for the live ones only."""
+        if self.members is not None:
+            self.members.barrier(what)
+        else:
+            collectives.barrier(what=what)
 
     def steps_after_final_model(self):
         """Local steps trained since the last final_model() (all of them if it was never called)."""

@@ -61,7 +61,7 @@ import warnings
 from .. import settings, timeline
 # ProgressError, ProgressTimeoutError: also importable from here, their old address
 from ..errors import ConfigError, ProgressError, ProgressTimeoutError, SMBTimeoutError, UsageError
-from . import collectives, runtime
+from . import collectives, elastic, runtime
 
 log = logging.getLogger("eddis.core.progress")
 
@@ -140,6 +140,7 @@ class ProgressController:
         self.claims = 0
         self.waited = 0.0             # seconds spent waiting for the staleness bound
         self.history = [] if record else None
+        self.lost_ranks = None        # elastic runs: () -> ranks counted lost, not waited for
         self.mode = None              # the training mode it was set up for (module API)
         if self.leader and self.total % self.unit:
             warnings.warn(f"the total of {self.total} iterations is not a multiple of the {self.unit} "
@@ -261,6 +262,8 @@ class ProgressController:
                 self._min_seen = low
                 if low >= need:
                     break
+                if self.lost_ranks is not None and self._forget_lost(values, need):
+                    continue
                 if time.monotonic() > deadline:
                     behind = ", ".join(f"rank {r} at step {v}" for r, v in values if v < need)
                     raise ProgressTimeoutError(
@@ -270,6 +273,16 @@ class ProgressController:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.01)
         self.waited += time.monotonic() - start
+
+
+    def _forget_lost(self, values, need):
+        """Stop waiting for the lost ones of the ranks behind; True when some were."""
+        lost = set(self.lost_ranks()) & {r for r, v in values if v < need}
+        if lost:
+            log.warning("rank %d: the staleness bound no longer waits for lost rank(s) %s", self.rank,
+                        ", ".join(map(str, sorted(lost))))
+            self._others = [(r, c) for r, c in self._others if r not in lost]
+        return bool(lost)
 
 
 # ---------------------------------------------------------------- module API
@@ -324,6 +337,9 @@ def configure(total=None, chunk=None, staleness=None, mode=None, record=False):
                                       name=name, record=record)
     _controller.mode = mode
     _resume_point = None   # used by this controller; a later run starts afresh
+    members = elastic.current()
+    if members is not None:
+        _controller.lost_ranks = members.lost
     runtime.register_closable(_controller)
     collectives.barrier(what="progress control set-up")
     return _controller

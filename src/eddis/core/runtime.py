@@ -56,6 +56,7 @@ class _Runtime:
         self.owned_run_dir = None
         self.run_dir = None
         self.closables = []
+        self.departure = None   # replaces shutdown()'s MPI barriers (elastic runs: core/elastic.py)
         self._check_launcher_ranks()
         self.hostname = identity.node_name()
         from . import collectives
@@ -175,6 +176,12 @@ def register_closable(obj):
     require().closables.append(obj)
 
 
+def set_departure(fn):
+    """``fn()`` waits at shutdown() for the ranks still alive, in place of the MPI barriers
+    (which a dead rank never joins); it runs while the SMB client is still connected."""
+    require().departure = fn
+
+
 def unregister_closable(obj):
     if _state is not None and obj in _state.closables:
         _state.closables.remove(obj)
@@ -286,12 +293,14 @@ def shutdown():
             # smb_client() is collective, so either every rank has a client or none has;
             # only rank 0 knows whether it also runs the embedded server
             connected = st.client is not None or st.server is not None
-            if connected:
+            if connected and st.departure is not None:
+                st.departure()   # elastic: the live ranks only; no embedded server to wait for
+            elif connected:
                 collectives.barrier(comm=st.comm, what="eddis.shutdown")
             if st.client is not None:
                 st.client.close()
                 st.client = None
-            if connected:
+            if connected and st.departure is None:
                 # every client must have left before an embedded server goes away
                 collectives.barrier(comm=st.comm, what="eddis.shutdown (server)")
         except Exception as exc:
