@@ -44,6 +44,7 @@ from typing import Optional
 
 from ..errors import ConfigError, JobSignalled
 from . import jobsteps
+from .elastic import announce_degraded, elastic_run
 from .report import LAUNCH_DIR, request_servers_stop, request_stop, root_cause
 
 SERVER_STEP_NAME = "smb-server"
@@ -120,8 +121,9 @@ def server_step_command(component, first_index):
 def trainer_step_command(parts, train):
     """The srun of the trainers: one rank per task of every component, one MPI world (pmix)."""
     het = [f"--het-group={','.join(str(c.group) for c in parts)}"] if len(parts) > 1 else []
-    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", "--kill-on-bad-exit=1",
-            "eddis-train", *train]
+    # elastic runs: a lost rank's task must not take the survivors' step down with it
+    kill = [] if elastic_run() else ["--kill-on-bad-exit=1"]
+    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", *kill, "eddis-train", *train]
 
 
 def server_count(parts):
@@ -381,6 +383,8 @@ class Job:
             stop_steps(SERVER_STEP_NAME, self.servers)
             return 1
         status = self._train()
+        if status == 0 and elastic_run():
+            announce_degraded(self.run_dir, sys.stderr)
         if status == 0:
             from ..smb.rundir import checkpoint_answer
 

@@ -22,6 +22,7 @@ from .. import settings
 from ..errors import REQUEUE_EXIT_STATUS, ConfigError
 from ..smb import rundir
 from . import jobsteps
+from .elastic import MPIRUN_OPTIONS, announce_degraded, elastic_run
 from .report import LAUNCH_DIR, STOP_FILE, exit_status, format_report, request_stop, root_cause
 
 SERVER_STOP_SECONDS = 10.0
@@ -39,11 +40,13 @@ def server_command(run_dir, memory):
     return supervisor_command(run_dir, 0, memory)
 
 
-def mpirun_command(ranks, argv):
+def mpirun_command(ranks, argv, elastic=False):
     if shutil.which("mpirun") is None:
         raise ConfigError("mpirun is not on PATH: install Open MPI (apt-get install openmpi-bin) "
                           "or load its module, then retry eddis-train --local")
     cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none"]
+    if elastic:
+        cmd.extend(MPIRUN_OPTIONS)
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     return cmd + [sys.executable, "-m", "eddis.launch.train", *argv]
@@ -86,6 +89,7 @@ def _launch(argv, ranks, memory, restarts):
 
 
 def _launch_once(argv, ranks, memory, restarts, stop_signal):
+    elastic = elastic_run()
     run_dir = jobsteps.create_run_dir(jobsteps.run_dir())
     shutil.rmtree(run_dir / LAUNCH_DIR, ignore_errors=True)  # records of an earlier run in this dir
     _remove_dead_server_files(run_dir)
@@ -112,7 +116,7 @@ def _launch_once(argv, ranks, memory, restarts, stop_signal):
             return 1
         if stop_signal:
             return 128 + stop_signal[0]
-        mpirun = subprocess.Popen(mpirun_command(ranks, argv), env=env, stdin=subprocess.DEVNULL,
+        mpirun = subprocess.Popen(mpirun_command(ranks, argv, elastic), env=env, stdin=subprocess.DEVNULL,
                                   start_new_session=True)
         stop_deadline = None
         while True:
@@ -159,6 +163,8 @@ def _launch_once(argv, ranks, memory, restarts, stop_signal):
                   f"(step {answer['step']}); run the same command again to resume from it (exit status "
                   f"{REQUEUE_EXIT_STATUS})", file=sys.stderr, flush=True)
             return REQUEUE_EXIT_STATUS
+        if elastic and announce_degraded(run_dir, sys.stderr):
+            return 0
         if code != 0:
             first, failures, exits = root_cause(run_dir)
             print(format_report(first, failures, exits, run_dir=run_dir, job_code=code),

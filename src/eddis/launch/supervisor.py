@@ -35,6 +35,7 @@ import time
 
 from .. import settings
 from ..errors import REQUEUE_EXIT_STATUS
+from .elastic import elastic_run
 from .liveness import LivenessWatch
 from .mpishm import MpiShm
 from .output import LinePump, TracebackCatcher
@@ -105,6 +106,8 @@ class Supervisor:
         self.out_lock = threading.Lock()
         self.err_lock = threading.Lock()
         self.interrupt_grace = settings.get("EDDIS_INTERRUPT_GRACE")
+        # elastic (easgd/hybrid): a lost rank is recorded, but does not stop its peers
+        self.elastic = elastic_run(self.env)
         self.stop_signal = None
         self.child = None
         self.liveness = None
@@ -193,6 +196,8 @@ class Supervisor:
         return env
 
     def _peer_failure(self):
+        if self.elastic:
+            return None
         names = self.records.failure_names()
         mine = f"{self.info.rank}.json"
         if any(n != mine for n in names):
@@ -315,8 +320,15 @@ class Supervisor:
             record = self._record(code, sig, ended, why, catcher.result(), list(catcher.tail))
             if why == "hung":
                 record.update(hung=hung, stack=stack)
+            record["lost"] = self.elastic
             self.records.fail(self.info.rank, record)
             self.records.finish(self.info.rank, self._record(code, sig, ended, why, None, []))
+            if self.elastic:
+                # recorded; exit 0, so that neither srun nor mpirun ends the survivors' step
+                self.say(f"eddis-train: rank {self.info.rank} on {self.info.hostname} is lost "
+                         f"({'hung' if why == 'hung' else describe_exit(code, sig)}); elastic run: "
+                         "the other ranks train on")
+                return 0
             self.say(f"eddis-train: rank {self.info.rank} on {self.info.hostname} "
                      f"{'hung and was killed' if why == 'hung' else describe_exit(code, sig)}; "
                      "stopping the other ranks")

@@ -1,0 +1,77 @@
+"""Elastic runs (EDDIS_ELASTIC=1, modes easgd and hybrid) in the launcher.
+
+A lost rank must not end the job: its supervisor records the loss and exits 0
+(so that neither ``srun`` nor ``mpirun`` takes the step for failed and kills
+it), the other supervisors do not stop their trainers, ``srun`` runs without
+``--kill-on-bad-exit`` and ``mpirun`` with the two ORTE parameters that
+otherwise abort the job when a process exits non-zero or without
+``MPI_Finalize`` (the lost trainer never finalizes). The survivors train on
+(``eddis.core.elastic``); at the end the launcher says the run finished
+degraded and names every lost rank.
+
+Why exit status 0 for a degraded run: the job did what it was asked to, all
+EDDIS_TOTAL_ITERATIONS iterations and the final model written by a survivor,
+so Slurm's COMPLETED, ``afterok`` dependencies and the requeue logic (which
+takes a non-zero status for a failure to recover from) are right; the loss
+is in the job's output ("finished degraded: ...") and in the records under
+``<run dir>/launch/``. A run in which no rank finished fails as before.
+
+The launcher may not import the core, so it reads the settings registry: the
+run is elastic when EDDIS_ELASTIC is set and EDDIS_MODE is not a mode whose
+ranks step together (unset counts as elastic here: the optimizer may be given
+``mode="easgd"``; the core refuses elastic sync itself).
+"""
+import time
+from pathlib import Path
+
+from .. import settings
+from ..errors import ConfigError
+from .report import LAUNCH_DIR, describe_exit, root_cause, who
+
+ELASTIC_MODES = ("easgd", "hybrid")
+# The ORTE parameters of Open MPI 4 that stop a job when one process ends badly.
+MPIRUN_OPTIONS = ("--mca", "orte_abort_on_non_zero_status", "0",
+                  "--mca", "orte_allowed_exit_without_sync", "1")
+
+
+def elastic_run(env=None):
+    """Whether this launch is elastic; a ConfigError for EDDIS_ELASTIC with a lockstep mode."""
+    if not settings.get("EDDIS_ELASTIC", env):
+        return False
+    mode = (settings.environ(env).get("EDDIS_MODE") or "").lower()
+    if mode and mode not in ELASTIC_MODES:
+        raise ConfigError(f"EDDIS_ELASTIC=1 is for modes easgd and hybrid, not EDDIS_MODE={mode}: its "
+                          "ranks step together and restart from the last checkpoint instead "
+                          "(EDDIS_MAX_RESTARTS). Unset EDDIS_ELASTIC, or use easgd or hybrid.")
+    return True
+
+
+def lost(record):
+    """What happened to a lost rank, in words: 'rank 2 on host n1 was lost (was killed by ...)'."""
+    how = "hung and was killed" if record.get("why") == "hung" else \
+        describe_exit(record.get("code"), record.get("signal"))
+    stamp = time.strftime("%H:%M:%S", time.localtime(record.get("time", 0)))
+    return f"{who(record)} was lost ({how}) at {stamp}"
+
+
+def degraded_report(failures, exits):
+    """The line(s) of a degraded finish, or None when no rank finished (then it is a failure).
+
+    ``failures``: the failure records of the launch (every one a lost rank, elastic);
+    ``exits``: its exit records."""
+    finished = sorted(e["rank"] for e in exits if e.get("why") == "exited" and e.get("code") == 0)
+    ranks = [f for f in failures if "server" not in f]
+    if not finished or not ranks or len(ranks) != len(failures):
+        return None
+    ranks = sorted(ranks, key=lambda r: r.get("time", 0.0))
+    return (f"eddis-train: finished degraded: {'; '.join(lost(r) for r in ranks)}; "
+            f"rank {', '.join(map(str, finished))} finished the training")
+
+
+def announce_degraded(run_dir, out):
+    """Print the degraded finish of the run dir's last launch on ``out``; True when it was one."""
+    _, failures, exits = root_cause(run_dir)
+    line = degraded_report(failures, exits) if failures else None
+    if line is not None:
+        print(f"{line}\n  records: {Path(run_dir) / LAUNCH_DIR}", file=out, flush=True)
+    return line is not None
