@@ -1,0 +1,57 @@
+"""An easgd/hybrid trainer for the elastic tests (EDDIS_ELASTIC=1 under eddis-train --local).
+
+``--kill-rank R --kill-step S``: rank R sends itself SIGKILL before its step S, as a
+crashed node would end it. ``--groups G`` (hybrid): G groups of consecutive ranks, set
+as EDDIS_GROUP/EDDIS_NUM_GROUPS before eddis.init(), as the launcher does for the
+components of a Slurm hetjob. Every survivor writes ``<out>/<rank>.json`` (its
+steps and the global learning counter at the end); the final model (the centre) goes
+to ``<out>/model.pt`` through eddis.save_checkpoint.
+"""
+import argparse
+import json
+import os
+import signal
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--mode", default="easgd", choices=["easgd", "hybrid", "sync"])
+p.add_argument("--total", type=int, default=400)
+p.add_argument("--kill-rank", type=int, default=-1)
+p.add_argument("--kill-step", type=int, default=10)
+p.add_argument("--groups", type=int, default=0)
+args = p.parse_args()
+
+if args.groups:
+    rank, size = int(os.environ["EDDIS_RANK"]), int(os.environ["EDDIS_SIZE"])
+    os.environ["EDDIS_GROUP"] = str(rank * args.groups // size)
+    os.environ["EDDIS_NUM_GROUPS"] = str(args.groups)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import eddis.torch as eddis  # noqa: E402
+
+eddis.init()
+rank = eddis.rank()
+torch.manual_seed(0)
+truth = torch.randn(16, 1)
+model = torch.nn.Linear(16, 1)
+optimizer = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters(), mode=args.mode)
+eddis.broadcast_parameters(model.state_dict(), root_rank=0)
+ctl = eddis.configure_progress(total=args.total)
+generator = torch.Generator().manual_seed(100 + rank)
+step = 0
+while not eddis.should_stop():
+    if rank == args.kill_rank and step == args.kill_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = torch.randn(32, 16, generator=generator)
+    optimizer.zero_grad()
+    F.mse_loss(model(x), x @ truth).backward()
+    optimizer.step()
+    step += 1
+eddis.save_checkpoint(os.path.join(args.out, "model.pt"), model, optimizer)
+with open(os.path.join(args.out, f"{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "steps": ctl.steps_done, "counter": ctl.counter.read(),
+               "error": float((model.weight.detach().reshape(-1, 1) - truth).norm())}, f)
+print(f"rank {rank} finished after {ctl.steps_done} steps")

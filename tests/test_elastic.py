@@ -1,0 +1,127 @@
+"""EDDIS_ELASTIC=1: easgd and hybrid runs train on without a lost rank (or hybrid group).
+
+Real ranks under ``eddis-train --local -n 4`` with a real smb-server and torch on CPU;
+the lost rank sends itself SIGKILL mid-training (tests/launch_scripts/elastic_trainer.py).
+Stated: the run exits 0 and says it finished degraded, naming the lost ranks; the global
+learning counter ends at exactly the total, and the survivors' steps add up to it minus
+what the lost ranks claimed; a survivor saves the final centre. Without EDDIS_ELASTIC a
+lost rank still stops the job (tests/test_launch_local.py). Sync refuses elastic.
+"""
+import json
+import re
+
+import pytest
+
+from conftest import REPO, run_process_group
+from test_launch_local import assert_clean, local_env
+
+import eddis.smb.server  # noqa: F401  (required: missing is a failure, not a skip)
+from eddis.errors import ConfigError
+from eddis.launch.elastic import degraded_report, elastic_run
+
+TRAINER = REPO / "tests" / "launch_scripts" / "elastic_trainer.py"
+TOTAL = 400
+KILL_STEP = 10
+LOST_AFTER = 3
+
+
+def elastic_train(tmp_path, mode, *args, timeout=300, **env):
+    out = tmp_path / "out"
+    out.mkdir()
+    environ = local_env(tmp_path)
+    environ.update({"EDDIS_ELASTIC": "1", "EDDIS_MODE": mode, "EDDIS_ELASTIC_LOST_AFTER": str(LOST_AFTER),
+                    "EDDIS_COMM_TIMEOUT": "90", "OMP_NUM_THREADS": "1", **env})
+    proc = run_process_group(["eddis-train", "--local", "-n", "4", str(TRAINER), "--out", str(out),
+                              "--mode", mode, "--total", str(TOTAL), *map(str, args)],
+                             environ, timeout, cwd=str(REPO))
+    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    return proc, results, out
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(360)
+def test_easgd_trains_on_without_a_lost_rank(tmp_path):
+    import torch
+
+    # rank 0 is lost: it set up the centre, but a survivor must save it; the staleness bound
+    # must stop waiting for it
+    proc, results, out = elastic_train(tmp_path, "easgd", "--kill-rank", 0, "--kill-step", KILL_STEP,
+                                       EDDIS_STALENESS="2")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert re.search(r"^eddis-train: finished degraded: rank 0 on host \S+ was lost \(was killed by signal 9 "
+                     r"\(SIGKILL\)\) at \d\d:\d\d:\d\d; rank 1, 2, 3 finished the training$", proc.stderr, re.M), text
+    assert sorted(results) == [1, 2, 3], text
+    assert all(r["counter"] == TOTAL for r in results.values()), results
+    # rank 0 claimed its steps 0..KILL_STEP and completed KILL_STEP of them
+    assert sum(r["steps"] for r in results.values()) == TOTAL - (KILL_STEP + 1), results
+    saved = torch.load(out / "model.pt", weights_only=False)
+    assert saved["mode"] == "easgd" and set(saved["model"]) == {"weight", "bias"}
+    assert "ROOT CAUSE" not in proc.stderr
+    assert_clean(tmp_path)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(360)
+def test_hybrid_trains_on_without_a_lost_group(tmp_path):
+    import torch
+
+    # groups {0, 1} and {2, 3}; rank 3 is lost, so group 1 cannot reduce and stops with it
+    proc, results, out = elastic_train(tmp_path, "hybrid", "--groups", 2, "--kill-rank", 3,
+                                       "--kill-step", KILL_STEP)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    line = re.search(r"^eddis-train: finished degraded: (.*)$", proc.stderr, re.M)
+    assert line, text
+    assert re.match(r"rank 3 on host \S+ was lost \(was killed by signal 9 \(SIGKILL\)\) at [\d:]+; "
+                    r"rank 2 on host \S+ was lost \(exited with code 75\) at [\d:]+; "
+                    r"rank 0, 1 finished the training$", line.group(1)), line.group(1)
+    assert "rank 3 of hybrid group 1 was lost" in proc.stderr
+    assert sorted(results) == [0, 1], text
+    assert all(r["counter"] == TOTAL for r in results.values()), results
+    # group 1 claimed its group steps 0..KILL_STEP, 2 iterations each; group 0 did the rest together
+    assert [results[r]["steps"] for r in (0, 1)] == [(TOTAL - 2 * (KILL_STEP + 1)) // 2] * 2, results
+    saved = torch.load(out / "model.pt", weights_only=False)
+    assert saved["mode"] == "hybrid"
+    assert_clean(tmp_path)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_sync_refuses_elastic(tmp_path):
+    # EDDIS_MODE unset: the launcher cannot tell; the optimizer's mode="sync" refuses it
+    out = tmp_path / "out"
+    out.mkdir()
+    environ = local_env(tmp_path)
+    environ.update({"EDDIS_ELASTIC": "1", "OMP_NUM_THREADS": "1"})
+    proc = run_process_group(["eddis-train", "--local", "-n", "2", str(TRAINER), "--out", str(out),
+                              "--mode", "sync"], environ, 150, cwd=str(REPO))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "restarts from its last checkpoint instead (EDDIS_MAX_RESTARTS)" in proc.stderr
+    assert "finished degraded" not in proc.stderr
+    # EDDIS_MODE=sync: the launcher refuses before it starts anything
+    environ["EDDIS_MODE"] = "sync"
+    proc = run_process_group(["eddis-train", "--local", "-n", "2", str(TRAINER), "--out", str(out)],
+                             environ, 60, cwd=str(REPO))
+    assert proc.returncode == 2 and "EDDIS_ELASTIC=1 is for modes easgd and hybrid" in proc.stderr
+    assert "starting smb-server" not in proc.stderr
+
+
+def test_launcher_reads_elastic_from_the_settings():
+    assert elastic_run({}) is False
+    assert elastic_run({"EDDIS_ELASTIC": "1", "EDDIS_MODE": "easgd"}) is True
+    assert elastic_run({"EDDIS_ELASTIC": "1"}) is True   # the optimizer may be given its mode
+    with pytest.raises(ConfigError, match="EDDIS_MAX_RESTARTS"):
+        elastic_run({"EDDIS_ELASTIC": "1", "EDDIS_MODE": "allreduce"})
+
+
+def test_degraded_only_when_a_rank_finished_and_every_failure_is_a_rank():
+    lost = {"rank": 2, "host": "n1", "code": None, "signal": 9, "time": 0.0, "why": "failed"}
+    done = [{"rank": r, "why": "exited", "code": 0} for r in (0, 1)]
+    line = degraded_report([lost], done + [{"rank": 2, "why": "failed", "signal": 9}])
+    assert line.startswith("eddis-train: finished degraded: rank 2 on host n1 was lost "
+                           "(was killed by signal 9 (SIGKILL)) at ")
+    assert line.endswith("; rank 0, 1 finished the training")
+    assert degraded_report([lost], [{"rank": 2, "why": "failed", "signal": 9}]) is None  # nobody finished
+    server = {"server": 0, "host": "n1", "pid": 7, "code": 1, "time": 0.0}
+    assert degraded_report([server, lost], done) is None   # a lost server is a failure of the job
