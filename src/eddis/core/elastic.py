@@ -17,8 +17,10 @@ clocks are compared); a rank that leaves on purpose writes DONE and is gone,
 not lost. A heartbeat rather than the launcher's records: it needs no file
 system shared by the ranks' nodes, and it also sees a node that died with its
 supervisors. A hybrid group whose member died cannot finish its synchronous
-reductions: its other members fail on their bounded waits, and the group is
-lost as a whole; the other groups train on.
+reductions: its other members watch their group mates' beats (``depend_on``)
+and end themselves (GROUP_LOST_STATUS) once one is lost, instead of sitting
+out EDDIS_COMM_TIMEOUT in a reduction; the group is lost as a whole and the
+other groups train on.
 
     members = elastic.join(mode)          # collective (easgd/hybrid set-up); None when not elastic
     members.barrier("final model")        # waits for every rank that is neither there nor gone
@@ -71,7 +73,9 @@ class _View:
         self.lost = set()
 
     def refresh(self, pool, timeout):
-        pool.read(out=self.table.reshape(-1), timeout=timeout)
+        phases = pool.read_nb(self.table[PHASES], slot=PHASES)
+        pool.read(out=self.table[BEATS], slot=BEATS, timeout=timeout)
+        phases.wait(timeout)
         now = time.monotonic()
         beats = self.table[BEATS]
         self.moved_at[beats != self.last_beat] = now
