@@ -125,3 +125,25 @@ def test_degraded_only_when_a_rank_finished_and_every_failure_is_a_rank():
     assert degraded_report([lost], [{"rank": 2, "why": "failed", "signal": 9}]) is None  # nobody finished
     server = {"server": 0, "host": "n1", "pid": 7, "code": 1, "time": 0.0}
     assert degraded_report([server, lost], done) is None   # a lost server is a failure of the job
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_horovod_style_elastic_script_loses_a_rank(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    environ = local_env(tmp_path)
+    environ.update({"EDDIS_ELASTIC": "1", "EDDIS_MODE": "easgd", "EDDIS_ELASTIC_LOST_AFTER": str(LOST_AFTER),
+                    "EDDIS_COMM_TIMEOUT": "90", "OMP_NUM_THREADS": "1", "ELASTIC_TEST_KILL": "2:7"})
+    script = REPO / "tests" / "horovod_style" / "torch_elastic_style.py"
+    proc = run_process_group(["eddis-train", "--local", "-n", "3", str(script), str(out)], environ, 280,
+                             cwd=str(REPO))
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert re.search(r"^eddis-train: finished degraded: rank 2 on host \S+ was lost \(was killed by signal 9 "
+                     r"\(SIGKILL\)\) at [\d:]+; rank 0, 1 finished the training$", proc.stderr, re.M), text
+    for rank in (0, 1):
+        assert f"HOROVOD-STYLE ELASTIC OK rank {rank}" in proc.stdout, text
+        # commits at batches 0, 5, 10, 15 of 3 epochs, and the one at the end
+        assert (out / f"{rank}.txt").read_text().split() == ["13", "2", "0"]
+    assert not (out / "2.txt").exists()

@@ -23,6 +23,7 @@ import torch as _torch
 
 from ..core.basics import basics as _basics
 from . import buffers  # noqa: F401  (torch tensors as SMB buffers, bfloat16 included)
+from . import elastic  # noqa: F401  (hvd.elastic: run, TorchState)
 from .checkpointing import checkpoint, resume
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters

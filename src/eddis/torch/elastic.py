@@ -1,0 +1,53 @@
+"""``eddis.torch.elastic``: Horovod's elastic API for PyTorch scripts (``hvd.elastic``).
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            ...
+            state.commit()
+    train(hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=0))
+
+What the calls mean in EDDIS (``eddis.core.elastic_state``): ``run`` syncs once
+and calls the function once, since easgd/hybrid survivors of a lost rank train
+on (EDDIS_ELASTIC=1) and sync runs restart from a checkpoint; ``commit()`` keeps
+an in-memory copy that ``restore()`` returns to; ``sync()`` broadcasts from rank 0.
+"""
+import copy
+
+from ..core.elastic_state import ObjectState, State, run
+from .functions import broadcast_optimizer_state, broadcast_parameters
+
+
+class TorchState(ObjectState):
+    """A model, an optimizer and plain values (``epoch=0, batch=0``) as one elastic state."""
+
+    def __init__(self, model=None, optimizer=None, **kwargs):
+        self.model = model
+        self.optimizer = optimizer
+        self._saved_model = self._saved_optimizer = None
+        super().__init__(**kwargs)
+
+    def save(self):
+        if self.model is not None:
+            self._saved_model = copy.deepcopy(self.model.state_dict())
+        if self.optimizer is not None:
+            self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
+        super().save()
+
+    def restore(self):
+        if self.model is not None:
+            self.model.load_state_dict(self._saved_model)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self._saved_optimizer)
+        super().restore()
+
+    def sync(self):
+        root = self.sync_root("state.sync()")
+        if self.model is not None:
+            broadcast_parameters(self.model.state_dict(), root_rank=root)
+        if self.optimizer is not None:
+            broadcast_optimizer_state(self.optimizer, root_rank=root)
+        super().sync()
+
+
+__all__ = ["run", "State", "ObjectState", "TorchState"]
