@@ -147,3 +147,59 @@ def test_horovod_style_elastic_script_loses_a_rank(tmp_path):
         # commits at batches 0, 5, 10, 15 of 3 epochs, and the one at the end
         assert (out / f"{rank}.txt").read_text().split() == ["13", "2", "0"]
     assert not (out / "2.txt").exists()
+
+
+@pytest.fixture
+def smb_client(tmp_path):
+    from eddis import smb
+    from eddis.smb import rundir
+
+    run_dir = tmp_path / "smb"
+    rundir.create_run_dir(run_dir)
+    server = smb.Server(run_dir, index=0, memory=16 << 20)
+    server.start()
+    clients = []
+
+    def connect():
+        clients.append(smb.Client(run_dir=str(run_dir), timeout=20))
+        return clients[-1]
+    try:
+        yield connect
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+
+
+def test_membership_passes_barriers_without_a_silent_rank(smb_client):
+    """Ranks 0 and 1 of 3 beat, rank 2 never does: it is counted lost after lost_after
+    seconds and no barrier waits for it; a rank that closes is gone, not lost."""
+    import threading
+
+    from eddis.core.elastic import Membership
+
+    zero = Membership(smb_client(), 0, 3, name="t.members", lost_after=1.0, timeout=30)
+    one = Membership(smb_client(), 1, 3, name="t.members", lost_after=1.0, timeout=30)
+    passed = []
+    other = threading.Thread(target=lambda: passed.append(one.barrier("test") or one.lost()))
+    other.start()
+    zero.barrier("test")
+    other.join(30)
+    assert passed == [[2]] and zero.lost() == [2]
+    assert zero.arrived() == [0, 1]
+    one.close()
+    zero.barrier("after rank 1 left")   # rank 1 is gone: nobody waits for it
+    assert zero.lost() == [2]           # and it is not counted lost
+    zero.close()
+
+
+def test_membership_barrier_is_bounded(smb_client):
+    from eddis.core.elastic import Membership
+    from eddis.errors import MembershipTimeoutError
+
+    zero = Membership(smb_client(), 0, 2, name="t.bounded", lost_after=30.0, timeout=1.0)
+    one = Membership(smb_client(), 1, 2, name="t.bounded", lost_after=30.0, timeout=1.0)
+    with pytest.raises(MembershipTimeoutError, match="rank 0 waited 1 s for rank"):
+        zero.barrier("alone")   # rank 1 beats but never arrives
+    one.close()
+    zero.close()
