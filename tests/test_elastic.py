@@ -203,3 +203,14 @@ def test_membership_barrier_is_bounded(smb_client):
         zero.barrier("alone")   # rank 1 beats but never arrives
     one.close()
     zero.close()
+
+
+def test_elastic_trainer_step_lets_a_lost_task_end_alone(monkeypatch):
+    from eddis.launch.jobrun import Component, trainer_step_command
+
+    monkeypatch.setenv("EDDIS_ELASTIC", "1")
+    monkeypatch.setenv("EDDIS_MODE", "hybrid")
+    assert trainer_step_command([Component(None, 2, 4)], ["t.py"]) == [
+        "srun", "--job-name=eddis-train", "--mpi=pmix", "--kill-on-bad-exit=0", "eddis-train", "t.py"]
+    monkeypatch.delenv("EDDIS_ELASTIC")
+    assert "--kill-on-bad-exit=1" in trainer_step_command([Component(None, 2, 4)], ["t.py"])

@@ -2,8 +2,8 @@
 
 A lost rank must not end the job: its supervisor records the loss and exits 0
 (so that neither ``srun`` nor ``mpirun`` takes the step for failed and kills
-it), the other supervisors do not stop their trainers, ``srun`` runs without
-``--kill-on-bad-exit`` and ``mpirun`` with the two ORTE parameters that
+it), the other supervisors do not stop their trainers, ``srun`` runs with
+``--kill-on-bad-exit=0`` and ``mpirun`` with the two ORTE parameters that
 otherwise abort the job when a process exits non-zero or without
 ``MPI_Finalize`` (the lost trainer never finalizes). The survivors train on
 (``eddis.core.elastic``); at the end the launcher says the run finished

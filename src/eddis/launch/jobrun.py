@@ -121,9 +121,10 @@ def server_step_command(component, first_index):
 def trainer_step_command(parts, train):
     """The srun of the trainers: one rank per task of every component, one MPI world (pmix)."""
     het = [f"--het-group={','.join(str(c.group) for c in parts)}"] if len(parts) > 1 else []
-    # elastic runs: a lost rank's task must not take the survivors' step down with it
-    kill = [] if elastic_run() else ["--kill-on-bad-exit=1"]
-    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", *kill, "eddis-train", *train]
+    # elastic runs: a lost rank's task must not take the survivors' step down with it (said
+    # explicitly: a cluster's KillOnBadExit=1 would otherwise)
+    kill = "--kill-on-bad-exit=0" if elastic_run() else "--kill-on-bad-exit=1"
+    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", kill, "eddis-train", *train]
 
 
 def server_count(parts):
