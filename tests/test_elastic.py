@@ -96,8 +96,10 @@ def test_sync_refuses_elastic(tmp_path):
     environ.update({"EDDIS_ELASTIC": "1", "OMP_NUM_THREADS": "1"})
     proc = run_process_group(["eddis-train", "--local", "-n", "2", str(TRAINER), "--out", str(out),
                               "--mode", "sync"], environ, 150, cwd=str(REPO))
+    # every rank is lost, so nobody finished: a failure with its root cause, not a degraded finish
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "restarts from its last checkpoint instead (EDDIS_MAX_RESTARTS)" in proc.stderr
+    assert re.search(r"ROOT CAUSE: rank [01] on host \S+ exited with code 1", proc.stderr), proc.stderr
     assert "finished degraded" not in proc.stderr
     # EDDIS_MODE=sync: the launcher refuses before it starts anything
     environ["EDDIS_MODE"] = "sync"
@@ -144,8 +146,8 @@ def test_horovod_style_elastic_script_loses_a_rank(tmp_path):
                      r"\(SIGKILL\)\) at [\d:]+; rank 0, 1 finished the training$", proc.stderr, re.M), text
     for rank in (0, 1):
         assert f"HOROVOD-STYLE ELASTIC OK rank {rank}" in proc.stdout, text
-        # commits at batches 0, 5, 10, 15 of 3 epochs, and the one at the end
-        assert (out / f"{rank}.txt").read_text().split() == ["13", "2", "0"]
+        # the loop's commits, at batches 0, 5, 10 and 15 of each of the 3 epochs
+        assert (out / f"{rank}.txt").read_text().split() == ["12", "2", "0"]
     assert not (out / "2.txt").exists()
 
 
@@ -214,3 +216,35 @@ def test_elastic_trainer_step_lets_a_lost_task_end_alone(monkeypatch):
         "srun", "--job-name=eddis-train", "--mpi=pmix", "--kill-on-bad-exit=0", "eddis-train", "t.py"]
     monkeypatch.delenv("EDDIS_ELASTIC")
     assert "--kill-on-bad-exit=1" in trainer_step_command([Component(None, 2, 4)], ["t.py"])
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_horovod_style_tensorflow_elastic_script(tmp_path):
+    from test_launch_local import eddis_train
+
+    script = REPO / "tests" / "horovod_style" / "tensorflow_elastic_style.py"
+    proc = eddis_train(tmp_path, "--local", "-n", "2", script, timeout=280)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    for rank in (0, 1):
+        assert f"HOROVOD-STYLE ELASTIC OK rank {rank}" in proc.stdout, output[-6000:]
+
+
+def test_elastic_status_fails_a_launch_without_survivors(tmp_path, capsys):
+    import sys
+
+    from eddis.launch.elastic import elastic_status
+    from eddis.launch.report import LaunchRecords
+
+    records = LaunchRecords(tmp_path, "mpirun-1")
+    for rank in (0, 1):
+        failure = {"rank": rank, "host": "n1", "code": 1, "signal": None, "time": float(rank), "why": "failed"}
+        records.fail(rank, failure)
+        records.finish(rank, failure)
+    assert elastic_status(tmp_path, 0, sys.stderr) == 1   # both lost supervisors exited 0
+    assert "finished degraded" not in capsys.readouterr().err
+    records.finish(2, {"rank": 2, "host": "n1", "code": 0, "why": "exited"})
+    assert elastic_status(tmp_path, 0, sys.stderr) == 0
+    assert "finished degraded: rank 0 on host n1 was lost (exited with code 1)" in capsys.readouterr().err
+    assert elastic_status(tmp_path / "empty", 0, sys.stderr) == 0

@@ -68,10 +68,14 @@ def degraded_report(failures, exits):
             f"rank {', '.join(map(str, finished))} finished the training")
 
 
-def announce_degraded(run_dir, out):
-    """Print the degraded finish of the run dir's last launch on ``out``; True when it was one."""
+def elastic_status(run_dir, status, out):
+    """The job's status after an elastic launch that ended with ``status``: 0 for a degraded
+    finish, which it prints on ``out``; else at least 1 when a rank or server failed (the lost
+    ranks' supervisors exit 0, so a launch in which every rank was lost can end with 0), for
+    the caller's root-cause report; else ``status``."""
     _, failures, exits = root_cause(run_dir)
     line = degraded_report(failures, exits) if failures else None
     if line is not None:
         print(f"{line}\n  records: {Path(run_dir) / LAUNCH_DIR}", file=out, flush=True)
-    return line is not None
+        return 0
+    return (status or 1) if failures else status

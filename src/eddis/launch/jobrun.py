@@ -44,7 +44,7 @@ from typing import Optional
 
 from ..errors import ConfigError, JobSignalled
 from . import jobsteps
-from .elastic import announce_degraded, elastic_run
+from .elastic import elastic_run, elastic_status
 from .report import LAUNCH_DIR, request_servers_stop, request_stop, root_cause
 
 SERVER_STEP_NAME = "smb-server"
@@ -384,8 +384,8 @@ class Job:
             stop_steps(SERVER_STEP_NAME, self.servers)
             return 1
         status = self._train()
-        if status == 0 and elastic_run():
-            announce_degraded(self.run_dir, sys.stderr)
+        if elastic_run():
+            status = elastic_status(self.run_dir, status, sys.stderr)
         if status == 0:
             from ..smb.rundir import checkpoint_answer
 

@@ -22,7 +22,7 @@ from .. import settings
 from ..errors import REQUEUE_EXIT_STATUS, ConfigError
 from ..smb import rundir
 from . import jobsteps
-from .elastic import MPIRUN_OPTIONS, announce_degraded, elastic_run
+from .elastic import MPIRUN_OPTIONS, elastic_run, elastic_status
 from .report import LAUNCH_DIR, STOP_FILE, exit_status, format_report, request_stop, root_cause
 
 SERVER_STOP_SECONDS = 10.0
@@ -163,8 +163,8 @@ def _launch_once(argv, ranks, memory, restarts, stop_signal):
                   f"(step {answer['step']}); run the same command again to resume from it (exit status "
                   f"{REQUEUE_EXIT_STATUS})", file=sys.stderr, flush=True)
             return REQUEUE_EXIT_STATUS
-        if elastic and announce_degraded(run_dir, sys.stderr):
-            return 0
+        if elastic:
+            code = elastic_status(run_dir, code, sys.stderr)
         if code != 0:
             first, failures, exits = root_cause(run_dir)
             print(format_report(first, failures, exits, run_dir=run_dir, job_code=code),

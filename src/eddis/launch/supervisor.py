@@ -23,6 +23,9 @@ A trainer that stops making progress (stopped, deadlocked: no heartbeat for
 ``EDDIS_LIVENESS_TIMEOUT`` s, see :mod:`.liveness`) is a failure of its own: the
 supervisor dumps its Python stack, kills it and records it as hung, so that the
 rank that hangs is the one named, not a peer whose wait ran out later.
+
+In an elastic easgd/hybrid run (EDDIS_ELASTIC, :mod:`.elastic`) a failed rank is a lost
+one: it is recorded the same way, its peers are not stopped, and its supervisor exits 0.
 """
 import ctypes
 import os
