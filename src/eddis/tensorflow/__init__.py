@@ -35,7 +35,7 @@ _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as _tf  # noqa: E402
 
 from ..core.basics import basics as _basics  # noqa: E402
-from . import callbacks, data  # noqa: E402
+from . import callbacks, data, elastic  # noqa: E402,F401  (hvd.elastic: run, TensorFlowKerasState)
 from .checkpointing import checkpoint, resume  # noqa: E402
 from .compression import Compression  # noqa: E402
 from .data import balanced_batches, local_batch_size, shard, shard_batches  # noqa: E402

@@ -1,0 +1,53 @@
+"""``eddis.tensorflow.elastic``: Horovod's elastic API for TensorFlow / Keras scripts.
+
+    @hvd.elastic.run
+    def train(state):
+        ...
+        state.commit()
+    train(hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0))
+
+The calls mean what they mean in ``eddis.torch.elastic`` (``eddis.core.elastic_state``):
+``run`` syncs once and calls the function once, ``commit()`` keeps an in-memory copy
+of the model's and the optimizer's variables that ``restore()`` returns to, ``sync()``
+broadcasts them from rank 0.
+"""
+import numpy as np
+
+from ..core.elastic_state import ObjectState, State, run
+from .ops import _variable_list, broadcast_variables
+
+
+class TensorFlowKerasState(ObjectState):
+    """A Keras model, its optimizer (default: the compiled one) and plain values as one state.
+    ``backward_passes_per_step`` is accepted for Horovod's signature; EDDIS's optimizer holds it."""
+
+    def __init__(self, model, optimizer=None, backward_passes_per_step=1, **kwargs):
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        self._saved_model = self._saved_optimizer = None
+        super().__init__(**kwargs)
+
+    def _optimizer_variables(self):
+        # created at the first update: before it, there is nothing to keep
+        return [] if self.optimizer is None else _variable_list(self.optimizer.variables)
+
+    def save(self):
+        self._saved_model = [np.array(w, copy=True) for w in self.model.get_weights()]
+        self._saved_optimizer = [np.array(v.numpy(), copy=True) for v in self._optimizer_variables()]
+        super().save()
+
+    def restore(self):
+        self.model.set_weights(self._saved_model)
+        for variable, value in zip(self._optimizer_variables(), self._saved_optimizer):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self):
+        root = self.sync_root("state.sync()")
+        broadcast_variables(self.model.variables, root_rank=root)
+        if self._optimizer_variables():
+            broadcast_variables(self._optimizer_variables(), root_rank=root)
+        super().sync()
+
+
+__all__ = ["run", "State", "ObjectState", "TensorFlowKerasState"]
