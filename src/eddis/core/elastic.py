@@ -15,8 +15,9 @@ ranks' barrier phases. An observer counts a rank as lost once its beat has not
 moved for EDDIS_ELASTIC_LOST_AFTER seconds of the observer's own clock (no
 clocks are compared); a rank that leaves on purpose writes DONE and is gone,
 not lost. A heartbeat rather than the launcher's records: it needs no file
-system shared by the ranks' nodes, and it also sees a node that died with its
-supervisors. A hybrid group whose member died cannot finish its synchronous
+system shared by the ranks' nodes, and it also sees a rank whose supervisor died
+with it (a node lost as a whole also takes its smb-server, whose share of the
+centre is gone: the launcher fails such a run). A hybrid group whose member died cannot finish its synchronous
 reductions: its other members watch their group mates' beats (``depend_on``)
 and end themselves (GROUP_LOST_STATUS) once one is lost, instead of sitting
 out EDDIS_COMM_TIMEOUT in a reduction; the group is lost as a whole and the
