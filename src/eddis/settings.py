@@ -233,9 +233,11 @@ register("EDDIS_ELASTIC", "bool", False,
          "learning counter reaches the total, and eddis-train reports the run as finished degraded, "
          "naming the lost ranks (exit status 0). Refused in sync/allreduce, which restart from the "
          "last checkpoint instead (EDDIS_MAX_RESTARTS). Needs the launcher's smb-servers.")
-register("EDDIS_ELASTIC_LOST_AFTER", "float", 10.0,
+register("EDDIS_ELASTIC_LOST_AFTER", "float", 30.0,
          "Elastic runs: seconds a rank's heartbeat in SMB may stay still before the others count "
-         "it as lost and stop waiting for it (staleness bound, final model, shutdown).")
+         "it as lost and stop waiting for it (staleness bound, final model, shutdown; a hybrid "
+         "group then stops). As EDDIS_LIVENESS_TIMEOUT: the beat is a Python thread, so a call "
+         "that holds the GIL longer than this makes a live rank look lost.")
 register("EDDIS_BALANCE", "bool", False,
          "sync: give each rank a share of the global batch proportional to its measured "
          "throughput (balanced sync).")
