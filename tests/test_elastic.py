@@ -74,7 +74,7 @@ def test_hybrid_trains_on_without_a_lost_group(tmp_path):
     line = re.search(r"^eddis-train: finished degraded: (.*)$", proc.stderr, re.M)
     assert line, text
     assert re.match(r"rank 3 on host \S+ was lost \(was killed by signal 9 \(SIGKILL\)\) at [\d:]+; "
-                    r"rank 2 on host \S+ was lost \(exited with code 75\) at [\d:]+; "
+                    r"rank 2 on host \S+ was lost \(exited with code 69\) at [\d:]+; "
                     r"rank 0, 1 finished the training$", line.group(1)), line.group(1)
     assert "rank 3 of hybrid group 1 was lost" in proc.stderr
     assert sorted(results) == [0, 1], text

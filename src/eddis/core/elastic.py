@@ -46,7 +46,9 @@ BEAT_SECONDS = 0.5
 DONE = 1 << 60        # the beat of a rank that left on purpose
 BEATS, PHASES = 0, 1  # the pool's slots
 POLL_SECONDS = 0.05
-GROUP_LOST_STATUS = 75   # a hybrid rank that ends because a member of its group was lost
+# A hybrid rank that ends because a member of its group was lost: EX_UNAVAILABLE, not 75
+# (eddis.errors.REQUEUE_EXIT_STATUS), which the launcher takes for a checkpointed stop.
+GROUP_LOST_STATUS = 69
 
 _members = [None]
 
