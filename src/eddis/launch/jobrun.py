@@ -362,8 +362,8 @@ class Job:
         from .. import settings
 
         limit = settings.get("EDDIS_MAX_RESTARTS")
-        if status == 0 or self.signals.stopping is not None or limit <= 0:
-            return False
+        if status in (0, INTERRUPTED_STATUS, SIGNALLED_STATUS) or self.signals.stopping is not None or limit <= 0:
+            return False  # done, or stopped on purpose (Ctrl-C, scancel): nothing to restart
         if restarts >= limit:
             say(f"eddis_job: the trainers failed again after {restarts} restart(s) (EDDIS_MAX_RESTARTS={limit}); "
                 "the job ends", sys.stderr)
