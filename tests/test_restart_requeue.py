@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import PYTHON, REPO, python_env, run_process_group
-from launch_helpers import job_state, make_bin, wait_until
+from launch_helpers import job_state, make_bin, wait_job_end
 
 SCRIPT = REPO / "tests" / "launch_scripts" / "resumable_sync.py"
 STEPS = 20
@@ -145,4 +145,32 @@ def test_a_job_warned_of_its_time_limit_requeues_itself_and_resumes(slurm_cluste
     starts = [int(s) for s in re.findall(r"^\[0@\S+\] run \d+\.0 starts at step (\d+)", text, re.M)]
     assert starts == [0, *[int(step) for _, step in requeues]], text[-4000:]
     assert re.search(r"^\[0@\S+\] finished 20 steps", text, re.M), text[-4000:]
+    assert_same_parameters(dict(np.load(out)), want)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_a_job_restarts_its_failed_trainers_in_the_allocation(slurm_cluster, tmp_path):
+    from eddis.slurm.script import JobComponent, render_job_script
+
+    want = reference(tmp_path)
+    out, log = tmp_path / "restarted.npz", tmp_path / "job.out"
+    script = tmp_path / "job.sh"
+    script.write_text(render_job_script(
+        components=[JobComponent("all", nodes=2, tasks_per_node=1)], job_name="eddis-restart-test",
+        command=[PYTHON, str(SCRIPT), str(STEPS), str(out)], time="00:10:00", output=str(log),
+        settings={"EDDIS_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "EDDIS_CHECKPOINT_INTERVAL": "5",
+                  "EDDIS_MAX_RESTARTS": "1"}))
+    bin_dir = make_bin(tmp_path / "bin")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
+           "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1", "TEST_CRASH_AFTER_STEP": "12"}
+    job_id = slurm_cluster.run(["sbatch", "--parsable", str(script)], env=env, timeout=60).stdout.strip()
+    state = wait_job_end(slurm_cluster, job_id, 400, log)
+    text = log.read_text(errors="replace")
+    assert state == ("COMPLETED", "0:0"), text[-4000:]
+    assert re.search(r"ROOT CAUSE: rank 1 on host n2 was killed by signal 9 \(SIGKILL\)", text), text[-4000:]
+    assert text.count("restarting the smb-servers and trainers in this allocation (restart 1 of 1)") == 1, \
+        text[-4000:]
+    assert re.findall(r"^\[0@n1\] run 0\.(\d) starts at step (\d+)", text, re.M) == [("0", "0"), ("1", "10")], \
+        text[-4000:]
     assert_same_parameters(dict(np.load(out)), want)
