@@ -17,22 +17,15 @@ import time
 import numpy as np
 import pytest
 
-from conftest import PYTHON, REPO, python_env, run_process_group
+from conftest import PYTHON, REPO, run_process_group
 from launch_helpers import job_state, make_bin, wait_job_end
+from test_checkpoint_resume import env_for as local_env
 
 SCRIPT = REPO / "tests" / "launch_scripts" / "resumable_sync.py"
 STEPS = 20
 TOLERANCE = 1e-5
 SETTLED_SECONDS = 10.0
 RELEASE_AFTER_SECONDS = 5.0
-
-
-def local_env(tmp_path, **settings):
-    bin_dir = make_bin(tmp_path / "bin")
-    env = python_env({"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
-                      "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1"})
-    env.update({k: str(v) for k, v in settings.items()})
-    return env
 
 
 def reference(tmp_path):
