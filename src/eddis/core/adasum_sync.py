@@ -33,6 +33,7 @@ from ..errors import SMBMemoryError, SMBTimeoutError
 from ..timeline.events import CAT_COMM
 from . import adasum, collectives, runtime
 from .reducer import Reducer
+from .smb_wire import bucket_on_the_wire, read_result
 
 log = logging.getLogger("eddis.core.sync")
 
@@ -110,12 +111,7 @@ class AdasumSyncReducer(Reducer):
     # ------------------------------------------------------------ the reducer's threads
     def _submit(self, k):
         bucket = self.plan.buckets[k]
-        view = self.plan.bucket_view(k)
-        if self.codec.is_identity:
-            wire = view
-        else:
-            with timeline.span(timeline.COMPRESS, args={"step": self.step, "bucket": k, "bytes": view.nbytes}):
-                wire = self.codec.compress(view, out=self.plan.bucket_view(k, self._wire))
+        wire = bucket_on_the_wire(self, k, self._wire)
         self.slots_pool.write(wire, slot=self.rank, start=bucket.start, timeout=self.timeout)
         if not self._drives:  # a leaf of the tree's first level: its slot is its subtree
             self._count(k)
@@ -145,15 +141,7 @@ class AdasumSyncReducer(Reducer):
         self._read_result(k)
 
     def _read_result(self, k):
-        view = self.plan.bucket_view(k)
-        bucket = self.plan.buckets[k]
-        if self.codec.is_identity:
-            self.result_pool.read(out=view, slot=0, start=bucket.start, timeout=self.timeout)
-            return
-        wire = self.plan.bucket_view(k, self._wire)
-        self.result_pool.read(out=wire, slot=0, start=bucket.start, timeout=self.timeout)
-        with timeline.span(timeline.DECOMPRESS, args={"step": self.step, "bucket": k, "bytes": wire.nbytes}):
-            self.codec.decompress(wire, view)
+        read_result(self, k, self._wire)
 
     def _release(self):
         # Free the pools once every rank is done with them (an SMB barrier, so a

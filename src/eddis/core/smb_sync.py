@@ -49,6 +49,7 @@ from ..smb import _core  # without the built SMB extension there is no mode sync
 from ..smb import _vecops
 from . import collectives, runtime
 from .adasum_sync import AdasumSyncReducer
+from .smb_wire import bucket_on_the_wire, read_result
 from .buckets import column_share
 from .hier_sync import HierarchicalSyncReducer, NodeLayout
 from .join import JoinBoard
@@ -164,12 +165,7 @@ class SyncReducer(Reducer):
 
     def _submit(self, k):
         bucket = self.plan.buckets[k]
-        view = self.plan.bucket_view(k)
-        if self.codec.is_identity:
-            wire = view
-        else:
-            with timeline.span(timeline.COMPRESS, args={"step": self.step, "bucket": k, "bytes": view.nbytes}):
-                wire = self.codec.compress(view, out=self.plan.bucket_view(k, self._wire))
+        wire = bucket_on_the_wire(self, k, self._wire)
         if not self._in_slot:  # else the bucket is staged in the slot already
             self.slots_pool.write(wire, slot=self.rank, start=bucket.start, timeout=self.timeout)
         if self._by_ranks is not None:
@@ -222,15 +218,7 @@ class SyncReducer(Reducer):
         self._read_result(k)
 
     def _read_result(self, k):
-        view = self.plan.bucket_view(k)
-        bucket = self.plan.buckets[k]
-        if self.codec.is_identity:
-            self.result_pool.read(out=view, slot=0, start=bucket.start, timeout=self.timeout)
-        else:
-            wire = self.plan.bucket_view(k, self._wire)
-            self.result_pool.read(out=wire, slot=0, start=bucket.start, timeout=self.timeout)
-            with timeline.span(timeline.DECOMPRESS, args={"step": self.step, "bucket": k, "bytes": wire.nbytes}):
-                self.codec.decompress(wire, view)
+        read_result(self, k, self._wire)
 
     def _release(self):
         if self._in_slot:
