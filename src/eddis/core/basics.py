@@ -262,10 +262,12 @@ class EddisBasics:
     # ------------------------------------------------------------ checkpoints of a run
     def save_training(self, directory, state, participant, extra, epoch=None, batch=None):
         """Collective: a checkpoint of the whole run (every rank's part, the SMB state) into
-        the folder of checkpoints ``directory``; returns the new checkpoint's path. The
-        adapter's ``participant`` writes and reads the framework's tensors
-        (:mod:`eddis.core.checkpoint_run`)."""
+        the folder of checkpoints ``directory`` (None: EDDIS_CHECKPOINT_DIR); returns the new
+        checkpoint's path. The adapter's ``participant`` writes and reads the framework's
+        tensors (:mod:`eddis.core.checkpoint_run`)."""
         self.require("eddis.checkpoint()")
+        if directory is None:
+            directory = settings.get("EDDIS_CHECKPOINT_DIR")
         if directory is None:
             raise ConfigError("eddis.checkpoint() needs a folder: pass one, or set EDDIS_CHECKPOINT_DIR")
         return checkpoint_run.save(directory, state, participant, extra=extra, epoch=epoch, batch=batch)

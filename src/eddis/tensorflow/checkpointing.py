@@ -79,10 +79,6 @@ def checkpoint(path, model, optimizer, epoch=None, batch=None, **extra):
     folder ``path`` (as ``path/ckpt-<step>``; None: EDDIS_CHECKPOINT_DIR); returns its path.
     ``extra``: JSON values returned by :func:`resume`."""
     state, participant = _bind(model, optimizer)
-    if path is None:
-        from .. import settings
-
-        path = settings.get("EDDIS_CHECKPOINT_DIR")
     return _basics.save_training(path, state, participant, extra, epoch=epoch, batch=batch)
 
 

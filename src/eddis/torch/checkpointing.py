@@ -72,10 +72,6 @@ def checkpoint(path, model, optimizer, epoch=None, batch=None, **extra):
     (batches of the epoch done) default to what the EDDIS samplers' ``set_epoch`` recorded;
     ``extra``: JSON values returned by :func:`resume`."""
     state, participant = _bind(model, optimizer)
-    if path is None:
-        from .. import settings
-
-        path = settings.get("EDDIS_CHECKPOINT_DIR")
     return _basics.save_training(path, state, participant, extra, epoch=epoch, batch=batch)
 
 
