@@ -282,8 +282,10 @@ def test_the_trainer_takes_a_doubly_delivered_interrupt_once(tmp_path):
     # trainer's runner must not let the second copy break into the script's handler
     script = tmp_path / "handler.py"
     script.write_text(HANDLER_SCRIPT)
+    # default SIGINT whatever the caller's: a shell's background job inherits it ignored
     proc = subprocess.Popen([PYTHON, "-m", "eddis.launch.child", str(script)], env=python_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGINT)
