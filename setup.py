@@ -45,6 +45,18 @@ def switch_on(name, environ=None):
     return value
 
 
+def build_jobs(environ=None):
+    """How many extensions compile at once: EDDIS_BUILD_JOBS, unset or 0 for one per CPU this
+    process may use. Stops the build on a value that is no whole number."""
+    text = (os.environ if environ is None else environ).get("EDDIS_BUILD_JOBS", "").strip()
+    if not text.isdigit():
+        if text:
+            sys.exit(f"error: EDDIS_BUILD_JOBS={text!r} is not a whole number; set it to how many "
+                     f"extensions may compile at once (1: one after the other, 0: one per CPU) or unset it.")
+        text = "0"
+    return int(text) or max(1, len(os.sched_getaffinity(0)))
+
+
 class Dependency:
     """One C library: how to find it and what to tell the user when it is missing."""
 
@@ -280,10 +292,11 @@ def extensions():
         include_path=[CYTHON_DIR],
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},
         quiet=True,
+        nthreads=build_jobs() if len(exts) > 1 else 0,
     )
 
 
 # Guarded so tests can import the detection functions; setuptools runs this file
 # as __main__ (setup.py build_ext, pip and build's PEP 517 backend alike).
 if __name__ == "__main__":
-    setup(ext_modules=extensions())
+    setup(ext_modules=extensions(), options={"build_ext": {"parallel": build_jobs()}})

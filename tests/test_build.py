@@ -98,6 +98,18 @@ def test_an_unreadable_switch_stops_the_build_naming_it(build, monkeypatch):
     assert "1/0, true/false, yes/no, on/off" in message
 
 
+def test_build_jobs_default_to_the_cpus_and_a_bad_count_stops_the_build(build):
+    assert build.build_jobs({}) == build.build_jobs({"EDDIS_BUILD_JOBS": "0"}) == len(os.sched_getaffinity(0))
+    assert build.build_jobs({"EDDIS_BUILD_JOBS": " 3 "}) == 3
+    from eddis import settings
+
+    assert settings.REGISTRY["EDDIS_BUILD_JOBS"].default == 0   # the registry documents the same
+    for word in ("-1", "two", "1.5"):
+        with pytest.raises(SystemExit) as stop:
+            build.build_jobs({"EDDIS_BUILD_JOBS": word})
+        assert f"EDDIS_BUILD_JOBS={word!r} is not a whole number" in str(stop.value)
+
+
 @pytest.mark.parametrize("word", ["1", "0", "true", "false", "yes", "no", "on", "off", "TRUE", " no ",
                                   "", "maybe", "2"])
 def test_setup_py_and_the_settings_registry_read_switches_alike(build, word):

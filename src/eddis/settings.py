@@ -165,6 +165,8 @@ for _lib, _what in (("UCX", "UCX (libucx-dev / ucx-devel)"), ("VERBS", "libibver
     register(f"EDDIS_WITHOUT_{_lib}", "bool", False,
              f"Build time: build without {_what} even when it is installed. Neither set: auto-detect.")
 del _lib, _what
+register("EDDIS_BUILD_JOBS", "int", 0,
+         "Build time: how many extensions compile at once; 0 is one per CPU the build may use.")
 
 # ---------------------------------------------------------------- runtime (eddis.core)
 register("EDDIS_MODE", "str", "sync",
