@@ -200,8 +200,9 @@ def test_tensorflow_sync_resume_ends_with_the_parameters_of_the_uninterrupted_ru
         argv = ["eddis-train", "--local", "-n", "2", PYTHON, str(trainer), "--out", str(out), *map(str, args)]
         return checked(run_process_group(argv, env_for(tmp_path, **settings), 240))
 
-    tf_launch(tmp_path / "full", "--steps", 8)
-    tf_launch(tmp_path / "first", "--steps", 8, "--ckpt", ckpt, "--checkpoint-at", 3)
+    # one launch for the checkpoint and the uninterrupted run (TF on 2 ranks starts slowly):
+    # the checkpoint must not disturb the run that writes it, nor the one that resumes it
+    tf_launch(tmp_path / "full", "--steps", 8, "--ckpt", ckpt, "--checkpoint-at", 3, "--go-on")
     manifest = json.loads((ckpt / "ckpt-00000003" / "manifest.json").read_text())
     assert manifest["framework"] == "tensorflow" and "rank-00000.keras.h5" in manifest["files"]
     periodic = tmp_path / "periodic"   # eager steps take the periodic checkpoints too

@@ -2,9 +2,12 @@
 with eddis.DistributedOptimizer in eager steps (SGD with momentum: the optimizer state matters),
 each rank on its half of every global batch of 8.
 
-    eddis-train --local -n 2 python ckpt_tf_trainer.py --out DIR --steps N [--ckpt DIR] [--checkpoint-at K]
+    eddis-train --local -n 2 python ckpt_tf_trainer.py --out DIR --steps N [--ckpt DIR]
+        [--checkpoint-at K [--go-on]]
 
-Each rank writes ``DIR/rank-R.json``: the resumed step and its final weights.
+Each rank writes ``DIR/rank-R.json``: the resumed step and its final weights. ``--go-on``
+trains on to step N after the checkpoint at K instead of stopping there, so one launch
+gives both the checkpoint and the uninterrupted run's result.
 """
 import argparse
 import json
@@ -20,6 +23,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--checkpoint-at", type=int, default=None)
+    ap.add_argument("--go-on", action="store_true")
     args = ap.parse_args()
 
     import keras
@@ -49,7 +53,8 @@ def main():
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         if step + 1 == args.checkpoint_at:
             eddis.checkpoint(args.ckpt, model, optimizer)
-            break
+            if not args.go_on:
+                break
     weights = np.concatenate([np.asarray(v).reshape(-1) for v in model.trainable_variables]).tolist()
     with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
         json.dump({"start": first, "params": weights,
