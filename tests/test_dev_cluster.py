@@ -202,10 +202,10 @@ def test_hetjob_runs_one_mpi_world_across_both_nodes(slurm_cluster, tmp_path):
         srun --mpi=pmix --het-group=0,1 {PYTHON} {hello} &
         pid=$!
         # Slurm 22.05's srun can miss the end of a hetjob step whose tasks have all exited
-        # (two slurmd on one host): once all four ranks have reported, it gets 30 s.
+        # (two slurmd on one host): once all four ranks have reported, it gets 10 s.
         deadline=
         while kill -0 $pid 2>/dev/null; do
-            if [ -z "$deadline" ] && [ "$(grep -c '^rank ' {out})" -ge 4 ]; then deadline=$((SECONDS + 30)); fi
+            if [ -z "$deadline" ] && [ "$(grep -c '^rank ' {out})" -ge 4 ]; then deadline=$((SECONDS + 10)); fi
             if [ -n "$deadline" ] && [ $SECONDS -ge $deadline ]; then
                 echo "srun missed the end of the step; ended it"; kill -9 $pid; exit 0
             fi
