@@ -50,10 +50,10 @@ def reference(size):
     return params
 
 
-def results(proc, size):
+def results(proc, size, run=0):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-8000:]
-    found = [json.loads(m) for m in re.findall(r"JOIN-RESULT (\{.*\})", proc.stdout)]
+    found = [r for r in map(json.loads, re.findall(r"JOIN-RESULT (\{.*\})", proc.stdout)) if r["run"] == run]
     assert sorted(r["rank"] for r in found) == list(range(size)), output[-8000:]
     return found
 
@@ -63,29 +63,42 @@ def expected_lasts(size):
     return [size - 1, 0]
 
 
+# (framework, ranks) -> the runs one launch makes, one after the other: "MODE [tape] [NAME=VALUE ...]"
+LAUNCHES = {
+    ("torch", 2): ["allreduce",
+                   "sync EDDIS_SYNC_REDUCE=hierarchical"],
+    ("torch", 3): ["allreduce EDDIS_CHECK_PARAMETERS=1",          # the drift check at every step
+                   "sync",                                        # the ranks' sum on one node
+                   "sync EDDIS_SYNC_REDUCE=server EDDIS_CHECK_PARAMETERS=1"],
+    ("tensorflow", 2): ["sync EDDIS_CHECK_PARAMETERS=1"],
+    # tape: a joined rank's variables stay behind; the script broadcasts the last rank's after join()
+    ("tensorflow", 3): ["allreduce",
+                        "sync tape EDDIS_CHECK_PARAMETERS=1"],
+}
+_launched = {}
+
+
+def launched(tmp_path_factory, framework, size):
+    if (framework, size) not in _launched:
+        runs = [arg for run in LAUNCHES[framework, size] for arg in ("--run", run)]
+        _launched[framework, size] = eddis_train(tmp_path_factory.mktemp(f"join-{framework}-{size}"), "--local",
+                                                 "-n", str(size), SCRIPT, "--framework", framework, *runs,
+                                                 timeout=280)
+    return _launched[framework, size]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("framework,mode,size,settings", [
-    ("torch", "allreduce", 2, []),
-    ("torch", "allreduce", 3, ["EDDIS_CHECK_PARAMETERS=1"]),   # the drift check at every step
-    ("torch", "sync", 3, []),                                  # the ranks' sum on one node
-    ("torch", "sync", 3, ["EDDIS_SYNC_REDUCE=server", "EDDIS_CHECK_PARAMETERS=1"]),
-    ("torch", "sync", 2, ["EDDIS_SYNC_REDUCE=hierarchical"]),
-    ("tensorflow", "sync", 2, ["EDDIS_CHECK_PARAMETERS=1"]),
-    ("tensorflow", "allreduce", 3, []),
-    # a joined rank's variables stay behind; the script broadcasts the last rank's after join()
-    ("tensorflow", "sync", 3, ["--tape", "EDDIS_CHECK_PARAMETERS=1"]),
-])
-def test_join_uneven_batches_matches_the_weighted_mean_of_the_ranks_with_data(tmp_path, framework, mode, size,
-                                                                            settings):
-    extra = [arg for item in settings for arg in ((item,) if item.startswith("--") else ("--set", item))]
-    proc = eddis_train(tmp_path, "--local", "-n", str(size), SCRIPT, "--framework", framework, "--mode", mode,
-                       *extra, timeout=280)
+@pytest.mark.parametrize("framework,size,run", [(framework, size, run) for (framework, size), runs
+                                                in LAUNCHES.items() for run in runs])
+def test_join_uneven_batches_matches_the_weighted_mean_of_the_ranks_with_data(tmp_path_factory, framework, size,
+                                                                            run):
+    proc = launched(tmp_path_factory, framework, size)
     want = reference(size)
-    for found in results(proc, size):
+    for found in results(proc, size, LAUNCHES[framework, size].index(run)):
         assert found["lasts"] == expected_lasts(size), found
         got = np.array(found["params"], dtype=np.float64)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
-                                   err_msg=f"rank {found['rank']} ({framework}, {mode})")
+                                   err_msg=f"rank {found['rank']} ({framework}, {run})")
 
 
 @pytest.mark.timeout(300)

@@ -7,7 +7,12 @@ sample count as its weight; then every rank calls join(). Prints one JOIN-RESULT
 the ranks join() named last in each epoch and the final parameters (fp32).
 
     join_trainer.py --framework torch|tensorflow [--mode sync|allreduce|easgd] [--set NAME=VALUE ...]
+    join_trainer.py --framework torch|tensorflow --run "MODE [tape] [NAME=VALUE ...]" [--run ...]
     join_trainer.py --framework torch --mode sync --misuse
+
+Each --run is one training, one after the other in the same ranks (starting a framework
+on every rank costs more than the training), with its settings in the environment for
+that run only; its JOIN-RESULT line carries the run's index.
 
 --misuse: rank 1 joins after one step while rank 0 takes a second one and then asks for
 a metric allreduce, which no joined rank answers: rank 0 prints JOIN-MISUSE and the
@@ -69,6 +74,7 @@ def run_torch(mode):
     if mode == "easgd":
         hvd.final_model()
     params = np.concatenate([model.weight.detach().numpy().T.reshape(-1), model.bias.detach().numpy()])
+    optimizer.close()
     return hvd, lasts, params
 
 
@@ -105,6 +111,8 @@ def run_tensorflow(mode, tape_only=False):
     if mode == "easgd":
         optimizer.final_model()
     kernel, bias = model.layers[0].get_weights()
+    if not tape_only:
+        optimizer.close()
     return hvd, lasts, np.concatenate([kernel.reshape(-1), bias]).astype(np.float32)
 
 
@@ -141,16 +149,27 @@ def main():
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--misuse", action="store_true")
     parser.add_argument("--tape", action="store_true", help="tensorflow: DistributedGradientTape, plain optimizer")
+    parser.add_argument("--run", action="append", default=[], metavar='"MODE [tape] [NAME=VALUE ...]"')
     args = parser.parse_args()
     os.environ.update(item.split("=", 1) for item in args.set)
     if args.misuse:
         misuse(args.mode)
-    if args.framework == "torch":
-        hvd, lasts, params = run_torch(args.mode)
-    else:
-        hvd, lasts, params = run_tensorflow(args.mode, tape_only=args.tape)
-    print("JOIN-RESULT " + json.dumps({"rank": hvd.rank(), "size": hvd.size(), "lasts": lasts,
-                                        "params": [float(v) for v in params]}), flush=True)
+    runs = [run.split() for run in args.run] or [[args.mode, *(["tape"] if args.tape else [])]]
+    for index, (mode, *options) in enumerate(runs):
+        settings = dict(item.split("=", 1) for item in options if "=" in item)
+        before = {name: os.environ.get(name) for name in settings}
+        os.environ.update(settings)
+        if args.framework == "torch":
+            hvd, lasts, params = run_torch(mode)
+        else:
+            hvd, lasts, params = run_tensorflow(mode, tape_only="tape" in options)
+        print("JOIN-RESULT " + json.dumps({"run": index, "rank": hvd.rank(), "size": hvd.size(), "lasts": lasts,
+                                            "params": [float(v) for v in params]}), flush=True)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     hvd.shutdown()
 
 
