@@ -138,6 +138,7 @@ def test_moved_classes_keep_their_old_address(module, name):
     (errors.ProgressError, RuntimeError), (errors.MPIError, RuntimeError),
     (errors.CheckpointError, OSError), (errors.TimelineNotFoundError, FileNotFoundError),
     (errors.TimelineFormatError, ValueError), (errors.SMBServerError, RuntimeError),
+    (errors.NodeFailureError, RuntimeError),
 ])
 def test_each_class_is_also_its_builtin(cls, builtin):
     error = cls("what failed and how to fix it")

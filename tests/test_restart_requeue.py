@@ -9,6 +9,7 @@ checkpoint and ends with the parameters of one uninterrupted run (relative error
   does (``scancel --batch --signal=USR1``) at chosen steps, because slurmctld checks time
   limits every 30 s, which would make each run's length a matter of chance; it also lifts
   the 2-minute hold Slurm 22.05 puts on a requeued job (``scontrol update StartTime=now``).
+- A node set DOWN under a ``--no-kill`` job with a spare node: the job restarts without it.
 """
 import os
 import re
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import PYTHON, REPO, run_process_group
-from launch_helpers import job_state, make_bin, wait_job_end
+from launch_helpers import job_state, make_bin, wait_job_end, wait_until
 from test_checkpoint_resume import env_for as local_env
 
 SCRIPT = REPO / "tests" / "launch_scripts" / "resumable_sync.py"
@@ -167,3 +168,55 @@ def test_a_job_restarts_its_failed_trainers_in_the_allocation(slurm_cluster, tmp
     assert re.findall(r"^\[0@n1\] run 0\.(\d) starts at step (\d+)", text, re.M) == [("0", "0"), ("1", "10")], \
         text[-4000:]
     assert_same_parameters(dict(np.load(out)), want)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_a_job_restarts_on_its_spare_node_without_the_node_that_went_down(slurm_cluster, tmp_path):
+    """Two nodes allocated with --no-kill, the trainers (2 ranks) on n2 and n1 (the batch host)
+    spare; n2 set DOWN mid-training: Slurm removes it from the job, and the job restarts its
+    server and trainers on n1 from the last checkpoint. The trainers start on n2 because the
+    batch host is the first spare (eddis.launch.placement): a node that fails under the job's
+    own script ends the job with it."""
+    from eddis.slurm.script import JobComponent, render_job_script
+
+    want = reference(tmp_path)
+    out, log = tmp_path / "restarted.npz", tmp_path / "job.out"
+    script = tmp_path / "job.sh"
+    script.write_text(render_job_script(
+        components=[JobComponent("all", nodes=1, tasks_per_node=2, spare_nodes=1)],
+        job_name="eddis-spare-node-test", command=[PYTHON, str(SCRIPT), str(STEPS), str(out), "0.5"],
+        time="00:10:00", output=str(log), checkpoint_signal=0,
+        settings={"EDDIS_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "EDDIS_CHECKPOINT_INTERVAL": "5",
+                  "EDDIS_MAX_RESTARTS": "1"}))
+    bin_dir = make_bin(tmp_path / "bin")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
+           "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1"}
+    job_id = slurm_cluster.run(["sbatch", "--parsable", str(script)], env=env, timeout=60).stdout.strip()
+    try:
+        wait_until(lambda: re.search(r"^\[0@n2\] step 6 done", log.read_text(errors="replace") if log.exists()
+                                     else "", re.M), 300, what="step 6 on n2")
+        slurm_cluster.run(["scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=eddis test: node lost"],
+                          timeout=30)
+        state = wait_job_end(slurm_cluster, job_id, 300, log)
+    finally:
+        slurm_cluster.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], timeout=30, check=False)
+    text = log.read_text(errors="replace")
+    assert state == ("COMPLETED", "0:0"), text[-4000:]
+    assert "the smb-servers and trainers run on n2; spare node(s) n1 (EDDIS_SPARE_NODES)" in text, text[-4000:]
+    # Slurm removed n2 from the job; ReturnToService=2 may have brought it back by then
+    assert re.search(r"node\(s\) n2 \((DOWN: eddis test: node lost; )?removed from the job\) failed: the "
+                     r"smb-servers and trainers restart on n1, without n2", text), text[-4000:]
+    assert text.count("restarting the smb-servers and trainers in this allocation (restart 1 of 1)") == 1, \
+        text[-4000:]
+    # the first run, on n2, ended after its last printed step; the second resumes at the last
+    # checkpoint before it, on n1, with both ranks
+    done_on_n2 = [int(s) for s in re.findall(r"^\[0@n2\] step (\d+) done", text, re.M)]
+    starts = re.findall(r"^\[(\d)@(n\d)\] run 0\.(\d) starts at step (\d+)", text, re.M)
+    resumed = 5 * (max(done_on_n2) // 5)
+    assert sorted(starts) == [("0", "n1", "1", str(resumed)), ("0", "n2", "0", "0"),
+                              ("1", "n1", "1", str(resumed)), ("1", "n2", "0", "0")], text[-4000:]
+    assert resumed >= 5, text[-4000:]
+    assert re.search(r"^\[0@n1\] finished 20 steps", text, re.M), text[-4000:]
+    assert_same_parameters(dict(np.load(out)), want)
+

@@ -108,6 +108,11 @@ class ParameterDriftError(EddisError, RuntimeError):
     the gradient averaging (nothing wrapped, or an update that bypasses the wrapper)."""
 
 
+class NodeFailureError(EddisError, RuntimeError):
+    """Too few healthy nodes remain in a job's allocation to restart its trainers; the
+    message names the failed nodes and the fixes."""
+
+
 class CheckpointError(EddisError, OSError):
     """Saving, finding or restoring a checkpoint failed (or does not fit this job); every rank
     raises it, naming the rank and the cause."""

@@ -346,6 +346,12 @@ register("EDDIS_MAX_RESTARTS", "int", 0,
          "How many times a job (eddis-train --job or --local) starts its smb-servers and trainers "
          "again after the trainers failed, within the same allocation (as torchrun --max-restarts); "
          "a script that calls eddis.resume() continues from its last checkpoint. 0: never.")
+register("EDDIS_SPARE_NODES", "int", 0,
+         "Nodes of a Slurm job's allocation its trainers leave unused, so that a restart "
+         "(EDDIS_MAX_RESTARTS) can run without a node that failed (DOWN, DRAIN, FAIL, not "
+         "responding, or removed from a --no-kill job) and keep the job's layout; the batch host is "
+         "the first spare. eddis submit --spare-nodes K writes it, K more nodes and --no-kill. A job "
+         "of one hetjob component only.")
 register("EDDIS_RESTART_COUNT", "int", 0,
          "How many times the launcher has restarted the trainers in this allocation "
          "(EDDIS_MAX_RESTARTS).", internal=True)

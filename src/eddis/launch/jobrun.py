@@ -31,6 +31,10 @@ trainer step. Trainers that wrote it answer in the run directory and exit 0; the
 then stops its servers, retires the run directory and requeues itself
 (``scontrol requeue``, at most ``EDDIS_MAX_REQUEUES`` times), and its next run resumes
 from that checkpoint (``eddis.resume``).
+
+EDDIS_MAX_RESTARTS: after the trainers failed the job runs 2.-5. again, at most that many
+times, without the nodes Slurm says failed (:mod:`eddis.launch.placement`; spare nodes,
+EDDIS_SPARE_NODES, keep the job's layout), or ends saying which failed when too few remain.
 """
 import os
 import signal
@@ -42,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ConfigError, JobSignalled
-from . import jobsteps
+from ..errors import ConfigError, JobSignalled, NodeFailureError
+from . import jobsteps, placement
 from .elastic import elastic_run, elastic_status
 from .report import LAUNCH_DIR, request_servers_stop, request_stop, root_cause
 
@@ -106,29 +110,42 @@ def components(env):
 
 
 # ---------------------------------------------------------------- the steps' command lines
-def server_step_command(component, first_index):
-    """The srun of one component's smb-servers, one per node, indexed from ``first_index``.
+def server_step_command(component, first_index, nodes=None):
+    """The srun of one component's smb-servers, one per node, indexed from ``first_index``;
+    on the nodes of ``nodes`` (a :class:`~eddis.launch.placement.Placement`) when given.
 
     The step may use every CPU the job holds on the node (it overlaps the trainers): the
     servers' reduction threads (SMB_REDUCE_THREADS) would share one bound CPU otherwise."""
-    return ["srun", *component.het_group_option(), f"--job-name={SERVER_STEP_NAME}", "--overlap",
-            f"--nodes={component.nodes}", f"--ntasks={component.nodes}", "--ntasks-per-node=1",
+    where = (nodes.step_options(tasks_per_node=1) if nodes is not None and nodes.narrowed else
+             [f"--nodes={component.nodes}", f"--ntasks={component.nodes}", "--ntasks-per-node=1"])
+    return ["srun", *component.het_group_option(), f"--job-name={SERVER_STEP_NAME}", "--overlap", *where,
             f"--cpus-per-task={component.cpus_per_node}", "--gres=none", "--kill-on-bad-exit=1",
             # a server's index needs its node's place in the step, which only that node knows
             "bash", "-c", f"exec eddis-train --smb-server $(({first_index} + SLURM_NODEID))"]
 
 
-def trainer_step_command(parts, train):
-    """The srun of the trainers: one rank per task of every component, one MPI world (pmix)."""
+def trainer_step_command(parts, train, nodes=None):
+    """The srun of the trainers: one rank per task of every component, one MPI world (pmix);
+    on the nodes of ``nodes`` (a :class:`~eddis.launch.placement.Placement`) when given."""
     het = [f"--het-group={','.join(str(c.group) for c in parts)}"] if len(parts) > 1 else []
     # elastic runs: a lost rank's task must not take the survivors' step down with it (said
     # explicitly: a cluster's KillOnBadExit=1 would otherwise)
     kill = "--kill-on-bad-exit=0" if elastic_run() else "--kill-on-bad-exit=1"
-    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", kill, "eddis-train", *train]
+    where = [] if nodes is None else nodes.step_options()
+    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", kill, *where, "eddis-train", *train]
 
 
-def server_count(parts):
-    return sum(c.nodes for c in parts)
+def server_count(parts, nodes=None):
+    return len(nodes.nodes) if nodes is not None and nodes.narrowed else sum(c.nodes for c in parts)
+
+
+def job_nodes(env):
+    """Every node the job started with, in component order (SLURM_JOB_NODELIST[_HET_GROUP_<g>])."""
+    size = _count(env, "SLURM_HET_SIZE", default=1)
+    if size <= 1:
+        return placement.allocation_nodes(env)
+    return tuple(n for g in range(size) for n in placement.allocation_nodes(
+        {"SLURM_JOB_NODELIST": env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}", "")}))
 
 
 # ---------------------------------------------------------------- steps as processes
@@ -284,12 +301,29 @@ class Job:
                               "batch job script (sbatch eddis_job.sh train.py); without Slurm use "
                               "eddis-train --local")
         self.components = components(os.environ)
+        self.nodes_started = job_nodes(os.environ)
+        self.batch_host = os.environ.get("SLURMD_NODENAME")
+        self.placement = self._first_placement()
         self.signals = JobSignals()
         self.run_dir = None
         self.servers = []
         self.trainer = None
         self.checkpoint_requested = False  # passed on to the trainers
         self.answer = None  # the checkpoint the trainers wrote on request, then stopped
+
+    def _first_placement(self):
+        """Where the steps run at first: every node, or all but EDDIS_SPARE_NODES of them."""
+        from .. import settings
+
+        spare = settings.get("EDDIS_SPARE_NODES")
+        if not spare:
+            return None
+        if len(self.components) > 1:
+            raise ConfigError(f"EDDIS_SPARE_NODES={spare} is for a job of one component, and this hetjob "
+                              f"has {len(self.components)}: each component's trainers use all its nodes. "
+                              "Unset EDDIS_SPARE_NODES, or submit one GPU type with spare nodes")
+        return placement.plan(self.nodes_started, spare, placement.tasks_per_node(os.environ),
+                              batch_host=self.batch_host)
 
     def run(self):
         self.signals.install()
@@ -348,6 +382,10 @@ class Job:
             say(f"eddis_job: error: cannot create the run directory {run_dir}: {exc}", sys.stderr)
             return 1
         say(f"eddis_job: job {self.job_id}, {len(self.components)} component(s), run dir {run_dir}")
+        if self.placement is not None:
+            spares = [n for n in self.nodes_started if n not in self.placement.nodes]
+            say(f"eddis_job: the smb-servers and trainers run on {','.join(self.placement.nodes)}; "
+                f"spare node(s) {','.join(spares)} (EDDIS_SPARE_NODES)")
         restarts = 0
         while True:
             status = self._attempt()
@@ -368,8 +406,39 @@ class Job:
             say(f"eddis_job: the trainers failed again after {restarts} restart(s) (EDDIS_MAX_RESTARTS={limit}); "
                 "the job ends", sys.stderr)
             return False
+        if not self._place_without_failed_nodes():
+            return False
         say(f"eddis_job: restarting the smb-servers and trainers in this allocation (restart {restarts + 1} "
             f"of {limit}); a script that calls eddis.resume() continues from its last checkpoint", sys.stderr)
+        return True
+
+    def _place_without_failed_nodes(self):
+        """Ask Slurm which of the job's nodes failed and plan the next attempt without them;
+        False (and why, on stderr) when too few healthy nodes remain."""
+        from .. import settings
+        from ..slurm.nodes import job_node_lists, node_health
+
+        if not self.nodes_started:
+            return True
+        lists = job_node_lists(self.job_id)
+        health = node_health(",".join(self.nodes_started))
+        if lists is None or health is None:
+            say("eddis_job: Slurm did not say which of the job's nodes are healthy (scontrol show job/node "
+                "failed); the restart uses the same nodes", sys.stderr)
+            return True
+        current = {n for text in lists for n in placement.allocation_nodes({"SLURM_JOB_NODELIST": text})}
+        failed = placement.failed_nodes(self.nodes_started, current, health)
+        if not failed:
+            return True
+        try:
+            self.placement = placement.plan(self.nodes_started, settings.get("EDDIS_SPARE_NODES"),
+                                            None if self.placement is None else self.placement.tasks_per_node,
+                                            failed, self.batch_host)
+        except NodeFailureError as exc:
+            say(f"eddis_job: error: {exc}", sys.stderr)
+            return False
+        say(f"eddis_job: node(s) {'; '.join(failed.values())} failed: the smb-servers and trainers restart on "
+            f"{','.join(self.placement.nodes)}, without {', '.join(failed)}", sys.stderr)
         return True
 
     def _attempt(self):
@@ -377,9 +446,9 @@ class Job:
         self.servers, self.trainer, self.checkpoint_requested = [], None, False
         first = 0
         for component in self.components:
-            self.servers.append(start_step(server_step_command(component, first)))
+            self.servers.append(start_step(server_step_command(component, first, self.placement)))
             first += component.nodes
-        if jobsteps.wait_servers(self.run_dir, server_count(self.components),
+        if jobsteps.wait_servers(self.run_dir, server_count(self.components, self.placement),
                                  watch_pids=[p.pid for p in self.servers]) != 0:
             stop_steps(SERVER_STEP_NAME, self.servers)
             return 1
@@ -400,14 +469,20 @@ class Job:
         return status
 
     def _train(self):
-        self.trainer = start_step(trainer_step_command(self.components, self.train))
+        self.trainer = start_step(trainer_step_command(self.components, self.train, self.placement))
         # srun can miss the end of a step whose ranks have all exited: the guard bounds that wait
         guard = threading.Thread(target=jobsteps.guard_trainer_step, args=(self.run_dir, self.trainer.pid),
                                  name="trainer-guard", daemon=True)
         guard.start()
         status = self._wait_trainers()
         guard.join(GUARD_JOIN_SECONDS)  # it returns once it finds srun's process gone
-        return trainers_status(self.run_dir, status)
+        status = trainers_status(self.run_dir, status)
+        missing = jobsteps.ranks_without_exit(self.run_dir) if status == 0 and not elastic_run() else []
+        if missing:
+            say(f"eddis_job: srun ended with status 0, but rank(s) {', '.join(map(str, missing))} recorded no "
+                "exit (Slurm ends the tasks on a failed node without one): the trainers failed", sys.stderr)
+            return 1
+        return status
 
     def _wait_trainers(self):
         """The trainers' status; bounded by the trainer guard, the server steps and the job's time limit."""

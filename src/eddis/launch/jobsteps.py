@@ -102,6 +102,18 @@ def print_report(path, job_code=None):
     return 0 if found else 1
 
 
+def ranks_without_exit(path):
+    """The ranks of the newest launch that recorded no exit; none when it recorded no start.
+    srun (Slurm 22.05) returns 0 when a node of a ``--no-kill`` job fails under its step: the
+    tasks there are killed with their supervisors, which then record nothing."""
+    newest = launches(path)[-1:]
+    if not newest:
+        return []
+    size = max((r.get("size") or 0 for r in read_records(newest[0].ranks)), default=0)
+    exited = newest[0].exited_ranks()
+    return [rank for rank in range(size) if rank not in exited]
+
+
 TRAINERS_STATUS_FILE = "trainers.status"
 
 

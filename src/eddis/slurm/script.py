@@ -27,17 +27,20 @@ CHECKPOINT_SIGNAL_SECONDS = 300
 
 @dataclass(frozen=True)
 class JobComponent:
-    """One partition of the job (one hetjob component): nodes, ranks and GPUs per node."""
+    """One partition of the job (one hetjob component): nodes, ranks and GPUs per node, and
+    ``spare_nodes`` asked for beyond ``nodes``, which the trainers use only after a node failed
+    (EDDIS_SPARE_NODES, :mod:`eddis.launch.placement`)."""
 
     partition: str
     nodes: int
     tasks_per_node: int
     gpu_type: Optional[str] = None
     gpus_per_node: int = 0
+    spare_nodes: int = 0
 
     def sbatch_lines(self, time):
         lines = [f"#SBATCH --partition={self.partition}",
-                 f"#SBATCH --nodes={self.nodes}",
+                 f"#SBATCH --nodes={self.nodes + self.spare_nodes}",
                  f"#SBATCH --ntasks-per-node={self.tasks_per_node}"]
         if self.gpus_per_node:
             gres = f"gpu:{self.gpu_type}:{self.gpus_per_node}" if self.gpu_type else f"gpu:{self.gpus_per_node}"
@@ -121,9 +124,17 @@ def render_job_script(*, components: Sequence[JobComponent], command: Sequence[s
             raise ConfigError(f"render_job_script(): components must be JobComponent, got {c!r}")
         if c.nodes < 1 or c.tasks_per_node < 1:
             raise ConfigError(f"component {c.partition}: nodes and tasks_per_node must be >= 1")
+        if c.spare_nodes < 0:
+            raise ConfigError(f"component {c.partition}: spare_nodes must be >= 0")
+    spare = [c for c in components if c.spare_nodes]
+    if spare and len(components) > 1:
+        raise ConfigError("spare nodes are for a job of one component (one GPU type): each hetjob "
+                          "component's trainers use all its nodes. Ask for one GPU type, or no spare nodes")
     if not command:
         raise ConfigError("render_job_script(): command is empty; give the training script, e.g. ('train.py',)")
     exports = dict(settings or {})
+    if spare:
+        exports["EDDIS_SPARE_NODES"] = str(spare[0].spare_nodes)
     if mode is not None:
         exports["EDDIS_MODE"] = mode
     if server_wait is not None:
@@ -154,6 +165,9 @@ def render_job_script(*, components: Sequence[JobComponent], command: Sequence[s
     if checkpoint_signal:
         # B: the batch step only, which is eddis-train --job; it asks the trainers itself
         head += [f"#SBATCH --signal=B:USR1@{checkpoint_signal}", "#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    if spare:
+        # Slurm keeps the job when one of its nodes fails, and removes that node from it
+        head.append("#SBATCH --no-kill")
     for i, component in enumerate(components):
         if i:
             head.append("#SBATCH hetjob")

@@ -91,8 +91,16 @@ def _askable(node_count, per_node_max, nodes=None):
 
 
 def plan_components(gpus: Sequence[Tuple[str, int]], parts: Sequence[Partition],
-                    nodes: Optional[Dict[str, int]] = None, default_nodes: Optional[int] = None) -> List[JobComponent]:
-    """One JobComponent per requested GPU type: nodes, one rank per GPU."""
+                    nodes: Optional[Dict[str, int]] = None, default_nodes: Optional[int] = None,
+                    spare_nodes: int = 0) -> List[JobComponent]:
+    """One JobComponent per requested GPU type: nodes, one rank per GPU; ``spare_nodes`` more
+    nodes for a job of one GPU type."""
+    if spare_nodes < 0:
+        raise ConfigError(f"--spare-nodes {spare_nodes}: give 0 or more nodes")
+    if spare_nodes and len(gpus) > 1:
+        raise ConfigError(f"--spare-nodes is for a job of one GPU type, and --gpus asks for {len(gpus)}: "
+                          "each hetjob component's trainers use all its nodes. Ask for one GPU type, "
+                          "or leave --spare-nodes out")
     components = []
     used = set()
     for name, count in gpus:
@@ -110,6 +118,10 @@ def plan_components(gpus: Sequence[Tuple[str, int]], parts: Sequence[Partition],
         if wanted_nodes > part.nodes:
             raise ConfigError(f"--gpus {name}:{count} needs {wanted_nodes} node(s) of partition {part.name}, "
                               f"which has {part.nodes}. Partitions: {_listing(parts)}")
+        if wanted_nodes + spare_nodes > part.nodes:
+            raise ConfigError(f"--gpus {name}:{count} with --spare-nodes {spare_nodes} needs "
+                              f"{wanted_nodes + spare_nodes} node(s) of partition {part.name}, which has "
+                              f"{part.nodes}: ask for fewer spare nodes or GPUs")
         if count % wanted_nodes:
             raise ConfigError(f"--gpus {name}:{count} over {wanted_nodes} node(s) is not a whole number per node "
                               f"(partition {part.name} has {size}); ask for one of "
@@ -120,7 +132,7 @@ def plan_components(gpus: Sequence[Tuple[str, int]], parts: Sequence[Partition],
                               f"but partition {part.name} has {per_node_max} {gpu_type} per node; "
                               f"use --nodes {math.ceil(count / per_node_max)} or fewer GPUs")
         components.append(JobComponent(part.name, nodes=wanted_nodes, tasks_per_node=per_node,
-                                       gpu_type=gpu_type, gpus_per_node=per_node))
+                                       gpu_type=gpu_type, gpus_per_node=per_node, spare_nodes=spare_nodes))
     return components
 
 
@@ -154,6 +166,9 @@ def add_arguments(parser):
                         help="Slurm signals the job this long before its time limit; the trainers write a "
                              "checkpoint and the job requeues itself and resumes (default "
                              f"{CHECKPOINT_SIGNAL_SECONDS}; 0: no signal, no requeue)")
+    parser.add_argument("--spare-nodes", type=int, default=0, metavar="K",
+                        help="K more nodes than the trainers use, and --no-kill: a restart after a node "
+                             "failed (EDDIS_MAX_RESTARTS) runs without it (EDDIS_SPARE_NODES; one GPU type)")
     parser.add_argument("--dry-run", action="store_true", help="print the job script; submit nothing")
     parser.add_argument("train_command", nargs=argparse.REMAINDER, metavar="train.py [args]",
                         help="training script and its arguments")
@@ -167,7 +182,8 @@ def build_script(args, parts=None):
         raise ConfigError("give the training script after the options: eddis submit --gpus a100:4 train.py [args]")
     parts = partitions() if parts is None else parts
     per_type_nodes, default_nodes = _parse_nodes(args.nodes)
-    components = plan_components(parse_counts(args.gpus, "--gpus"), parts, per_type_nodes, default_nodes)
+    components = plan_components(parse_counts(args.gpus, "--gpus"), parts, per_type_nodes, default_nodes,
+                                 spare_nodes=args.spare_nodes)
     extra = {}
     if args.memory:
         settings.REGISTRY["SMB_MEMORY"].parse(args.memory)  # a bad size fails here, not in the job

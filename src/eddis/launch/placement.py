@@ -1,0 +1,107 @@
+"""The nodes of its allocation a job runs its smb-servers and trainers on, and which it leaves out.
+
+A job may hold spare nodes (``EDDIS_SPARE_NODES``, ``eddis submit --spare-nodes K``): K more
+nodes than its trainers use, so that a restart (``EDDIS_MAX_RESTARTS``) can leave a failed
+node out and keep the job's layout, the same number of nodes and ranks, which a ``sync`` run
+needs to resume its checkpoint. Before each restart the job asks Slurm which of its nodes
+failed (:mod:`eddis.slurm.nodes`) and plans again without them.
+
+Which nodes are used: the healthy ones in the allocation's order, the batch host (the first
+node, where ``eddis-train --job`` itself runs) last. Its failure ends the job whatever runs
+there (the job's script dies with it), so it is the natural spare; and when a node that is
+not the batch host fails, the trainers move to the batch host or another spare.
+
+A job of several hetjob components has no spares: each component's nodes hold its GPU type,
+and its trainers use them all, so a failed node there leaves too few.
+"""
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Tuple
+
+from ..errors import ConfigError, NodeFailureError
+from .hostlist import expand_hostlist, expand_tasks_per_node
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The nodes a job of one component uses (in the allocation's order), ``tasks_per_node``
+    trainers on each; ``narrowed`` when they are fewer than the allocation's nodes, so that
+    the steps must name them."""
+
+    nodes: Tuple[str, ...]
+    tasks_per_node: int
+    narrowed: bool
+
+    def step_options(self, tasks_per_node=None):
+        """srun's options that put a step on these nodes, ``tasks_per_node`` tasks on each
+        (default: the trainers'); none when the step spans the whole allocation."""
+        if not self.narrowed:
+            return []
+        per_node = self.tasks_per_node if tasks_per_node is None else tasks_per_node
+        return [f"--nodes={len(self.nodes)}", f"--ntasks={len(self.nodes) * per_node}",
+                f"--ntasks-per-node={per_node}", f"--nodelist={','.join(self.nodes)}"]
+
+
+def tasks_per_node(env):
+    """The trainers per node of a job of one component: SLURM_NTASKS_PER_NODE
+    (``--ntasks-per-node``), else SLURM_TASKS_PER_NODE when it is the same on every node."""
+    explicit = env.get("SLURM_NTASKS_PER_NODE")
+    if explicit and explicit.isdigit():
+        return int(explicit)
+    counts = set(expand_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", "")))
+    if len(counts) != 1:
+        raise ConfigError(f"EDDIS_SPARE_NODES needs the same number of tasks on every node, and this job "
+                          f"has SLURM_TASKS_PER_NODE={env.get('SLURM_TASKS_PER_NODE')!r}: submit it with "
+                          "--ntasks-per-node (eddis submit does)")
+    return counts.pop()
+
+
+def allocation_nodes(env):
+    """The nodes Slurm gave the job when it started (SLURM_JOB_NODELIST), in order."""
+    return tuple(expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")))
+
+
+def plan(nodes: Sequence[str], spare: int, per_node: Optional[int], failed=(),
+         batch_host: Optional[str] = None) -> Placement:
+    """The nodes to use: ``len(nodes) - spare`` healthy ones, the batch host last (see the module
+    docstring). ``failed``: node names, or ``{name: why}`` (:func:`failed_nodes`). Raises
+    :class:`NodeFailureError` naming the failed nodes when too few remain."""
+    nodes = tuple(nodes)
+    if spare < 0 or spare >= len(nodes):
+        raise ConfigError(f"EDDIS_SPARE_NODES={spare}, but the job holds {len(nodes)} node(s) "
+                          f"({','.join(nodes)}): the trainers need at least one. Submit with more nodes "
+                          "(eddis submit --spare-nodes K adds them) or lower EDDIS_SPARE_NODES")
+    needed = len(nodes) - spare
+    healthy = [n for n in nodes if n not in failed]
+    if len(healthy) < needed:
+        why = failed.values() if isinstance(failed, Mapping) else failed
+        raise NodeFailureError(too_few_message("; ".join(why), healthy, needed))
+    chosen = set(sorted(healthy, key=lambda n: n == batch_host)[:needed])
+    return Placement(tuple(n for n in nodes if n in chosen), per_node, narrowed=needed < len(nodes))
+
+
+def too_few_message(failed, healthy, needed):
+    """What the job says when too few healthy nodes remain for a restart, and the fixes."""
+    return (f"node(s) {failed} of this job failed, and its trainers need "
+            f"{needed} node(s) where {len(healthy)} healthy one(s) remain"
+            f"{' (' + ', '.join(healthy) + ')' if healthy else ''}: not restarted. Fixes: submit with spare "
+            "nodes (eddis submit --spare-nodes K, one GPU type, which adds K nodes and #SBATCH --no-kill, so that Slurm "
+            "keeps the job when a node fails and the restart leaves that node out); or, for a sync run on "
+            "a fixed global batch (eddis.BalancedBatchSampler / balanced_slice), resume the last "
+            "checkpoint in a new job on fewer nodes, which eddis.resume() allows")
+
+
+def failed_nodes(started: Sequence[str], current: Optional[Sequence[str]],
+                 health: Optional[Mapping[str, object]]):
+    """The nodes of the allocation that failed: in a failed state (``health``: name ->
+    :class:`eddis.slurm.nodes.NodeHealth`), or no longer in the job's node list (``current``),
+    which is what Slurm does to a ``--no-kill`` job's failed node.
+    ``{name: "n2 (DOWN: reason; removed from the job)"}``."""
+    found = {}
+    for name in started:
+        node = (health or {}).get(name)
+        why = [node.condition()] if node is not None and node.failed else []
+        if current is not None and name not in current:
+            why.append("removed from the job")
+        if why:
+            found[name] = f"{name} ({'; '.join(why)})"
+    return found
