@@ -171,3 +171,19 @@ def test_data_position_counts_the_batches_of_the_current_epoch():
     assert checkpoint_state.data_position(12) == (2, 4)
     assert checkpoint_state.batches_done(5) == 0
     checkpoint_state.reset_position()
+
+
+def test_elastic_commits_are_persisted_in_sync_modes_only_where_something_reads_them(monkeypatch, tmp_path):
+    from eddis.core.elastic_state import commit_folder
+
+    monkeypatch.delenv("EDDIS_CHECKPOINT_DIR", raising=False)
+    monkeypatch.setenv("EDDIS_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("EDDIS_MAX_RESTARTS", "0")
+    assert commit_folder("sync") is None
+    monkeypatch.setenv("EDDIS_MAX_RESTARTS", "2")
+    assert commit_folder("sync") == str(tmp_path / "run" / "elastic-commits")
+    assert commit_folder("allreduce") == str(tmp_path / "run" / "elastic-commits")
+    monkeypatch.setenv("EDDIS_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    assert commit_folder("sync") == str(tmp_path / "ckpt")
+    # easgd/hybrid survivors go on with what they hold; nothing restarts from a commit
+    assert commit_folder("easgd") is None and commit_folder("hybrid") is None and commit_folder(None) is None

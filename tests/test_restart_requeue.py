@@ -220,3 +220,35 @@ def test_a_job_restarts_on_its_spare_node_without_the_node_that_went_down(slurm_
     assert re.search(r"^\[0@n1\] finished 20 steps", text, re.M), text[-4000:]
     assert_same_parameters(dict(np.load(out)), want)
 
+
+ELASTIC_SYNC_SCRIPT = REPO / "tests" / "horovod_style" / "torch_elastic_sync_style.py"
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_a_horovod_elastic_script_in_sync_restarts_from_its_last_commit(tmp_path):
+    """Without EDDIS_CHECKPOINT_DIR, the commits go into the run directory's elastic-commits
+    folder because EDDIS_MAX_RESTARTS > 0; rank 1 dies after the commit at epoch 1, batch 4."""
+    def launch(name, **extra):
+        out = tmp_path / f"{name}.npz"
+        env = local_env(tmp_path / name, EDDIS_MODE="sync", EDDIS_MAX_RESTARTS=1, **extra)
+        proc = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(ELASTIC_SYNC_SCRIPT),
+                                  str(out)], env, 150)
+        text = proc.stdout + proc.stderr
+        assert proc.returncode == 0, text[-4000:]
+        assert text.count("HOROVOD-STYLE ELASTIC SYNC OK") == 2, text[-4000:]
+        return text, dict(np.load(out))
+
+    uninterrupted, want = launch("reference")
+    assert "restarting" not in uninterrupted
+    text, got = launch("killed", ELASTIC_TEST_KILL_AFTER="1:4")
+    assert re.search(r"ROOT CAUSE: rank 1 on host \S+ was killed by signal 9 \(SIGKILL\)", text), text[-4000:]
+    assert text.count("restarting the smb-server and the ranks (restart 1 of 1)") == 1, text[-4000:]
+    assert sorted(re.findall(r"attempt (\d) starts at epoch (\d) batch (\d)", text)) == [
+        ("0", "0", "0"), ("0", "0", "0"), ("1", "1", "4"), ("1", "1", "4")], text[-4000:]
+    # one commit every 4 batches and the last one: steps 4, 8, 14, 18 and 20, the newest 3 kept,
+    # and removed once the training finished
+    assert re.search(r"removed its 3 elastic commit\(s\) from \S+/killed/run/elastic-commits$", text, re.M), \
+        text[-4000:]
+    assert not (tmp_path / "killed" / "run" / "elastic-commits").exists()
+    assert_same_parameters(got, want)

@@ -8,8 +8,12 @@ see an error and train on against the centre variable, and the lost worker's
 state ends with its process. Workers never join a running job either. So:
 
 - ``run(func)`` syncs the state once and calls ``func(state, ...)`` once; in
-  sync modes a lost rank ends the job, which restarts from its last checkpoint
-  (EDDIS_MAX_RESTARTS), not from an in-memory commit;
+  sync modes a lost rank ends the job, which restarts its trainers (EDDIS_MAX_RESTARTS),
+  so there the commits are persisted: ``commit()`` writes a checkpoint of the run
+  (:mod:`eddis.core.checkpoint_run`, one consistent cut on every rank, the state's
+  values in its manifest) into :func:`commit_folder`, and ``run`` on a restarted run
+  first restores the newest one, model, optimizer, RNGs and values (epoch, batch, ...), so
+  that ``func`` goes on from the last commit;
 - ``State.sync()`` broadcasts the state from rank 0, the lowest rank, while all
   ranks live (an MPI broadcast with a lost member never completes: after a loss
   it is refused, saying why);
@@ -22,15 +26,57 @@ Framework adapters subclass :class:`ObjectState` for their models and optimizers
 """
 import copy
 import functools
+import os
 
-from ..errors import UsageError
+from .. import settings
+from ..errors import CheckpointError, UsageError
+from ..smb.rundir import ELASTIC_COMMITS_DIR
+from . import checkpoint as layout
 from . import collectives, elastic, runtime
+
+# the manifest's extra entry of a checkpoint a commit wrote: the state's values
+COMMIT_ENTRY = "elastic_state"
+PERSISTED_MODES = ("sync", "allreduce")   # a lost rank restarts the trainers there
+
+
+def commit_folder(mode):
+    """Where ``commit()`` persists the state in ``mode``: EDDIS_CHECKPOINT_DIR, else
+    ``<run dir>/elastic-commits`` when the job restarts failed trainers (EDDIS_MAX_RESTARTS > 0);
+    None (in memory only) in easgd/hybrid, whose survivors go on with what they hold, and
+    when nothing would ever read the commit back."""
+    if mode not in PERSISTED_MODES:
+        return None
+    folder = settings.get("EDDIS_CHECKPOINT_DIR")
+    if folder is not None:
+        return folder
+    run_dir = settings.get("EDDIS_RUN_DIR")
+    if settings.get("EDDIS_MAX_RESTARTS") > 0 and run_dir is not None:
+        return os.path.join(run_dir, ELASTIC_COMMITS_DIR)
+    return None
+
+
+def latest_commit(folder):
+    """Collective: the newest complete checkpoint in ``folder`` that a commit wrote (periodic
+    ones there hold no state values), or None; rank 0 looks, every rank gets its answer."""
+    found = None
+    if runtime.rank() == 0:
+        for _, path in reversed(layout.complete_checkpoints(folder)):
+            try:
+                manifest = layout.read_manifest(path)
+            except CheckpointError:
+                continue
+            if COMMIT_ENTRY in manifest.get("extra", {}):
+                found = path
+                break
+    return collectives.broadcast_object(found, root=0, what="elastic run: finding the last commit")
 
 
 def run(func):
-    """Decorator: ``func(state, *args, **kwargs)`` runs once, after ``state.sync()``."""
+    """Decorator: ``func(state, *args, **kwargs)`` runs once, after ``state.sync()``; from the
+    last persisted commit when there is one (a restarted sync run)."""
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
+        state.restore_commit()
         state.sync()
         state.on_reset()   # what Horovod does after each (re)start; here the only one
         return func(state, *args, **kwargs)
@@ -51,9 +97,20 @@ class State:
             callback()
 
     def commit(self):
-        """Keep the current state in memory (what ``restore()`` returns to)."""
+        """Keep the current state in memory (what ``restore()`` returns to) and, where the
+        adapter persists commits, as a checkpoint too (:meth:`persist_commit`)."""
         self.save()
+        self.persist_commit()
         self.check_host_updates()
+
+    def persist_commit(self):
+        """Adapters whose state holds a model and its optimizer write the commit as a checkpoint
+        into :func:`commit_folder` (collective: every rank commits together); plain values stay
+        in memory."""
+
+    def restore_commit(self):
+        """Adapters: restore the newest persisted commit, if any; whether there was one."""
+        return False
 
     def check_host_updates(self):
         """Horovod interrupts here when hosts were added or removed; EDDIS never adds any, and
@@ -94,6 +151,11 @@ class ObjectState(State):
 
     def _current(self):
         return {name: getattr(self, name) for name in self._values}
+
+    def _set_values(self, values):
+        for name in self._values:
+            if name in values:
+                setattr(self, name, values[name])
 
     def save(self):
         self._saved = copy.deepcopy(self._current())

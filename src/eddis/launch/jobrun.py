@@ -459,6 +459,8 @@ class Job:
             from ..smb.rundir import checkpoint_answer
 
             self.answer = checkpoint_answer(self.run_dir)
+            if self.answer is None:
+                jobsteps.remove_elastic_commits(self.run_dir)
         end_server_steps(self.run_dir, self.servers)
         if status == INTERRUPTED_STATUS and root_cause(self.run_dir)[0] is None:
             # scancel --signal=INT reached the trainers' step itself: no rank failed

@@ -102,6 +102,16 @@ def print_report(path, job_code=None):
     return 0 if found else 1
 
 
+def remove_elastic_commits(path):
+    """Once the training finished: the commits a sync elastic script left in the run directory."""
+    from ..smb.rundir import ELASTIC_COMMITS_DIR, remove_elastic_commits as remove
+
+    removed = remove(path)
+    if removed:
+        print(f"eddis-train: the training finished: removed its {removed} elastic commit(s) from "
+              f"{Path(path) / ELASTIC_COMMITS_DIR}", file=sys.stderr, flush=True)
+
+
 def ranks_without_exit(path):
     """The ranks of the newest launch that recorded no exit; none when it recorded no start.
     srun (Slurm 22.05) returns 0 when a node of a ``--no-kill`` job fails under its step: the

@@ -6,12 +6,14 @@ Layout::
     <run dir>/servers/<i>.json    published by smb-server i once it serves
     <run dir>/checkpoint-request  written by the job when Slurm asked for a checkpoint
     <run dir>/checkpoint-written  the trainers' answer: the checkpoint they wrote, then stopped
+    <run dir>/elastic-commits/    a sync Horovod elastic script's commits (no EDDIS_CHECKPOINT_DIR)
 
 ``python -m eddis.smb.rundir create DIR`` creates one (the launcher does this).
 """
 import json
 import os
 import secrets
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,19 @@ TOKEN_FILE = "token"
 SERVERS_DIR = "servers"
 CHECKPOINT_REQUEST_FILE = "checkpoint-request"
 CHECKPOINT_ANSWER_FILE = "checkpoint-written"
+ELASTIC_COMMITS_DIR = "elastic-commits"
+
+
+def remove_elastic_commits(path):
+    """After a run that finished its training: the commits a sync Horovod elastic script left
+    in the run directory (eddis.core.elastic_state) have no reader any more, and a large
+    model's would fill the home directory run by run. How many checkpoints went (0: none)."""
+    folder = Path(path) / ELASTIC_COMMITS_DIR
+    if not folder.is_dir():
+        return 0
+    count = sum(1 for entry in folder.iterdir() if entry.name.startswith("ckpt-"))
+    shutil.rmtree(folder, ignore_errors=True)
+    return count
 
 
 def default_run_dir(job_id=None):

@@ -9,12 +9,15 @@
 
 What the calls mean in EDDIS (``eddis.core.elastic_state``): ``run`` syncs once
 and calls the function once, since easgd/hybrid survivors of a lost rank train
-on (EDDIS_ELASTIC=1) and sync runs restart from a checkpoint; ``commit()`` keeps
-an in-memory copy that ``restore()`` returns to; ``sync()`` broadcasts from rank 0.
+on (EDDIS_ELASTIC=1) and sync runs restart their trainers (EDDIS_MAX_RESTARTS);
+``commit()`` keeps an in-memory copy that ``restore()`` returns to, and in sync also
+writes it as a checkpoint (``eddis.checkpoint``), from which ``run`` starts a restarted
+run; ``sync()`` broadcasts from rank 0.
 """
 import copy
 
-from ..core.elastic_state import ObjectState, State, run
+from ..core.elastic_state import COMMIT_ENTRY, ObjectState, State, commit_folder, latest_commit, run
+from . import checkpointing
 from .functions import broadcast_optimizer_state, broadcast_parameters
 
 
@@ -40,6 +43,24 @@ class TorchState(ObjectState):
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self._saved_optimizer)
         super().restore()
+
+    def _commit_folder(self):
+        hetero = getattr(self.optimizer, "_eddis_hetero", None)   # an eddis.DistributedOptimizer's
+        return None if hetero is None or self.model is None else commit_folder(hetero.mode)
+
+    def persist_commit(self):
+        folder = self._commit_folder()
+        if folder is not None:
+            checkpointing.checkpoint(folder, self.model, self.optimizer, **{COMMIT_ENTRY: self._current()})
+
+    def restore_commit(self):
+        folder = self._commit_folder()
+        path = None if folder is None else latest_commit(folder)
+        if path is None:
+            return False
+        start = checkpointing.resume(path, self.model, self.optimizer)
+        self._set_values(start.extra[COMMIT_ENTRY])
+        return True
 
     def sync(self):
         root = self.sync_root("state.sync()")
