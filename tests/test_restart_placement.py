@@ -131,3 +131,16 @@ def test_ranks_that_recorded_no_exit_are_found(tmp_path):
     for rank in (0, 2, 3):
         records.finish(rank, {"rank": rank, "code": 0, "why": "exited"})
     assert jobsteps.ranks_without_exit(tmp_path) == []
+
+
+def test_eddis_submit_spare_nodes_reach_the_script():
+    import argparse
+
+    from eddis.slurm import submit
+
+    parser = argparse.ArgumentParser()
+    submit.add_arguments(parser)
+    args = parser.parse_args(["--gpus", "a100:2", "--spare-nodes", "1", "--dry-run", "train.py"])
+    text = submit.build_script(args, parse_sinfo("a100|gpu:a100:2|2|4|up\n"))
+    assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks-per-node=2\n" in text
+    assert "#SBATCH --no-kill\n" in text and "export EDDIS_SPARE_NODES=1\n" in text
