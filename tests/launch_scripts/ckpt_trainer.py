@@ -2,12 +2,13 @@
 states matter, and SGD with momentum, so the optimizer state does) on a fixed random data set.
 
     eddis-train --local -n 2 python ckpt_trainer.py --out DIR [--mode sync|easgd] [--steps N]
-        [--ckpt DIR] [--checkpoint-at K] [--crash-commit-at K] [--step-seconds S]
+        [--ckpt DIR] [--checkpoint-at K [--go-on]] [--crash-commit-at K] [--step-seconds S]
 
 sync: epochs over a DistributedSampler (shuffled) in batches of 4; stops after ``--steps``
 optimizer steps in all (counting the steps of the run it resumed). easgd: the global learning
 counter (EDDIS_TOTAL_ITERATIONS). ``--checkpoint-at K``: an explicit eddis.checkpoint after
-step K, then the launch ends. ``--crash-commit-at K``: rank 0 dies between writing the
+step K, then the launch ends (sync with ``--go-on``: it trains on, and one launch gives both the
+checkpoint and the uninterrupted run). ``--crash-commit-at K``: rank 0 dies between writing the
 checkpoint of step K and committing it. Each rank writes ``DIR/rank-R.json``: the resumed
 Start, the sample indices of every step it trained, its final parameters and counters.
 """
@@ -25,6 +26,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--checkpoint-at", type=int, default=None)
+    ap.add_argument("--go-on", action="store_true")
     ap.add_argument("--crash-commit-at", type=int, default=None)
     ap.add_argument("--step-seconds", type=float, default=0.0)
     ap.add_argument("--balanced", action="store_true",
@@ -108,8 +110,10 @@ def main():
                 step += 1
                 if step == args.checkpoint_at:
                     result["checkpoint"] = eddis.checkpoint(args.ckpt, model, optimizer, note="explicit")
-                    finish()
-                    return 0
+                    result["steps_at_checkpoint"] = len(result["order"])
+                    if not args.go_on:
+                        finish()
+                        return 0
             if step >= args.steps:
                 break
     else:
