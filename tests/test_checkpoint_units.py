@@ -133,6 +133,27 @@ def test_the_request_flag_is_set_by_the_signal_handler():
     assert layout.pending_request() is None
 
 
+def test_the_first_sigterm_is_a_request_and_the_second_ends_the_process():
+    # in a child: the second SIGTERM must end the process it is sent to
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from eddis.core import checkpoint as layout\n"
+            "assert layout.install_signal_handler(signal.SIGTERM)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(0.1)\n"
+            "print(layout.pending_request(), layout.requested_by_sigterm(), flush=True)\n"
+            "layout.clear_request()\n"
+            "print(layout.requested_by_sigterm(), flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(10)\n"
+            "print('survived', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines() == ["signal SIGTERM True", "True"], proc.stdout + proc.stderr
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+
+
 def test_a_request_the_job_left_in_the_run_dir_is_taken_up_and_answered(tmp_path, monkeypatch):
     from eddis.smb import rundir
 
@@ -146,7 +167,10 @@ def test_a_request_the_job_left_in_the_run_dir_is_taken_up_and_answered(tmp_path
     finally:
         layout.clear_request()
     layout.answer_request(tmp_path / "ckpt-00000012", 12)
-    assert rundir.checkpoint_answer(tmp_path) == {"checkpoint": str(tmp_path / "ckpt-00000012"), "step": 12}
+    assert rundir.checkpoint_answer(tmp_path) == {"checkpoint": str(tmp_path / "ckpt-00000012"), "step": 12,
+                                                  "terminated": False}
+    layout.answer_request(tmp_path / "ckpt-00000013", 13, terminated=True)
+    assert rundir.checkpoint_answer(tmp_path)["terminated"] is True
 
 
 def test_checkpoint_stop_exits_with_the_requeue_status():

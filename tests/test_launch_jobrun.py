@@ -227,9 +227,10 @@ def test_a_new_run_of_the_job_forgets_the_last_runs_checkpoint_request(tmp_path)
     run = jobsteps.create_run_dir(tmp_path / "run")
     assert rundir.checkpoint_request(run) is None and rundir.checkpoint_answer(run) is None
     rundir.request_checkpoint(run, "the time limit is near")
-    rundir.answer_checkpoint_request(run, tmp_path / "ckpt" / "step-00000040", 40)
+    rundir.answer_checkpoint_request(run, tmp_path / "ckpt" / "step-00000040", 40, terminated=True)
     assert rundir.checkpoint_request(run) == "the time limit is near"
-    assert rundir.checkpoint_answer(run) == {"checkpoint": str(tmp_path / "ckpt" / "step-00000040"), "step": 40}
+    assert rundir.checkpoint_answer(run) == {"checkpoint": str(tmp_path / "ckpt" / "step-00000040"), "step": 40,
+                                             "terminated": True}
     # requeued: same job id, same run dir; the new run must not stop at once
     jobsteps.create_run_dir(run)
     assert rundir.checkpoint_request(run) is None and rundir.checkpoint_answer(run) is None
@@ -257,3 +258,20 @@ def test_job_checks_the_script_before_anything(tmp_path):
     assert proc.returncode == 2
     assert "the training script no_such_train.py does not exist" in proc.stderr
     assert not (tmp_path / "run").exists()  # no run dir, no server, no srun
+
+
+def test_preemptions_are_counted_across_requeues_and_forgotten_by_a_first_run(tmp_path, monkeypatch):
+    from eddis.launch import preemption
+
+    run = jobsteps.create_run_dir(tmp_path / "run")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert preemption.preemptions(run) == 0
+    assert preemption.count_preemption(run) == 1
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the run Slurm started after the requeue
+    jobsteps.create_run_dir(run)
+    assert preemption.preemptions(run) == 1
+    assert preemption.count_preemption(run) == 2
+    # job ids start again on a rebuilt cluster: a first run's count is another job's
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert preemption.preemptions(run) == 0
+    assert preemption.count_preemption(run) == 1

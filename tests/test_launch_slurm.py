@@ -140,8 +140,13 @@ def assert_servers_hold_the_jobs_cpus(run_dir):
 
 
 @pytest.mark.timeout(300)
-def test_scancel_leaves_nothing_behind(slurm_cluster, job_env, tmp_path):
+@pytest.mark.parametrize("checkpoints", [False, True], ids=["plain", "with-checkpoint-dir"])
+def test_scancel_leaves_nothing_behind(slurm_cluster, job_env, tmp_path, checkpoints):
+    # with EDDIS_CHECKPOINT_DIR the steps would outlive a SIGTERM that reached them alone (a
+    # preemption); the job's own SIGTERM (scancel) stops them at once all the same
     out = tmp_path / "job.out"
+    if checkpoints:
+        job_env = dict(job_env, EDDIS_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
     job_id = sbatch(slurm_cluster, job_env, out, TRAINER, "--steps", "3000", "--step-seconds", "0.1")
     run_dir = Path(job_env["EDDIS_RUN_DIR"])
     wait_for_training(run_dir, out)

@@ -10,6 +10,9 @@ checkpoint and ends with the parameters of one uninterrupted run (relative error
   limits every 30 s, which would make each run's length a matter of chance; it also lifts
   the 2-minute hold Slurm 22.05 puts on a requeued job (``scontrol update StartTime=now``).
 - A node set DOWN under a ``--no-kill`` job with a spare node: the job restarts without it.
+- Preemption: the same job, in the dev cluster's preemptable partition ``all``, is preempted
+  by a job in partition ``urgent`` that needs both nodes; the trainers answer Slurm's SIGTERM
+  with a checkpoint, the job requeues itself, and its next run resumes at that step.
 """
 import os
 import re
@@ -90,46 +93,67 @@ def release_requeued(cluster, job_id, held_since):
     return held_since
 
 
-@pytest.mark.slurm
-@pytest.mark.timeout(900)
-def test_a_job_warned_of_its_time_limit_requeues_itself_and_resumes(slurm_cluster, tmp_path):
+def submit_resumable_job(cluster, tmp_path, name, out, seconds_per_step, settings):
+    """resumable_sync.py as a job of 2 nodes (partition all, 1 rank each) that may be requeued
+    (checkpoint signal); returns the job id and its output file."""
     from eddis.slurm.script import JobComponent, render_job_script
 
-    want = reference(tmp_path)
-    out, ckpt, log = tmp_path / "requeued.npz", tmp_path / "ckpt", tmp_path / "job.out"
-    script = tmp_path / "job.sh"
+    log, script = tmp_path / "job.out", tmp_path / "job.sh"
     script.write_text(render_job_script(
-        components=[JobComponent("all", nodes=2, tasks_per_node=1)], job_name="eddis-requeue-test",
-        command=[PYTHON, str(SCRIPT), str(STEPS), str(out), "1.0"], time="00:10:00", output=str(log),
-        checkpoint_signal=120, settings={"EDDIS_CHECKPOINT_DIR": str(ckpt)}))
+        components=[JobComponent("all", nodes=2, tasks_per_node=1)], job_name=name,
+        command=[PYTHON, str(SCRIPT), str(STEPS), str(out), str(seconds_per_step)], time="00:10:00",
+        output=str(log), checkpoint_signal=120, settings=settings))
     bin_dir = make_bin(tmp_path / "bin")
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
            "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1"}
-    job_id = slurm_cluster.run(["sbatch", "--parsable", str(script)], env=env, timeout=60).stdout.strip()
-    warned, ended_since, held_since = [], None, None
-    deadline = time.monotonic() + 600
+    return cluster.run(["sbatch", "--parsable", str(script)], env=env, timeout=60).stdout.strip(), log
+
+
+def follow_requeued_job(cluster, job_id, log, act, timeout):
+    """Poll the job until it has ended for good, lifting Slurm's hold after each requeue and
+    calling ``act(text of its output)`` at every poll; returns (state, exit code)."""
+    ended_since, held_since = None, None
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.exists() else ""
-        state = job_state(slurm_cluster, job_id)
+        state = job_state(cluster, job_id)
         # a job being requeued shows an ended state (FAILED) for a moment before it is PENDING
         if state is not None and state[0] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING",
                                                    "REQUEUED"):
             ended_since = ended_since or time.monotonic()
             if time.monotonic() - ended_since > SETTLED_SECONDS:
-                break
+                return state
         else:
             ended_since = None
-        held_since = release_requeued(slurm_cluster, job_id, held_since)
-        done = [int(s) for s in re.findall(r"^\[0@\S+\] step (\d+) done", text, re.M)]
+        held_since = release_requeued(cluster, job_id, held_since)
+        act(text)
+        time.sleep(0.5)
+    cluster.run(["scancel", job_id], timeout=30, check=False)
+    pytest.fail(f"job {job_id} did not end within {timeout} s:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def rank0_steps_done(text):
+    return [int(s) for s in re.findall(r"^\[0@\S+\] step (\d+) done", text, re.M)]
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
+def test_a_job_warned_of_its_time_limit_requeues_itself_and_resumes(slurm_cluster, tmp_path):
+    want = reference(tmp_path)
+    out = tmp_path / "requeued.npz"
+    job_id, log = submit_resumable_job(slurm_cluster, tmp_path, "eddis-requeue-test", out, 1.0,
+                                       {"EDDIS_CHECKPOINT_DIR": str(tmp_path / "ckpt")})
+    warned = []
+
+    def warn(text):
+        done = rank0_steps_done(text)
         # the warning once after step 4 of the first run and once after step 10 of the second
         if len(warned) < 2 and done and done[-1] >= (4, 10)[len(warned)] \
                 and text.count("requeued job") == len(warned):
             slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job_id], timeout=30)
             warned.append(done[-1])
-        time.sleep(0.5)
-    else:
-        slurm_cluster.run(["scancel", job_id], timeout=30, check=False)
-        pytest.fail(f"job {job_id} did not end within 600 s:\n{log.read_text(errors='replace')[-4000:]}")
+
+    state = follow_requeued_job(slurm_cluster, job_id, log, warn, 600)
     text = log.read_text(errors="replace")
     assert state[:2] == ("COMPLETED", "0:0"), text[-4000:]
     assert text.count("asking the trainers for a checkpoint") == 2, text[-4000:]
@@ -252,3 +276,43 @@ def test_a_horovod_elastic_script_in_sync_restarts_from_its_last_commit(tmp_path
         text[-4000:]
     assert not (tmp_path / "killed" / "run" / "elastic-commits").exists()
     assert_same_parameters(got, want)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_a_preempted_job_checkpoints_is_requeued_and_resumes(slurm_cluster, tmp_path):
+    """A job in partition all is preempted by one in partition urgent (PriorityTier 2,
+    PreemptMode=REQUEUE, GraceTime on all: scripts/eddis-dev-cluster) that needs both nodes."""
+    want = reference(tmp_path)
+    out = tmp_path / "preempted.npz"
+    # EDDIS_MAX_REQUEUES=0: a requeue the job counted as its own would be refused
+    job_id, log = submit_resumable_job(slurm_cluster, tmp_path, "eddis-preempt-test", out, 0.5,
+                                       {"EDDIS_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "EDDIS_MAX_REQUEUES": "0"})
+    urgent = []
+
+    def preempt(text):
+        done = rank0_steps_done(text)
+        if not urgent and done and done[-1] >= 4:
+            urgent.append(slurm_cluster.run(
+                ["sbatch", "--parsable", "--partition=urgent", "--nodes=2", "--exclusive", "--job-name=urgent",
+                 f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 2"], timeout=60).stdout.strip())
+
+    state = follow_requeued_job(slurm_cluster, job_id, log, preempt, 400)
+    text = log.read_text(errors="replace")
+    assert state[:2] == ("COMPLETED", "0:0"), text[-4000:]
+    assert urgent and job_state(slurm_cluster, urgent[0]) == ("COMPLETED", "0:0"), text[-4000:]
+    preempted = re.findall(r"eddis_job: preempted by Slurm: wrote checkpoint (\S+) \(step (\d+)\)", text)
+    assert len(preempted) == 1, text[-4000:]
+    step = int(preempted[0][1])
+    assert f"requeued job {job_id} (run 2; preemption 1, not counted against EDDIS_MAX_REQUEUES)" in text, \
+        text[-4000:]
+    assert "asking the trainers for a checkpoint" not in text  # no time-limit warning came
+    # the run after the preemption starts at the checkpoint's step, and every step is trained
+    # once: none after the checkpoint in the preempted run, none lost
+    starts = [int(s) for s in re.findall(r"^\[0@\S+\] run \d+\.0 starts at step (\d+)", text, re.M)]
+    assert starts == [0, step], text[-4000:]
+    first, _, second = text.partition("eddis_job: preempted by Slurm")
+    assert rank0_steps_done(first) == list(range(1, step)), text[-4000:]
+    assert rank0_steps_done(second) == list(range(step + 1, STEPS + 1)), text[-4000:]
+    assert re.search(r"^\[0@\S+\] finished 20 steps", text, re.M), text[-4000:]
+    assert_same_parameters(dict(np.load(out)), want)

@@ -340,8 +340,18 @@ register("EDDIS_REQUEUE", "bool", True,
          "(#SBATCH --signal=B:USR1@N, which eddis submit writes) requeues itself "
          "(scontrol requeue), so that its next run resumes from that checkpoint.")
 register("EDDIS_MAX_REQUEUES", "int", 20,
-         "How many times one job may requeue itself (Slurm's SLURM_RESTART_COUNT); a job past it "
+         "How many times one job may requeue itself after its time-limit warning (Slurm's "
+         "SLURM_RESTART_COUNT, less the job's preemptions, which are never refused); a job past it "
          "ends with its checkpoint kept and says so, instead of cycling through the queue.")
+register("EDDIS_CHECKPOINT_GRACE", "float", 120.0,
+         "Seconds a job's trainers get, after SIGTERM reaches the job's steps but not its batch "
+         "script (Slurm's preemption within the partition's GraceTime, scancel --signal=TERM), to "
+         "reach their next step boundary and write a checkpoint into EDDIS_CHECKPOINT_DIR before "
+         "eddis-train stops them; the smb-servers, which hold the state the checkpoint reads, stay "
+         "up meanwhile. Only with EDDIS_CHECKPOINT_DIR; keep it below the partition's GraceTime.")
+register("EDDIS_CHECKPOINT_ON_SIGTERM", "bool", False,
+         "Set by eddis-train for its trainer in a Slurm job step with EDDIS_CHECKPOINT_DIR: "
+         "eddis.init() makes the first SIGTERM a checkpoint-and-stop request.", internal=True)
 register("EDDIS_MAX_RESTARTS", "int", 0,
          "How many times a job (eddis-train --job or --local) starts its smb-servers and trainers "
          "again after the trainers failed, within the same allocation (as torchrun --max-restarts); "

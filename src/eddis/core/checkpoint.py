@@ -200,6 +200,7 @@ def interval_from_settings():
 
 # ---------------------------------------------------------------- the request flag
 _requested = []   # reasons; appending is atomic, so a signal handler may do it
+_sigterm_seen = []   # not cleared with the requests: a later SIGTERM ends the process
 
 
 def request(reason="requested"):
@@ -228,22 +229,41 @@ def request_from_run_dir():
     return reason
 
 
-def answer_request(path, step):
+def requested_by_sigterm():
+    """Whether SIGTERM asked for a checkpoint (see :func:`install_signal_handler`)."""
+    return bool(_sigterm_seen)
+
+
+def answer_request(path, step, terminated=False):
     """Rank 0, after the requested checkpoint is complete: tell the job (eddis-train --job or
-    --local) that the trainers stop to be requeued, not because training is over."""
+    --local) that the trainers stop to be requeued, not because training is over, and whether
+    SIGTERM asked for it (the job then asks Slurm whether that was a preemption)."""
     run_dir = settings.get("EDDIS_RUN_DIR")
     if run_dir is not None and os.path.isdir(run_dir):
-        rundir.answer_checkpoint_request(run_dir, path, step)
+        rundir.answer_checkpoint_request(run_dir, path, step, terminated)
 
 
 def _on_signal(signum, frame):
     request(f"signal {signal.Signals(signum).name}")
 
 
+def _on_term(signum, frame):
+    # The first SIGTERM is Slurm's notice (preemption with a GraceTime): checkpoint at the next
+    # step boundary. A second one is the order to go (the grace is over, or eddis-train stops
+    # this trainer), with SIGTERM's own effect.
+    if _sigterm_seen:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _sigterm_seen.append(True)
+    request("signal SIGTERM")
+
+
 def install_signal_handler(signum=signal.SIGUSR1):
-    """Make ``signum`` a checkpoint-and-stop request (main thread only; returns whether it did)."""
+    """Make ``signum`` a checkpoint-and-stop request (main thread only; returns whether it did).
+    SIGTERM is one only once: a second SIGTERM ends the process."""
     try:
-        signal.signal(signum, _on_signal)
+        signal.signal(signum, _on_term if signum == signal.SIGTERM else _on_signal)
     except ValueError:  # not the main thread: a handler cannot be installed from here
         return False
     return True

@@ -408,9 +408,10 @@ def at_step_boundary(state, participant):
                          "once before training")
     path = save(directory, state, participant, reason=reason)
     if stop:
+        terminated = layout.requested_by_sigterm()
         layout.clear_request()
         if runtime.rank() == 0:
-            layout.answer_request(path, state.step)
+            layout.answer_request(path, state.step, terminated)
         raise CheckpointStop(f"stopped after step {state.step} for a requested checkpoint ({path}); "
                              f"exit status {CheckpointStop('').code}: requeue the job to continue", path)
     return path

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -110,6 +111,8 @@ def init():
 
             checkpoint.interval_from_settings()   # a malformed interval fails here, not later
             checkpoint.install_signal_handler()   # SIGUSR1: checkpoint at the next step, then stop
+            if settings.get("EDDIS_CHECKPOINT_ON_SIGTERM"):
+                checkpoint.install_signal_handler(signal.SIGTERM)   # Slurm's preemption notice
             checkpoint.request_from_run_dir()     # a request sent before the handler was in place
         atexit.register(_exit_hook)
         if sys.excepthook is _previous_excepthook:

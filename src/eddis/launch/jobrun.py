@@ -19,8 +19,9 @@ script before this starts (exit 2). Then, in order:
    report when the trainers failed, the run directory retired; the job's status is the
    root cause's.
 
-SIGTERM (scancel, the time limit): Slurm signals every step itself, so the job only
-waits, bounded, for its sruns and exits 143 (:class:`JobSignals`). SIGINT (Ctrl-C) is an
+SIGTERM (scancel, the time limit): Slurm signals every step itself, so the job asks them
+through the run dir to stop at once (trainers that would answer SIGTERM with a checkpoint
+too), waits, bounded, for its sruns and exits 143 (:class:`JobSignals`). SIGINT (Ctrl-C) is an
 interrupt: the trainers get SIGINT from their supervisors (asked through the run dir),
 the scripts' KeyboardInterrupt handlers run, the servers end after the trainers, and
 the job exits 130.
@@ -35,6 +36,12 @@ from that checkpoint (``eddis.resume``).
 EDDIS_MAX_RESTARTS: after the trainers failed the job runs 2.-5. again, at most that many
 times, without the nodes Slurm says failed (:mod:`eddis.launch.placement`; spare nodes,
 EDDIS_SPARE_NODES, keep the job's layout), or ends saying which failed when too few remain.
+
+Preemption (:mod:`.preemption`) signals the steps, not the job. With EDDIS_CHECKPOINT_DIR
+the trainers write a checkpoint and stop while the servers stay up; when the trainers stopped
+after SIGTERM, the job asks Slurm whether it was preempted and, if so, requeues itself at
+once (not counted against ``EDDIS_MAX_REQUEUES``): Slurm requeues a preempted job only if it
+is still running at the end of its grace time, and ends one whose script exits before.
 """
 import os
 import signal
@@ -47,7 +54,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError, JobSignalled, NodeFailureError
-from . import jobsteps, placement
+from . import jobsteps, placement, preemption
 from .elastic import elastic_run, elastic_status
 from .report import LAUNCH_DIR, request_servers_stop, request_stop, root_cause
 
@@ -336,6 +343,12 @@ class Job:
                 self._interrupt_trainers()
             else:
                 say(f"eddis_job: {stop} received, the trainers and smb-servers are stopping", sys.stderr)
+                self._stop_steps_now(f"the job received {stop}")
+                if stop.signum == signal.SIGTERM and self.run_dir is not None \
+                        and preemption.requeued_by_slurm(self.job_id):
+                    preemption.count_preemption(self.run_dir)  # Slurm's requeue, not the job's own
+                    say("eddis_job: preempted by Slurm, and its grace time is over: Slurm requeues the job, "
+                        "which resumes from its last checkpoint, if any", sys.stderr)
                 wait_ended(self._sruns(), SIGNAL_WAIT_SECONDS)
             status = None
         finally:
@@ -347,10 +360,43 @@ class Job:
             interrupted = self.signals.stopping == signal.SIGINT
             say(f"eddis_job: {'interrupted' if interrupted else 'stopped'}, status {status}", sys.stderr)
             return status
-        if status == 0 and self.answer is not None:
-            return self._requeue()
+        if (status == 0 and self.answer is not None) or status == SIGNALLED_STATUS:
+            return self._stopped_early(status)
         say(f"eddis_job: done, status {status}")
         return status
+
+    def _stop_steps_now(self, reason):
+        """The job itself was signalled (scancel, the time limit): its steps, which Slurm signals
+        too, stop at once, also where they would have answered SIGTERM with a checkpoint."""
+        if self.run_dir is None:
+            return
+        try:
+            request_stop(self.run_dir, reason, signal.SIGTERM)
+            request_servers_stop(self.run_dir, reason)
+        except OSError as exc:
+            say(f"eddis_job: cannot ask the steps to stop in {self.run_dir}: {exc}", sys.stderr)
+
+    def _stopped_early(self, status):
+        """The trainers stopped before training was over: after a checkpoint they were asked
+        for (status 0 and an answer), or after SIGTERM to the steps alone (143). A preemption
+        requeues the job; a time-limit warning too (bounded); a bare SIGTERM does not."""
+        terminated = self.answer is None or self.answer.get("terminated", False)
+        if not terminated:
+            return self._requeue()
+        preempted = preemption.preempted(self.job_id)
+        where = self._checkpoint_written()
+        if preempted:
+            return self._requeue(preempted=True)
+        if preempted is None:
+            say("eddis_job: the trainers stopped on SIGTERM, and `scontrol show job` could not tell whether "
+                "Slurm preempted the job; not requeued" + (f": resubmit to resume from {where}" if where else ""),
+                sys.stderr)
+        elif where is not None:
+            say(f"eddis_job: the trainers stopped on SIGTERM after writing {where}; the job was not preempted "
+                "(Slurm shows no PreemptTime: scancel --signal=TERM?), so it is not requeued: resubmit it to "
+                "resume", sys.stderr)
+        say(f"eddis_job: stopped, status {SIGNALLED_STATUS}", sys.stderr)
+        return SIGNALLED_STATUS
 
     def _interrupt_trainers(self):
         """The interrupt reaches the trainers as the stop request in the run dir that names
@@ -450,6 +496,8 @@ class Job:
             first += component.nodes
         if jobsteps.wait_servers(self.run_dir, server_count(self.components, self.placement),
                                  watch_pids=[p.pid for p in self.servers]) != 0:
+            # asked in the run dir too: with EDDIS_CHECKPOINT_DIR a server outlives one SIGTERM
+            request_servers_stop(self.run_dir, "the smb-servers did not all start")
             stop_steps(SERVER_STEP_NAME, self.servers)
             return 1
         status = self._train()
@@ -513,22 +561,36 @@ class Job:
             scancel([f"--signal={CHECKPOINT_SIGNAL.name.removeprefix('SIG')}", *steps])
         say("eddis_job: the time limit is near (SIGUSR1 from Slurm): asking the trainers for a checkpoint")
 
-    def _requeue(self):
-        """The trainers wrote the checkpoint they were asked for and stopped: queue the job again."""
+    def _checkpoint_written(self):
+        """"checkpoint <path> (step <n>)" that the trainers wrote before they stopped, or None."""
+        if self.answer is None:
+            return None
+        return f"checkpoint {self.answer.get('checkpoint')} (step {self.answer.get('step')})"
+
+    def _requeue(self, preempted=False):
+        """The trainers wrote the checkpoint they were asked for and stopped, or Slurm preempted
+        the job (``preempted``; with or without a checkpoint): queue the job again."""
         from .. import settings
 
-        where = f"checkpoint {self.answer.get('checkpoint')} (step {self.answer.get('step')})"
+        where = self._checkpoint_written()
+        what = f"wrote {where}" if where else "no checkpoint was written (that takes EDDIS_CHECKPOINT_DIR " \
+                                              "and a step boundary within the grace time)"
+        if preempted:
+            say(f"eddis_job: preempted by Slurm: {what}")
         if not settings.get("EDDIS_REQUEUE"):
-            say(f"eddis_job: the trainers stopped after writing {where}; EDDIS_REQUEUE=0, so the job "
-                "ends here: resubmit it to resume")
+            say(f"eddis_job: the trainers stopped ({what}); EDDIS_REQUEUE=0, so the job ends here: "
+                "resubmit it to resume")
             return 0
         restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        own = restarts - preemption.preemptions(self.run_dir)
         limit = settings.get("EDDIS_MAX_REQUEUES")
-        if restarts >= limit:
-            say(f"eddis_job: error: the trainers stopped after writing {where}, but the job has been "
-                f"requeued {restarts} times (EDDIS_MAX_REQUEUES={limit}); not requeued again: raise "
+        if not preempted and own >= limit:
+            say(f"eddis_job: error: the trainers stopped after writing {where}, but the job has requeued "
+                f"itself {own} times (EDDIS_MAX_REQUEUES={limit}); not requeued again: raise "
                 "EDDIS_MAX_REQUEUES or the time limit, and resubmit to resume", sys.stderr)
             return 1
+        # counted first: Slurm ends this script soon after the requeue
+        count = preemption.count_preemption(self.run_dir) if preempted else None
         try:
             proc = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True, text=True,
                                   timeout=SLURM_COMMAND_TIMEOUT)
@@ -536,10 +598,15 @@ class Job:
         except (OSError, subprocess.TimeoutExpired) as exc:
             failure = str(exc)
         if failure is not None:
-            say(f"eddis_job: error: the trainers stopped after writing {where}, but `scontrol requeue "
-                f"{self.job_id}` failed: {failure}. Submit with --requeue (the script's #SBATCH --requeue), "
-                "or resubmit the job to resume", sys.stderr)
+            say(f"eddis_job: error: the trainers stopped ({what}), but `scontrol requeue {self.job_id}` failed: "
+                f"{failure}. Submit with --requeue (the script's #SBATCH --requeue), or resubmit the job to "
+                "resume", sys.stderr)
             return 1
+        if preempted:
+            say(f"eddis_job: requeued job {self.job_id} (run {restarts + 2}; preemption {count}, not counted "
+                "against EDDIS_MAX_REQUEUES) now, not at the end of Slurm's grace time; it "
+                f"{'resumes there' if where else 'resumes from its last checkpoint, if any,'} when Slurm runs it again")
+            return 0
         say(f"eddis_job: wrote {where}; requeued job {self.job_id} (run {restarts + 2}), which resumes there")
         return 0
 

@@ -16,6 +16,11 @@ So the job script and ``--local`` run this supervisor, which
   servers after the trainers;
 - passes SIGTERM on to the server, and kills it when it does not stop within
   SERVER_STOP_SECONDS (a stopped server would keep the job waiting otherwise);
+- but in a job with EDDIS_CHECKPOINT_DIR, where the first SIGTERM is Slurm's notice of a
+  preemption and the trainers answer it with a checkpoint that reads the servers' state
+  (:mod:`.preemption`), starts the server ignoring SIGTERM and keeps it up until the job
+  asks for its stop (after the trainers), a second SIGTERM comes, or
+  :func:`.preemption.server_wait_seconds` have passed; it stops the server with SIGUSR2;
 - stops the server the same way when the job asks for it in the run dir
   (``launch/smb-servers-stop``, once the trainers have ended), and then exits 0, so
   that its Slurm step ends COMPLETED by itself: a step ended with ``scancel`` makes
@@ -32,11 +37,14 @@ import time
 from .. import identity
 from . import mpishm
 from .liveness import LivenessWatch
+from .preemption import checkpoint_on_sigterm, server_wait_seconds
 from .report import describe_failure, request_stop, server_records, servers_stop_requested
 
 SERVER_STOP_SECONDS = 10.0
 WATCH_SECONDS = 1.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# the server's stop whether or not it ignores SIGTERM (UCX takes SIGHUP for its debug signal)
+SERVER_STOP_SIGNAL = signal.SIGUSR2
 PR_SET_PDEATHSIG = 1
 _CHILD_CODE = ("import sys; from eddis.launch.liveness import start_in_child; start_in_child(); "
                "from eddis.smb.server import main; sys.exit(main())")
@@ -65,6 +73,11 @@ def _die_with_parent():
         pass
 
 
+def _die_with_parent_and_ignore_sigterm():
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm's reaches every process of the step
+
+
 class ServerSupervisor:
     def __init__(self, run_dir, index, memory=None):
         self.run_dir = str(run_dir)
@@ -74,12 +87,25 @@ class ServerSupervisor:
         self.records = server_records(self.run_dir)
         self.stop_signal = None
         self.child = None
+        self.outlive_sigterm = checkpoint_on_sigterm()
+        self.term_at = None  # the first SIGTERM, when the server outlives it
 
     def _on_signal(self, signum, frame):
         first = self.stop_signal is None
+        if first and signum == signal.SIGTERM and self.outlive_sigterm and self.term_at is None:
+            self.term_at = time.monotonic()
+            return
         self.stop_signal = signum
         if first and self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signal.SIGTERM)
+            self.child.send_signal(SERVER_STOP_SIGNAL)
+
+    def _outlived_sigterm_long_enough(self):
+        """Past the wait a SIGTERM that asked for a checkpoint grants; says so."""
+        waited = server_wait_seconds()
+        if self.term_at is None or time.monotonic() - self.term_at <= waited:
+            return False
+        self.say(f"the job did not ask for the server's stop within {waited:.0f} s of SIGTERM; stopping it")
+        return True
 
     def _remove_launch_leftovers(self):
         """The job's Open MPI segment folders on this node: its server is the job's last EDDIS
@@ -97,9 +123,10 @@ class ServerSupervisor:
         liveness = LivenessWatch()
         env = dict(os.environ, **liveness.child_env())
         try:
-            self.child = subprocess.Popen(server_child_command(self.run_dir, self.index, self.memory), env=env,
-                                          stdin=subprocess.DEVNULL, pass_fds=liveness.pass_fds,
-                                          preexec_fn=_die_with_parent)
+            self.child = subprocess.Popen(
+                server_child_command(self.run_dir, self.index, self.memory), env=env, stdin=subprocess.DEVNULL,
+                pass_fds=liveness.pass_fds,
+                preexec_fn=_die_with_parent_and_ignore_sigterm if self.outlive_sigterm else _die_with_parent)
         except OSError as exc:
             liveness.close()
             self.say(f"cannot start the server: {exc}")
@@ -123,9 +150,10 @@ class ServerSupervisor:
                 time.sleep(0.25)
             if self.child.poll() is not None:
                 break
-            if self.stop_signal is None and servers_stop_requested(self.run_dir):
+            if self.stop_signal is None and (servers_stop_requested(self.run_dir)
+                                             or self._outlived_sigterm_long_enough()):
                 self.stop_signal = signal.SIGTERM   # as if signalled: the same bounded stop
-                self.child.send_signal(signal.SIGTERM)
+                self.child.send_signal(SERVER_STOP_SIGNAL)
             if self.stop_signal is not None:
                 stop_deadline = stop_deadline or time.monotonic() + SERVER_STOP_SECONDS
                 if time.monotonic() > stop_deadline:

@@ -26,6 +26,11 @@ rank that hangs is the one named, not a peer whose wait ran out later.
 
 In an elastic easgd/hybrid run (EDDIS_ELASTIC, :mod:`.elastic`) a failed rank is a lost
 one: it is recorded the same way, its peers are not stopped, and its supervisor exits 0.
+
+In a Slurm job step with EDDIS_CHECKPOINT_DIR the first SIGTERM is Slurm's notice of a
+preemption (:mod:`.preemption`): Slurm delivers it to the trainer too, which writes a
+checkpoint at its next step boundary and exits 75; the supervisor only waits, at most
+EDDIS_CHECKPOINT_GRACE s, and stops it on a second SIGTERM or a stop request in the run dir.
 """
 import ctypes
 import os
@@ -42,6 +47,7 @@ from .elastic import elastic_run
 from .liveness import LivenessWatch
 from .mpishm import MpiShm
 from .output import LinePump, TracebackCatcher
+from .preemption import checkpoint_on_sigterm
 from .report import LaunchRecords, describe_exit, describe_failure, launch_key, stop_request
 
 PR_SET_PDEATHSIG = 1
@@ -112,6 +118,11 @@ class Supervisor:
         # elastic (easgd/hybrid): a lost rank is recorded, but does not stop its peers
         self.elastic = elastic_run(self.env)
         self.stop_signal = None
+        # SIGTERM is a checkpoint request first (see the module docstring); when it came
+        self.checkpoint_on_term = checkpoint_on_sigterm(self.env)
+        self.checkpoint_grace = settings.get("EDDIS_CHECKPOINT_GRACE")
+        self.term_at = None
+        self.term_announced = False
         self.child = None
         self.liveness = None
         self._sent = set()  # signals the trainer got: a second SIGINT would break into its handler
@@ -133,6 +144,9 @@ class Supervisor:
         # trainer's exit must be seen and cleaned up before that. SIGINT stays SIGINT (the
         # script may catch KeyboardInterrupt); a SIGTERM after it ends the grace at once.
         first = self.stop_signal is None
+        if first and signum == signal.SIGTERM and self.checkpoint_on_term and self.term_at is None:
+            self.term_at = time.monotonic()  # the trainer got it too; a second SIGTERM stops it
+            return
         if first:
             self.stop_signal = signum
         elif signum == signal.SIGINT:
@@ -194,6 +208,8 @@ class Supervisor:
         env = dict(self.env)
         env.update(self.info.environ(self.run_dir))
         env["PYTHONUNBUFFERED"] = "1"
+        if self.checkpoint_on_term:
+            env["EDDIS_CHECKPOINT_ON_SIGTERM"] = "1"
         env.setdefault("OMP_NUM_THREADS", default_threads(self.env, self.info.local_size))
         shm.prepare(env)
         return env
@@ -273,6 +289,8 @@ class Supervisor:
                 break
             except subprocess.TimeoutExpired:
                 pass
+            if self.term_at is not None and self.stop_signal is None:
+                self._wait_for_checkpoint()
             if self.stop_signal is not None:
                 why = "stopped"
                 self.say(f"eddis-train: received {signal.Signals(self.stop_signal).name}, stopping the trainer")
@@ -308,6 +326,8 @@ class Supervisor:
         code, sig = (rc, None) if rc >= 0 else (None, -rc)
         if why == "exited" and self._sent:
             why = "stopped"  # it ended after we asked it to, in whatever way it chose
+        if why == "exited" and sig in STOP_SIGNALS and self.term_at is not None:
+            why, self.stop_signal = "stopped", self.stop_signal or signal.SIGTERM  # before it could checkpoint
         if why == "exited" and sig in STOP_SIGNALS:
             # scancel and srun signal every process of the step at once: the trainer may
             # die of that signal before our own handler has run. Not a failure then.
@@ -354,6 +374,17 @@ class Supervisor:
             # status, which becomes the step's. Stopped by a signal (scancel): 143.
             return STOPPED_EXIT_CODE if self.stop_signal is not None else 0
         return code if sig is None else 128 + sig
+
+    def _wait_for_checkpoint(self):
+        """After the first SIGTERM (a checkpoint request): say so once; past the grace, stop."""
+        if not self.term_announced:
+            self.term_announced = True
+            self.say("eddis-train: received SIGTERM: the trainer writes a checkpoint at its next step "
+                     f"boundary and stops (at most EDDIS_CHECKPOINT_GRACE={self.checkpoint_grace:g} s)")
+        if time.monotonic() - self.term_at > self.checkpoint_grace:
+            self.say(f"eddis-train: the trainer wrote no checkpoint within {self.checkpoint_grace:g} s of "
+                     "SIGTERM (EDDIS_CHECKPOINT_GRACE)")
+            self.stop_signal = signal.SIGTERM
 
     def _end_hung_child(self, hung):
         """Name the hung trainer, dump its stack, kill it; returns the stack (or None)."""

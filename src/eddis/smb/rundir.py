@@ -84,18 +84,20 @@ def checkpoint_request(path):
         return None
 
 
-def answer_checkpoint_request(path, checkpoint, step):
+def answer_checkpoint_request(path, checkpoint, step, terminated=False):
     """Rank 0, once the requested checkpoint is complete: the trainers stop (status 0) not
-    because training is over but to be requeued, and the job reads this to tell the two apart."""
+    because training is over but to be requeued, and the job reads this to tell the two apart.
+    ``terminated``: SIGTERM asked for it (a preemption, or the steps were sent SIGTERM)."""
     answer = Path(path) / CHECKPOINT_ANSWER_FILE
     tmp = answer.with_name(answer.name + ".tmp")
-    tmp.write_text(json.dumps({"checkpoint": str(checkpoint), "step": int(step)}) + "\n")
+    tmp.write_text(json.dumps({"checkpoint": str(checkpoint), "step": int(step),
+                               "terminated": bool(terminated)}) + "\n")
     os.replace(tmp, answer)
     return answer
 
 
 def checkpoint_answer(path):
-    """``{"checkpoint": path, "step": n}`` when the trainers stopped after a requested checkpoint, else None."""
+    """``{"checkpoint": path, "step": n, "terminated": bool}`` when the trainers stopped after a requested checkpoint, else None."""
     try:
         return json.loads((Path(path) / CHECKPOINT_ANSWER_FILE).read_text())
     except (FileNotFoundError, NotADirectoryError, ValueError):

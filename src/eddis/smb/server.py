@@ -574,11 +574,14 @@ def main(argv=None):
     def on_signal(signum, frame):
         stop.append(signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    # Started with SIGINT ignored (eddis-train --smb-server in a job), it keeps ignoring it:
-    # an interrupt of the job is the trainers', and the job stops the server after them.
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, on_signal)
+    # SIGUSR2 too (not SIGHUP, which UCX takes for its debug signal): started with SIGINT or
+    # SIGTERM ignored (eddis-train --smb-server in a job), it keeps ignoring them: an interrupt of
+    # the job is the trainers', as is the SIGTERM of a preemption they answer with a checkpoint
+    # that reads this server; its supervisor stops it after them with SIGUSR2.
+    signal.signal(signal.SIGUSR2, on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, on_signal)
     try:
         server = Server(run_dir, index=index, memory=args.memory, host=args.host, port=port,
                         token=token, reduce_threads=args.reduce_threads,
