@@ -1,0 +1,62 @@
+"""EDDIS_ELASTIC=1 on the Slurm cluster (``eddis-train --job``, the srun path): a 2-node easgd job,
+one rank on n1 and one on n2 (tests/launch_scripts/elastic_trainer.py), whose rank 1 (n2)
+sends itself SIGKILL mid-training.
+
+Stated: the survivor trains until the global learning counter reaches exactly the total,
+the job ends COMPLETED 0:0, and its output says it finished degraded, naming the lost rank
+and its host.
+"""
+import json
+import os
+import re
+
+import pytest
+
+from conftest import REPO
+from launch_helpers import make_bin, wait_job_end
+
+import eddis.smb.server  # noqa: F401  (required: missing is a failure, not a skip)
+
+TRAINER = REPO / "tests" / "launch_scripts" / "elastic_trainer.py"
+TOTAL = 300
+KILL_STEP = 10
+LOST_AFTER = 5   # seconds: short for the test, long enough for 2 busy cores
+
+
+def submit_elastic_job(cluster, tmp_path, *trainer_args):
+    from eddis.slurm.script import JobComponent, render_job_script
+
+    out, log = tmp_path / "out", tmp_path / "job.out"
+    out.mkdir()
+    script = tmp_path / "job.sh"
+    script.write_text(render_job_script(
+        components=[JobComponent("all", nodes=2, tasks_per_node=1)], job_name="eddis-elastic-test",
+        command=[str(TRAINER), "--out", str(out), "--mode", "easgd", "--total", str(TOTAL),
+                 *map(str, trainer_args)],
+        time="00:05:00", output=str(log), mode="easgd", checkpoint_signal=0,
+        settings={"EDDIS_ELASTIC": "1", "EDDIS_ELASTIC_LOST_AFTER": str(LOST_AFTER),
+                  "EDDIS_COMM_TIMEOUT": "90"}))
+    bin_dir = make_bin(tmp_path / "bin")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
+           "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1"}
+    job_id = cluster.run(["sbatch", "--parsable", str(script)], env=env, timeout=60).stdout.strip()
+    return job_id, out, log
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_easgd_job_trains_on_without_a_killed_rank(slurm_cluster, tmp_path):
+    job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--kill-rank", 1, "--kill-step", KILL_STEP)
+    state = wait_job_end(slurm_cluster, job_id, 240, log)
+    text = log.read_text(errors="replace")
+    assert state == ("COMPLETED", "0:0"), text[-4000:]
+    assert re.search(r"^eddis-train: finished degraded: rank 1 on host n2 was lost \(was killed by signal 9 "
+                     r"\(SIGKILL\)\) at \d\d:\d\d:\d\d; rank 0 finished the training$", text, re.M), text[-4000:]
+    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(results) == [0], text[-4000:]
+    assert results[0]["counter"] == TOTAL, results
+    # rank 1 claimed its steps 0..KILL_STEP and completed KILL_STEP of them
+    assert results[0]["steps"] == TOTAL - (KILL_STEP + 1), results
+    assert (out / "model.pt").exists()
+    assert "ROOT CAUSE" not in text and "CANCELLED" not in text, text[-4000:]
+
