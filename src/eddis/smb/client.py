@@ -8,6 +8,7 @@ it, never a hang.
 """
 import contextlib
 import json
+import logging
 import threading
 import time
 import zlib
@@ -17,6 +18,8 @@ from ..errors import (SMBConnectionError, SMBTimeoutError, SMBValueError, UsageE
                       from_ucs_status)
 from . import handshake, rundir
 from .protocol import (COUNTER_REPLY, COUNTER_REQUEST, decode_control, encode_control)
+
+log = logging.getLogger("eddis.smb.client")
 
 
 class Request:
@@ -72,6 +75,15 @@ class Request:
     def _pending_conns(self):
         return self._pending.slot_conns_list()
 
+    def unanswered_servers(self):
+        """After a timeout: the servers whose part of this request has not completed."""
+        if self._pending is None:
+            return []
+        conns = set(self._pending.inflight_conns())
+        conns.update(c for c, reply in zip(self._pending.slot_conns_list(), self._pending.replies())
+                     if reply is None)
+        return self._client.servers_of(conns)
+
 
 class Completed:
     """A request that finished when it was issued (same-node copies)."""
@@ -86,6 +98,9 @@ class Completed:
 
     def wait(self, timeout=None):
         return self._result
+
+    def unanswered_servers(self):
+        return []
 
 
 class Client:
@@ -128,6 +143,7 @@ class Client:
         self.transport = transport
         self._core = _core.ClientCore(ucx=transport == "ucx")
         self._closed = False
+        self.lost_servers = set()   # given up for good (note_lost): mirrored objects work around them
         self._addresses = addresses
         self.servers = []
         try:
@@ -203,6 +219,27 @@ class Client:
                 raise SMBConnectionError(
                     f"{what}: lost SMB server {server} ({self.address(conn)}): "
                     f"{self._status_text(code)}; the server died or was stopped", code or -25)
+
+    def servers_of(self, conns):
+        """The server indices of these connections, sorted."""
+        conns = set(conns)
+        return sorted(s for s, info in enumerate(self.servers) if info["conn"] in conns)
+
+    def note_lost(self, give_up=()):
+        """Take the servers whose connection failed, and ``give_up`` (servers that left a
+        request unanswered for its whole timeout), as lost for good; returns the newly lost.
+        What a mirrored pool or counter (eddis.smb.mirror) calls when an operation fails."""
+        for server in give_up:
+            self._core.fail_conn(self.servers[server]["conn"])
+        self._core.progress()
+        new = [s for s, info in enumerate(self.servers)
+               if s not in self.lost_servers and self._core.conn_failed(info["conn"])]
+        for server in new:
+            log.warning("lost smb-server %d at %s (%s): mirrored pools and counters go on with "
+                        "its other copies", server, self.address(self.servers[server]["conn"]),
+                        self.servers[server].get("hostname", "?"))
+        self.lost_servers.update(new)
+        return new
 
     def _status_text(self, code):
         from . import _core
@@ -284,12 +321,26 @@ class Client:
         return self._control(server, {"op": "stats"}, "stats")[0]
 
     # ------------------------------------------------------------ objects
-    def pool(self, name, length, dtype="float32", slots=1, create=True, servers=None):
+    def pool(self, name, length, dtype="float32", slots=1, create=True, servers=None, mirrored=False):
+        """A :class:`~eddis.smb.pool.Pool`; ``mirrored``: a
+        :class:`~eddis.smb.mirror.MirroredPool`, every element on two servers (all of them)."""
+        if mirrored:
+            if servers is not None:
+                raise SMBValueError(f"pool {name!r}: a mirrored pool spans every server; drop servers=")
+            from .mirror import MirroredPool
+
+            return MirroredPool(self, name, length, dtype=dtype, slots=slots, create=create)
         from .pool import Pool
 
         return Pool(self, name, length, dtype=dtype, slots=slots, create=create, servers=servers)
 
-    def counter(self, name, initial=0, server=None):
+    def counter(self, name, initial=0, server=None, mirrored=False):
+        """A :class:`Counter`; ``mirrored``: a :class:`~eddis.smb.mirror.MirroredCounter`, on
+        its server and the next one."""
+        if mirrored:
+            from .mirror import MirroredCounter
+
+            return MirroredCounter(self, name, initial, server)
         return Counter(self, name, initial, server)
 
     def barrier(self, name, parties):

@@ -1,0 +1,99 @@
+"""Mirrored pools and counters (eddis.smb.mirror) outlive one lost smb-server.
+
+Real smb-server processes (eddis.smb.testing.LocalServers); one is killed with SIGKILL (or
+stopped with SIGSTOP, which only a timeout tells) while the client holds a mirrored pool
+and counter. Stated: every element keeps its value and takes updates on the live copy,
+the counter goes on from its value, and losing both copies of something is a clear error.
+"""
+import signal
+
+import numpy as np
+import pytest
+
+from launch_helpers import wait_until
+
+from eddis.errors import SMBConnectionError, SMBValueError
+from eddis.smb import Client
+from eddis.smb.testing import LocalServers
+
+LENGTH = 1000   # 333 / 333 / 334 elements per server of 3
+
+
+def process_state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def fill(pool, slots):
+    for slot in range(slots):
+        pool.write(np.arange(LENGTH, dtype=np.float32) + 1000 * slot, slot=slot)
+
+
+@pytest.mark.parametrize("hostnames", [["m0", "m1", "m2"], None], ids=["remote", "same-node"])
+def test_a_mirrored_pool_and_counter_outlive_a_killed_server(hostnames):
+    with LocalServers(3, memory="16M", hostnames=hostnames) as servers:
+        client = Client(servers.run_dir, expected_servers=3, timeout=20)
+        try:
+            pool = client.pool("centre", LENGTH, slots=2, mirrored=True)
+            counter = client.counter("progress", initial=5, mirrored=True)
+            fill(pool, 2)
+            pool.axpy(0, 1, 0.5)
+            assert counter.fetch_add(10) == 5
+            want = np.arange(LENGTH, dtype=np.float32) * 1.5 + 500
+            np.testing.assert_array_equal(pool.read(slot=0), want)
+            # the counter's own server is lost, and one server of the pool
+            servers.kill(counter.server)
+            assert counter.fetch_add(3) == 15
+            assert client.lost_servers == {counter.server}
+            np.testing.assert_array_equal(pool.read(slot=0), want)
+            pool.axpy(0, 1, 1.0)
+            want += np.arange(LENGTH, dtype=np.float32) + 1000
+            np.testing.assert_array_equal(pool.read(slot=0), want)
+            # a piece that straddles the lost server's segment
+            pool.write(np.full(400, 7, dtype=np.float32), slot=1, start=300)
+            got = pool.read(slot=1, start=250, count=500)
+            np.testing.assert_array_equal(got[50:450], 7)
+            np.testing.assert_array_equal(got[:50], np.arange(250, 300) + 1000)
+            assert counter.read() == 18
+            counter.wait_for(18, 5)
+            # a second server lost: some elements have no copy left
+            servers.kill((counter.server + 1) % 3)
+            with pytest.raises(SMBConnectionError, match=r"both copies of elements \[\d+, \d+\) are lost"):
+                pool.read(slot=0)
+            with pytest.raises(SMBConnectionError, match="counter 'progress' fetch_add: both copies are lost"):
+                counter.fetch_add(1)
+        finally:
+            client.close()
+
+
+def test_a_stopped_server_is_given_up_after_the_timeout():
+    with LocalServers(2, memory="16M", hostnames=["s0", "s1"]) as servers:
+        client = Client(servers.run_dir, expected_servers=2, timeout=2)
+        try:
+            pool = client.pool("centre", LENGTH, slots=2, mirrored=True)
+            counter = client.counter("steps", server=1, mirrored=True)
+            fill(pool, 2)
+            servers.procs[1].send_signal(signal.SIGSTOP)
+            wait_until(lambda: process_state(servers.procs[1].pid) == "T", 10, what="server 1 to stop")
+            try:
+                pool.axpy(0, 1, 1.0)          # server 1 never answers: given up, server 0 has a copy
+                assert client.lost_servers == {1}
+                want = 2 * np.arange(LENGTH, dtype=np.float32) + 1000
+                np.testing.assert_array_equal(pool.read(slot=0), want)
+                assert counter.fetch_add(2) == 0 and counter.read() == 2
+            finally:
+                servers.procs[1].send_signal(signal.SIGCONT)
+        finally:
+            client.close()
+
+
+def test_mirroring_needs_two_servers():
+    with LocalServers(1, memory="16M") as servers:
+        client = Client(servers.run_dir, expected_servers=1, timeout=20)
+        try:
+            with pytest.raises(SMBValueError, match="needs at least 2 servers"):
+                client.pool("x", 10, mirrored=True)
+            with pytest.raises(SMBValueError, match="needs at least 2 servers"):
+                client.counter("x", mirrored=True)
+        finally:
+            client.close()
