@@ -126,7 +126,15 @@ def test_degraded_only_when_a_rank_finished_and_every_failure_is_a_rank():
     assert line.endswith("; rank 0, 1 finished the training")
     assert degraded_report([lost], [{"rank": 2, "why": "failed", "signal": 9}]) is None  # nobody finished
     server = {"server": 0, "host": "n1", "pid": 7, "code": 1, "time": 0.0}
-    assert degraded_report([server, lost], done) is None   # a lost server is a failure of the job
+    assert degraded_report([server, lost], done) is None   # a server's own failure fails the job
+    # a node lost as a whole: its rank and server started and left no record of their end
+    gone = degraded_report([], done, [{"rank": 2, "host": "n2"}, {"rank": 3, "host": "n2"}],
+                           [{"server": 1, "host": "n2"}])
+    assert gone == ("eddis-train: finished degraded: node n2 was lost: rank 2, 3 and its smb-server 1; "
+                    "rank 0, 1 finished the training")
+    alone = degraded_report([lost], done, [{"rank": 3, "host": "n3"}])
+    assert alone.endswith("; rank 3 on host n3 was lost with its supervisor (no record of its end); "
+                          "rank 0, 1 finished the training")
 
 
 @pytest.mark.mpi
@@ -173,21 +181,26 @@ def smb_client(tmp_path):
         server.stop()
 
 
-def test_membership_passes_barriers_without_a_silent_rank(smb_client):
-    """Ranks 0 and 1 of 3 beat, rank 2 never does: it is counted lost after lost_after
-    seconds and no barrier waits for it; a rank that closes is gone, not lost."""
+def pass_barrier_without_rank_2(zero, one):
+    """Ranks 0 and 1 (of 3) pass a barrier together; rank 2, which never beats, is counted lost."""
     import threading
 
-    from eddis.core.elastic import Membership
-
-    zero = Membership(smb_client(), 0, 3, name="t.members", lost_after=1.0, timeout=30)
-    one = Membership(smb_client(), 1, 3, name="t.members", lost_after=1.0, timeout=30)
     passed = []
     other = threading.Thread(target=lambda: passed.append(one.barrier("test") or one.lost()))
     other.start()
     zero.barrier("test")
     other.join(30)
     assert passed == [[2]] and zero.lost() == [2]
+
+
+def test_membership_passes_barriers_without_a_silent_rank(smb_client):
+    """Ranks 0 and 1 of 3 beat, rank 2 never does: it is counted lost after lost_after
+    seconds and no barrier waits for it; a rank that closes is gone, not lost."""
+    from eddis.core.elastic import Membership
+
+    zero = Membership(smb_client(), 0, 3, name="t.members", lost_after=1.0, timeout=30)
+    one = Membership(smb_client(), 1, 3, name="t.members", lost_after=1.0, timeout=30)
+    pass_barrier_without_rank_2(zero, one)
     assert zero.arrived() == [0, 1]
     one.close()
     zero.barrier("after rank 1 left")   # rank 1 is gone: nobody waits for it
@@ -208,12 +221,16 @@ def test_membership_barrier_is_bounded(smb_client):
 
 
 def test_elastic_trainer_step_lets_a_lost_task_end_alone(monkeypatch):
-    from eddis.launch.jobrun import Component, trainer_step_command
+    from eddis.launch.jobrun import Component, server_step_command, trainer_step_command
 
     monkeypatch.setenv("EDDIS_ELASTIC", "1")
     monkeypatch.setenv("EDDIS_MODE", "hybrid")
     assert trainer_step_command([Component(None, 2, 4)], ["t.py"]) == [
         "srun", "--job-name=eddis-train", "--mpi=pmix", "--kill-on-bad-exit=0", "eddis-train", "t.py"]
+    # the servers' step too: the mirrored state outlives one lost server
+    assert "--kill-on-bad-exit=0" in server_step_command(Component(None, 2, 4), 0)
+    monkeypatch.setenv("EDDIS_ELASTIC_MIRROR", "0")
+    assert "--kill-on-bad-exit=1" in server_step_command(Component(None, 2, 4), 0)
     monkeypatch.delenv("EDDIS_ELASTIC")
     assert "--kill-on-bad-exit=1" in trainer_step_command([Component(None, 2, 4)], ["t.py"])
 
@@ -248,3 +265,45 @@ def test_elastic_status_fails_a_launch_without_survivors(tmp_path, capsys):
     assert elastic_status(tmp_path, 0, sys.stderr) == 0
     assert "finished degraded: rank 0 on host n1 was lost (exited with code 1)" in capsys.readouterr().err
     assert elastic_status(tmp_path / "empty", 0, sys.stderr) == 0
+
+
+def test_elastic_status_names_a_node_lost_with_its_server(tmp_path, capsys):
+    import sys
+
+    from eddis.launch.elastic import elastic_status
+    from eddis.launch.report import LaunchRecords, server_records
+
+    records, servers = LaunchRecords(tmp_path, "7.1"), server_records(tmp_path)
+    for rank, host in ((0, "n1"), (1, "n2")):
+        records.start(rank, {"rank": rank, "host": host, "size": 2})
+        servers.start(rank, {"server": rank, "host": host, "pid": 10 + rank})
+    records.finish(0, {"rank": 0, "host": "n1", "code": 0, "why": "exited"})
+    # --local: its one server still runs when the ranks have ended, so it is not lost
+    assert elastic_status(tmp_path, 137, sys.stderr, servers_ended=False) == 0
+    assert "finished degraded: rank 1 on host n2 was lost with its supervisor" in capsys.readouterr().err
+    servers.finish(0, {"server": 0, "host": "n1", "code": 0, "why": "stopped"})
+    assert elastic_status(tmp_path, 137, sys.stderr) == 0   # srun's status: the task killed on n2
+    assert ("finished degraded: node n2 was lost: rank 1 and its smb-server 1; rank 0 finished the "
+            "training") in capsys.readouterr().err
+
+
+def test_membership_outlives_a_lost_server():
+    """Mirrored heartbeats (EDDIS_ELASTIC_MIRROR): with smb-server 1 of 2 killed, the beats and
+    barriers go on with the copies on server 0, and a silent rank is still counted lost."""
+    from eddis.core.elastic import Membership
+    from eddis.smb import Client
+    from eddis.smb.testing import LocalServers
+
+    with LocalServers(2, memory="16M", hostnames=["e0", "e1"]) as servers:
+        clients = [Client(servers.run_dir, expected_servers=2, timeout=20) for _ in range(2)]
+        try:
+            zero, one = (Membership(clients[r], r, 3, name="t.mirrored", lost_after=1.0, timeout=30,
+                                    mirrored=True) for r in range(2))
+            servers.kill(1)
+            pass_barrier_without_rank_2(zero, one)
+            assert all(c.lost_servers == {1} for c in clients)
+            one.close()
+            zero.close()
+        finally:
+            for c in clients:
+                c.close()

@@ -1,19 +1,25 @@
 """EDDIS_ELASTIC=1 on the Slurm cluster (``eddis-train --job``, the srun path): a 2-node easgd job,
-one rank on n1 and one on n2 (tests/launch_scripts/elastic_trainer.py), whose rank 1 (n2)
-sends itself SIGKILL mid-training.
+one rank on n1 and one on n2 (tests/launch_scripts/elastic_trainer.py).
+
+- A lost rank: rank 1 (n2) sends itself SIGKILL mid-training.
+- A lost node: rank 1 waits at a step, and the test SIGKILLs every process of the job on n2
+  at once (the rank, the smb-server and both their supervisors), as a node that dies takes
+  them; slurmd and slurmstepd stay. The survivor goes on with the mirrored copies of the
+  centre, the counters and the heartbeats that n2's server held (eddis.smb.mirror).
 
 Stated: the survivor trains until the global learning counter reaches exactly the total,
 the job ends COMPLETED 0:0, and its output says it finished degraded, naming the lost rank
-and its host.
+and host, or the lost node with its rank and smb-server.
 """
 import json
 import os
 import re
+import signal
 
 import pytest
 
 from conftest import REPO
-from launch_helpers import make_bin, wait_job_end
+from launch_helpers import environ_of, make_bin, wait_job_end, wait_until
 
 import eddis.smb.server  # noqa: F401  (required: missing is a failure, not a skip)
 
@@ -60,3 +66,48 @@ def test_easgd_job_trains_on_without_a_killed_rank(slurm_cluster, tmp_path):
     assert (out / "model.pt").exists()
     assert "ROOT CAUSE" not in text and "CANCELLED" not in text, text[-4000:]
 
+
+def job_processes_on(node, job_id):
+    """PIDs of the job's processes on ``node`` (the fake nodes share this PID namespace); not
+    slurmstepd, which stands for slurmd here, and a lost node takes both."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = environ_of(entry)
+            with open(f"/proc/{entry}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURMD_NODENAME") == node and name != "slurmstepd":
+            found.append(int(entry))
+    return sorted(found)   # parents first: a supervisor must not see its child die and record it
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_easgd_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path):
+    job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--pause-rank", 1, "--pause-step", KILL_STEP)
+    wait_until(lambda: (out / "paused.1").exists(), 180, what="rank 1 to reach its pause")
+    victims = job_processes_on("n2", job_id)
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    state = wait_job_end(slurm_cluster, job_id, 240, log)
+    text = log.read_text(errors="replace")
+    # the rank and the smb-server of n2, each under its supervisor
+    assert len(victims) == 4, (victims, text[-4000:])
+    assert state == ("COMPLETED", "0:0"), text[-4000:]
+    assert re.search(r"^eddis-train: finished degraded: node n2 was lost: rank 1 and its smb-server 1; "
+                     r"rank 0 finished the training$", text, re.M), text[-4000:]
+    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(results) == [0], text[-4000:]
+    assert results[0]["lost_servers"] == [1], results
+    assert results[0]["counter"] == TOTAL, results
+    # rank 1 claimed its steps 0..KILL_STEP and completed KILL_STEP of them
+    assert results[0]["steps"] == TOTAL - (KILL_STEP + 1), results
+    assert (out / "model.pt").exists()
+    assert "ROOT CAUSE" not in text, text[-4000:]

@@ -240,6 +240,13 @@ register("EDDIS_ELASTIC_LOST_AFTER", "float", 30.0,
          "it as lost and stop waiting for it (staleness bound, final model, shutdown; a hybrid "
          "group then stops). As EDDIS_LIVENESS_TIMEOUT: the beat is a Python thread, so a call "
          "that holds the GIL longer than this makes a live rank look lost.")
+register("EDDIS_ELASTIC_MIRROR", "bool", True,
+         "Elastic runs on more than one smb-server: keep the training state in SMB (the centre "
+         "variable, the learning and staleness counters, the heartbeats) on two servers each, so "
+         "that the survivors of a node lost with its smb-server train on. Costs twice that memory, "
+         "one more write of the worker's move per easgd exchange (3 instead of 2 times the "
+         "parameter bytes: the centre read once, the move written twice) and one more round trip "
+         "per counter update; 0: a lost smb-server fails the run.")
 register("EDDIS_BALANCE", "bool", False,
          "sync: give each rank a share of the global batch proportional to its measured "
          "throughput (balanced sync).")

@@ -1,7 +1,9 @@
 """An easgd/hybrid trainer for the elastic tests (EDDIS_ELASTIC=1 under eddis-train --local).
 
 ``--kill-rank R --kill-step S``: rank R sends itself SIGKILL before its step S, as a
-crashed node would end it. ``--groups G`` (hybrid): G groups of consecutive ranks, set
+crashed node would end it. ``--pause-rank R --pause-step S``: rank R writes
+``<out>/paused.R`` before its step S and waits there (at most PAUSE_SECONDS) for the test
+to kill its node. ``--groups G`` (hybrid): G groups of consecutive ranks, set
 as EDDIS_GROUP/EDDIS_NUM_GROUPS before eddis.init(), as the launcher does for the
 components of a Slurm hetjob. Every survivor writes ``<out>/<rank>.json`` (its
 steps and the global learning counter at the end); the final model (the centre) goes
@@ -11,6 +13,9 @@ import argparse
 import json
 import os
 import signal
+import time
+
+PAUSE_SECONDS = 120
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -18,6 +23,8 @@ p.add_argument("--mode", default="easgd", choices=["easgd", "hybrid", "sync"])
 p.add_argument("--total", type=int, default=400)
 p.add_argument("--kill-rank", type=int, default=-1)
 p.add_argument("--kill-step", type=int, default=10)
+p.add_argument("--pause-rank", type=int, default=-1)
+p.add_argument("--pause-step", type=int, default=10)
 p.add_argument("--groups", type=int, default=0)
 args = p.parse_args()
 
@@ -30,6 +37,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import eddis.torch as eddis  # noqa: E402
+from eddis.core import runtime  # noqa: E402
 
 eddis.init()
 rank = eddis.rank()
@@ -45,6 +53,9 @@ step = 0
 while not eddis.should_stop():
     if rank == args.kill_rank and step == args.kill_step:
         os.kill(os.getpid(), signal.SIGKILL)
+    if rank == args.pause_rank and step == args.pause_step:
+        open(os.path.join(args.out, f"paused.{rank}"), "w").close()
+        time.sleep(PAUSE_SECONDS)
     x = torch.randn(32, 16, generator=generator)
     optimizer.zero_grad()
     F.mse_loss(model(x), x @ truth).backward()
@@ -53,5 +64,6 @@ while not eddis.should_stop():
 eddis.save_checkpoint(os.path.join(args.out, "model.pt"), model, optimizer)
 with open(os.path.join(args.out, f"{rank}.json"), "w") as f:
     json.dump({"rank": rank, "steps": ctl.steps_done, "counter": ctl.counter.read(),
+               "lost_servers": sorted(runtime.smb_client().lost_servers),
                "error": float((model.weight.detach().reshape(-1, 1) - truth).norm())}, f)
 print(f"rank {rank} finished after {ctl.steps_done} steps")

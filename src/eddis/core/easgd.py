@@ -67,7 +67,9 @@ class ElasticAverager:
     """A worker's side of EASGD over a flat float32 parameter vector."""
 
     def __init__(self, client, length, worker, workers, tau=None, alpha=None, name="eddis.easgd",
-                 timeout=None, iterations_per_step=1, weighting=None):
+                 timeout=None, iterations_per_step=1, weighting=None, mirrored=False):
+        """``mirrored``: the centre and the throughputs on two servers each (elastic runs,
+        :mod:`eddis.smb.mirror`), so that they outlive a lost smb-server."""
         self.length = int(length)
         self.worker = int(worker)
         self.workers = int(workers)
@@ -89,10 +91,12 @@ class ElasticAverager:
         self.iterations_per_step = int(iterations_per_step)
         self.timeout = timeout
         self.name = name
-        self.pool = client.pool(name, self.length, dtype="float32", slots=1 + self.workers)
+        self.pool = client.pool(name, self.length, dtype="float32", slots=1 + self.workers, mirrored=mirrored)
+        # the exchange's bytes as the timeline counts them; a mirrored pool takes the move twice
+        self.exchange_bytes = (4 if mirrored else 3) * self.length * 4
         # every worker's throughput, iterations/s (0: not measured yet)
         self.rates = None if self.weighting == "equal" else client.pool(
-            f"{name}.rates", self.workers, dtype="float64", slots=1)
+            f"{name}.rates", self.workers, dtype="float64", slots=1, mirrored=mirrored)
         self._rates = np.zeros(self.workers, dtype=np.float64)
         self.rate = 0.0
         self.mass = 1.0
@@ -146,7 +150,7 @@ class ElasticAverager:
         so the time since then is no measure of this worker's throughput."""
         start = time.perf_counter()
         with timeline.span(timeline.EASGD_EXCHANGE,
-                           args={"bytes": 3 * self.length * 4, "worker": self.worker}):
+                           args={"bytes": self.exchange_bytes, "worker": self.worker}):
             if measure:
                 self._weigh(start)
             self.finish()

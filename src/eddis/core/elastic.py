@@ -16,8 +16,10 @@ moved for EDDIS_ELASTIC_LOST_AFTER seconds of the observer's own clock (no
 clocks are compared); a rank that leaves on purpose writes DONE and is gone,
 not lost. A heartbeat rather than the launcher's records: it needs no file
 system shared by the ranks' nodes, and it also sees a rank whose supervisor died
-with it (a node lost as a whole also takes its smb-server, whose share of the
-centre is gone: the launcher fails such a run). A hybrid group whose member died cannot finish its synchronous
+with it. A node lost as a whole also takes its smb-server: with more than one
+server the heartbeats, the centre and the counters are mirrored (:func:`mirroring`,
+:mod:`eddis.smb.mirror`), so the survivors go on with the other copies. A hybrid
+group whose member died cannot finish its synchronous
 reductions: its other members watch their group mates' beats (``depend_on``)
 and end themselves (GROUP_LOST_STATUS) once one is lost, instead of sitting
 out EDDIS_COMM_TIMEOUT in a reduction; the group is lost as a whole and the
@@ -95,14 +97,16 @@ class _View:
 class Membership:
     """This rank's heartbeat and its view of the others' (see the module docstring)."""
 
-    def __init__(self, client, rank, size, name="eddis.elastic", lost_after=None, timeout=None):
+    def __init__(self, client, rank, size, name="eddis.elastic", lost_after=None, timeout=None,
+                 mirrored=False):
         self.rank, self.size, self.name = int(rank), int(size), name
         self.lost_after = settings.get("EDDIS_ELASTIC_LOST_AFTER") if lost_after is None else float(lost_after)
         if self.lost_after <= 0:
             raise ConfigError(f"EDDIS_ELASTIC_LOST_AFTER must be > 0 seconds, got {self.lost_after:g}")
         self.timeout = settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
-        self.pool = client.pool(name, self.size, dtype="int64", slots=2)
-        self._beat_pool = client.pool(name, self.size, dtype="int64", slots=2)  # the beat thread's handle
+        self.pool = client.pool(name, self.size, dtype="int64", slots=2, mirrored=mirrored)
+        # the beat thread's handle
+        self._beat_pool = client.pool(name, self.size, dtype="int64", slots=2, mirrored=mirrored)
         self._view = _View(self.rank, self.size, self.lost_after)
         self.phase = 0
         self._one = np.zeros(1, dtype=np.int64)
@@ -210,10 +214,16 @@ def join(mode):
         raise ConfigError("EDDIS_ELASTIC=1 needs smb-servers of their own (eddis-train --local, or the "
                           "job script's), not the one embedded in rank 0, which dies with rank 0; "
                           "start the job with eddis-train, or unset EDDIS_ELASTIC")
-    members = Membership(client, st.rank, st.size)
+    members = Membership(client, st.rank, st.size, mirrored=mirroring(client))
     _members[0] = members
     runtime.set_departure(_depart)
     return members
+
+
+def mirroring(client):
+    """Whether this elastic run keeps its training state in SMB on two servers each
+    (:mod:`eddis.smb.mirror`): EDDIS_ELASTIC_MIRROR, with more than one server."""
+    return bool(settings.get("EDDIS_ELASTIC_MIRROR")) and client.num_servers > 1
 
 
 def current():

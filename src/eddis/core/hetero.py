@@ -158,11 +158,13 @@ class HeteroStep:
         _names[0] += 1
         name = collectives.broadcast_object(f"eddis.{self.mode}.centre.h{_names[0]}", root=0,
                                             what=f"{self.mode} set-up")
-        self.averager = easgd.ElasticAverager(runtime.smb_client(), self.plan.total, worker, workers,
+        client = runtime.smb_client()
+        mirrored = self.members is not None and elastic.mirroring(client)   # outlives a lost node
+        self.averager = easgd.ElasticAverager(client, self.plan.total, worker, workers,
                                               alpha=hybrid.default_alpha(workers), name=name,
-                                              iterations_per_step=iterations_per_step)
+                                              iterations_per_step=iterations_per_step, mirrored=mirrored)
         # read before the centre's initialization barrier, which every rank passes before it joins
-        self.join_barrier = join.ElasticJoin(runtime.smb_client(), name)
+        self.join_barrier = join.ElasticJoin(client, name, mirrored=mirrored)
         self.exchanging = self.group_comm is None or self.group_comm.Get_rank() == 0
         if self._final_model_check is None:
             self._final_model_check = _FinalModelCheck(self)

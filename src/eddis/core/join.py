@@ -262,8 +262,8 @@ class ElasticJoin:
     """easgd's counted barrier: one SMB counter, its base read at set-up (before the
     collective that ends it, so before any rank can count itself in)."""
 
-    def __init__(self, client, name):
-        self.counter = client.counter(f"{name}.joined")
+    def __init__(self, client, name, mirrored=False):
+        self.counter = client.counter(f"{name}.joined", mirrored=mirrored)
         self.base = self.counter.read()
         self.calls = 0          # join() calls this rank made
         self.waiting = False    # in one now

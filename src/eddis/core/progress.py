@@ -84,7 +84,7 @@ class ProgressController:
     """
 
     def __init__(self, client, total, rank, size, chunk=None, staleness=None, lockstep_comm=None,
-                 name="eddis.progress", timeout=None, record=False):
+                 name="eddis.progress", timeout=None, record=False, mirrored=False):
         self.total = int(total)
         if self.total < 0:
             raise ConfigError(f"the total number of iterations must be >= 0, got {total}; "
@@ -108,7 +108,8 @@ class ProgressController:
         self._predicted = None        # the counter value the next claim finds (exclusive unit)
         # a resumed run starts from the iterations its checkpoint had used (eddis.resume)
         start = _resume_point or {"consumed": 0, "steps_done": None}
-        self.counter = client.counter(f"{name}.counter", initial=start["consumed"])
+        # mirrored (elastic runs): every counter on two servers, so that it outlives a lost node
+        self.counter = client.counter(f"{name}.counter", initial=start["consumed"], mirrored=mirrored)
         # where a unit's leader posts its claims for the members: (claims posted, newest's value)
         self._posted = self._posted_value = None
         self._last_posted_value = 0
@@ -118,15 +119,16 @@ class ProgressController:
                 self.rank, root=0, comm=lockstep_comm, timeout=self.timeout,
                 what="progress control set-up (the unit's leader)")
             unit_name = f"{name}.unit{self.unit_leader}"
-            self._posted = client.counter(f"{unit_name}.claims", initial=0)
-            self._posted_value = client.counter(f"{unit_name}.value", initial=0)
+            self._posted = client.counter(f"{unit_name}.claims", initial=0, mirrored=mirrored)
+            self._posted_value = client.counter(f"{unit_name}.value", initial=0, mirrored=mirrored)
         else:
             self.unit_leader = self.rank
         self._mine = None
         self._others = []
         if self.staleness >= 0:
             done = start["steps_done"] or [0] * self.size
-            peers = [client.counter(f"{name}.rank{r}", initial=int(done[r])) for r in range(self.size)]
+            peers = [client.counter(f"{name}.rank{r}", initial=int(done[r]), mirrored=mirrored)
+                     for r in range(self.size)]
             self._mine = peers[self.rank]
             self._others = [(r, c) for r, c in enumerate(peers) if r != self.rank]
         self.steps_done = 0           # steps this rank completed (in this run)
@@ -332,9 +334,13 @@ def configure(total=None, chunk=None, staleness=None, mode=None, record=False):
                          "call it once per training run (reset_progress() to start over)")
     comm = _lockstep_comm(mode)
     name = f"eddis.progress.{next(_instance)}"
-    _controller = ProgressController(runtime.smb_client(), total, runtime.rank(), runtime.size(),
+    client = runtime.smb_client()
+    # decided from the settings, not from elastic.current(): the optimizer may join later
+    mirrored = (runtime.size() > 1 and mode in elastic.ELASTIC_MODES and bool(settings.get("EDDIS_ELASTIC"))
+                and elastic.mirroring(client))
+    _controller = ProgressController(client, total, runtime.rank(), runtime.size(),
                                       chunk=chunk, staleness=staleness, lockstep_comm=comm,
-                                      name=name, record=record)
+                                      name=name, record=record, mirrored=mirrored)
     _controller.mode = mode
     _resume_point = None   # used by this controller; a later run starts afresh
     members = elastic.current()

@@ -55,7 +55,7 @@ from typing import Optional
 
 from ..errors import ConfigError, JobSignalled, NodeFailureError
 from . import jobsteps, placement, preemption
-from .elastic import elastic_run, elastic_status
+from .elastic import elastic_run, elastic_status, survives_server_loss
 from .report import LAUNCH_DIR, request_servers_stop, request_stop, root_cause
 
 SERVER_STEP_NAME = "smb-server"
@@ -122,11 +122,14 @@ def server_step_command(component, first_index, nodes=None):
     on the nodes of ``nodes`` (a :class:`~eddis.launch.placement.Placement`) when given.
 
     The step may use every CPU the job holds on the node (it overlaps the trainers): the
-    servers' reduction threads (SMB_REDUCE_THREADS) would share one bound CPU otherwise."""
+    servers' reduction threads (SMB_REDUCE_THREADS) would share one bound CPU otherwise.
+    An elastic run with mirrored state outlives a lost server, so its task must not take
+    the other servers down with it."""
     where = (nodes.step_options(tasks_per_node=1) if nodes is not None and nodes.narrowed else
              [f"--nodes={component.nodes}", f"--ntasks={component.nodes}", "--ntasks-per-node=1"])
+    kill = "--kill-on-bad-exit=0" if survives_server_loss() else "--kill-on-bad-exit=1"
     return ["srun", *component.het_group_option(), f"--job-name={SERVER_STEP_NAME}", "--overlap", *where,
-            f"--cpus-per-task={component.cpus_per_node}", "--gres=none", "--kill-on-bad-exit=1",
+            f"--cpus-per-task={component.cpus_per_node}", "--gres=none", kill,
             # a server's index needs its node's place in the step, which only that node knows
             "bash", "-c", f"exec eddis-train --smb-server $(({first_index} + SLURM_NODEID))"]
 
@@ -501,7 +504,9 @@ class Job:
             stop_steps(SERVER_STEP_NAME, self.servers)
             return 1
         status = self._train()
+        end_server_steps(self.run_dir, self.servers)
         if elastic_run():
+            # after the servers' end: a server that left no record of it was lost with its node
             status = elastic_status(self.run_dir, status, sys.stderr)
         if status == 0:
             from ..smb.rundir import checkpoint_answer
@@ -509,7 +514,6 @@ class Job:
             self.answer = checkpoint_answer(self.run_dir)
             if self.answer is None:
                 jobsteps.remove_elastic_commits(self.run_dir)
-        end_server_steps(self.run_dir, self.servers)
         if status == INTERRUPTED_STATUS and root_cause(self.run_dir)[0] is None:
             # scancel --signal=INT reached the trainers' step itself: no rank failed
             say("eddis_job: the trainers were interrupted (SIGINT)", sys.stderr)

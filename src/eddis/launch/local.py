@@ -166,7 +166,7 @@ def _launch_once(argv, ranks, memory, restarts, stop_signal):
                   f"{REQUEUE_EXIT_STATUS})", file=sys.stderr, flush=True)
             return REQUEUE_EXIT_STATUS
         if elastic:
-            code = elastic_status(run_dir, code, sys.stderr)
+            code = elastic_status(run_dir, code, sys.stderr, servers_ended=False)   # it runs on
         if code != 0:
             first, failures, exits = root_cause(run_dir)
             print(format_report(first, failures, exits, run_dir=run_dir, job_code=code),
