@@ -235,6 +235,15 @@ def test_elastic_trainer_step_lets_a_lost_task_end_alone(monkeypatch):
     assert "--kill-on-bad-exit=1" in trainer_step_command([Component(None, 2, 4)], ["t.py"])
 
 
+def test_a_lost_components_server_step_ends_training_only_without_mirrored_state():
+    from eddis.launch.jobrun import server_steps_end_training
+
+    # a hetjob of 2 components: one smb-server step each
+    assert server_steps_end_training(1, 2, survivable=False)
+    assert not server_steps_end_training(1, 2, survivable=True)   # its node was lost: train on
+    assert server_steps_end_training(2, 2, survivable=True)       # no server left
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_horovod_style_tensorflow_elastic_script(tmp_path):

@@ -29,14 +29,19 @@ KILL_STEP = 10
 LOST_AFTER = 5   # seconds: short for the test, long enough for 2 busy cores
 
 
-def submit_elastic_job(cluster, tmp_path, *trainer_args):
+ONE_COMPONENT = (("all", 2),)
+HETJOB = (("a100", 1), ("v100", 1))   # n1 and n2: one smb-server step each
+
+
+def submit_elastic_job(cluster, tmp_path, *trainer_args, components=ONE_COMPONENT):
     from eddis.slurm.script import JobComponent, render_job_script
 
     out, log = tmp_path / "out", tmp_path / "job.out"
     out.mkdir()
     script = tmp_path / "job.sh"
     script.write_text(render_job_script(
-        components=[JobComponent("all", nodes=2, tasks_per_node=1)], job_name="eddis-elastic-test",
+        components=[JobComponent(partition, nodes=nodes, tasks_per_node=1) for partition, nodes in components],
+        job_name="eddis-elastic-test",
         command=[str(TRAINER), "--out", str(out), "--mode", "easgd", "--total", str(TOTAL),
                  *map(str, trainer_args)],
         time="00:05:00", output=str(log), mode="easgd", checkpoint_signal=0,
@@ -67,9 +72,10 @@ def test_easgd_job_trains_on_without_a_killed_rank(slurm_cluster, tmp_path):
     assert "ROOT CAUSE" not in text and "CANCELLED" not in text, text[-4000:]
 
 
-def job_processes_on(node, job_id):
-    """PIDs of the job's processes on ``node`` (the fake nodes share this PID namespace); not
-    slurmstepd, which stands for slurmd here, and a lost node takes both."""
+def job_processes_on(node, run_dir):
+    """PIDs of the job's processes on ``node`` (the fake nodes share this PID namespace), found
+    by the run dir every process of the job has in its environment; not slurmstepd, which
+    stands for slurmd here (a lost node takes both)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -80,17 +86,20 @@ def job_processes_on(node, job_id):
                 name = f.read().strip()
         except OSError:
             continue
-        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURMD_NODENAME") == node and name != "slurmstepd":
+        if env.get("EDDIS_RUN_DIR") == str(run_dir) and env.get("SLURMD_NODENAME") == node \
+                and name != "slurmstepd":
             found.append(int(entry))
     return sorted(found)   # parents first: a supervisor must not see its child die and record it
 
 
 @pytest.mark.slurm
 @pytest.mark.timeout(300)
-def test_easgd_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path):
-    job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--pause-rank", 1, "--pause-step", KILL_STEP)
+@pytest.mark.parametrize("components", [ONE_COMPONENT, HETJOB], ids=["one-component", "hetjob"])
+def test_easgd_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, components):
+    job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--pause-rank", 1, "--pause-step", KILL_STEP,
+                                          components=components)
     wait_until(lambda: (out / "paused.1").exists(), 180, what="rank 1 to reach its pause")
-    victims = job_processes_on("n2", job_id)
+    victims = job_processes_on("n2", tmp_path / "run")
     for pid in victims:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -145,6 +145,13 @@ def trainer_step_command(parts, train, nodes=None):
     return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", kill, *where, "eddis-train", *train]
 
 
+def server_steps_end_training(ended, steps, survivable):
+    """Whether ``ended`` of the job's ``steps`` smb-server steps (one per hetjob component)
+    having ended stops the trainers: any of them, unless the state outlives a lost server
+    (``survivable``: elastic and mirrored), where only all of them do."""
+    return ended >= steps if survivable else ended > 0
+
+
 def server_count(parts, nodes=None):
     return len(nodes.nodes) if nodes is not None and nodes.narrowed else sum(c.nodes for c in parts)
 
@@ -540,17 +547,23 @@ class Job:
 
     def _wait_trainers(self):
         """The trainers' status; bounded by the trainer guard, the server steps and the job's time limit."""
+        survivable = survives_server_loss()
+        noted = set()
         while True:
             if self.trainer.poll() is not None:
                 return exit_status(self.trainer.returncode)
             if self.signals.checkpoint_asked and not self.checkpoint_requested:
                 self._request_checkpoint()
-            ended = next((p for p in self.servers if p.poll() is not None), None)
-            if ended is not None:
-                say(f"eddis_job: an smb-server step ended (status {exit_status(ended.returncode)}) "
+            ended = [p for p in self.servers if p.poll() is not None]
+            if ended and server_steps_end_training(len(ended), len(self.servers), survivable):
+                say(f"eddis_job: an smb-server step ended (status {exit_status(ended[0].returncode)}) "
                     "during training; stopping the trainers", sys.stderr)
                 stop_steps(TRAINER_STEP_NAME, [self.trainer])
                 return 1
+            for step in (p for p in ended if p.pid not in noted):
+                noted.add(step.pid)   # a hetjob component's servers, lost with its node(s)
+                say(f"eddis_job: an smb-server step ended (status {exit_status(step.returncode)}) during "
+                    "training; elastic run with mirrored state: the trainers go on", sys.stderr)
             time.sleep(POLL_SECONDS)
 
     def _request_checkpoint(self):
