@@ -1,4 +1,4 @@
-"""Checkpoint and resume on 2 real ranks (eddis-train --local, real smb-servers, torch CPU).
+"""Checkpoint and resume on real ranks (eddis-train --local, real smb-servers, torch CPU).
 
 Stated figures: a sync run of 10 steps and one checkpointed after step 7 (inside its second
 epoch) and resumed by a new launch end with the same parameters (relative error below 1e-5)
@@ -11,7 +11,10 @@ complete-looking checkpoint and the resume takes the one before; SIGUSR1 on rank
 ranks write one checkpoint after the same step and exit with status 75; a sync checkpoint of 2
 ranks is refused by 3 ranks with a message saying why, while one trained on a fixed global batch
 (BalancedBatchSampler) resumes on 3 ranks and ends with the parameters of the uninterrupted
-2-rank run.
+2-rank run; hybrid on 4 ranks in 2 groups of 2: a checkpoint requested on rank 0 stops both
+ranks of each group after the same step, the resumed launch starts every rank at its step of
+the checkpoint with the centre of its training.h5 in the new servers, the counter ends at
+exactly the total and the held-out accuracy is within a point of an uninterrupted run's.
 """
 import json
 import os
@@ -215,3 +218,38 @@ def test_tensorflow_sync_resume_ends_with_the_parameters_of_the_uninterrupted_ru
         assert second[rank]["start"] == 3
         assert second[rank]["iterations"] == full[rank]["iterations"] == 8   # the optimizer's own state
         assert relative_error(second[rank]["params"], full[rank]["params"]) < TOLERANCE
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_resume_restores_the_centre_and_every_rank_resumes_at_its_step(tmp_path):
+    script, total = REPO / "tests" / "launch_scripts" / "resumable_hetero.py", 1200
+    settings = {"EDDIS_MODE": "hybrid", "EDDIS_TOTAL_ITERATIONS": total}
+
+    def hybrid_launch(out, folder, *args):
+        argv = ["eddis-train", "--local", "-n", "4", PYTHON, str(script), str(out), "--mode", "hybrid",
+                "--groups", "2", *map(str, args)]
+        return run_process_group(argv, env_for(tmp_path, EDDIS_CHECKPOINT_DIR=folder, **settings), 240)
+
+    checked(hybrid_launch(tmp_path / "full.json", tmp_path / "uninterrupted"))
+    full = json.loads((tmp_path / "full.json").read_text())
+    ckpt = tmp_path / "ckpt"
+    # rank 0 asks after its step 50: every rank stops at its group's next step boundary
+    first = hybrid_launch(tmp_path / "first.json", ckpt, "--request-at", 50)
+    assert first.returncode == 75, first.stdout[-3000:] + first.stderr[-3000:]
+    [name] = complete(ckpt)
+    manifest = json.loads((ckpt / name / "manifest.json").read_text())
+    steps = [r["step"] for r in manifest["per_rank"]]
+    assert manifest["mode"] == "hybrid" and manifest["reason"] == "requested"
+    assert steps[0] == steps[1] > 50 and steps[2] == steps[3] > 0, steps   # groups {0, 1} and {2, 3}
+    with h5py.File(ckpt / name / "training.h5", "r") as h5:
+        centre = h5["centre"][()]
+        consumed = int(h5["progress"].attrs["consumed"])
+    assert consumed == sum(steps)     # one iteration per rank and group step
+
+    checked(hybrid_launch(tmp_path / "second.json", ckpt))
+    second = json.loads((tmp_path / "second.json").read_text())
+    assert [r["start"] for r in second["ranks"]] == steps
+    assert np.array_equal(np.asarray(second["centre_after_resume"], dtype=np.float32), centre)
+    assert second["counter"] == full["counter"] == total
+    assert consumed + sum(r["this_run"] for r in second["ranks"]) == total
+    assert abs(second["accuracy"] - full["accuracy"]) < 0.01, (second["accuracy"], full["accuracy"])
