@@ -154,6 +154,24 @@ def test_the_first_sigterm_is_a_request_and_the_second_ends_the_process():
     assert proc.returncode == -signal.SIGTERM, proc.stderr
 
 
+def test_a_request_after_shutdown_is_ignored_and_cannot_kill_the_process():
+    # Python's exit resets a handler written in Python to SIGUSR1's default action (kill the
+    # process), and leaves SIG_IGN as it is
+    previous = signal.getsignal(signal.SIGUSR1)
+    layout.clear_request()
+    try:
+        assert layout.install_signal_handler()
+        assert layout.ignore_signal_requests()
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert layout.pending_request() is None
+        signal.signal(signal.SIGUSR1, signal.default_int_handler)
+        assert not layout.ignore_signal_requests()      # somebody else's handler is kept
+        assert signal.getsignal(signal.SIGUSR1) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def test_a_request_the_job_left_in_the_run_dir_is_taken_up_and_answered(tmp_path, monkeypatch):
     from eddis.smb import rundir
 

@@ -267,3 +267,18 @@ def install_signal_handler(signum=signal.SIGUSR1):
     except ValueError:  # not the main thread: a handler cannot be installed from here
         return False
     return True
+
+
+def ignore_signal_requests(signum=signal.SIGUSR1):
+    """After training (eddis.shutdown) no request can be taken any more, and Python's exit puts
+    a signal handled in Python back to its default action, which for SIGUSR1 kills the process:
+    Slurm's warning arriving as the last run ends would fail a finished job. Ignore ``signum``
+    instead (SIG_IGN outlives the interpreter's finalization); a handler not ours is kept.
+    Returns whether it did."""
+    try:
+        if signal.getsignal(signum) is not _on_signal:
+            return False
+        signal.signal(signum, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        return False
+    return True

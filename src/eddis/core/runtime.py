@@ -270,7 +270,9 @@ def shutdown():
             return
         if st.broken is not None:
             _abort(st)
-        from . import agreement, collectives
+        from . import agreement, checkpoint, collectives
+
+        checkpoint.ignore_signal_requests()   # a checkpoint request from now on must not kill it
 
         errors = []
         try:
