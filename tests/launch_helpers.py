@@ -1,5 +1,6 @@
 """Helpers of the launcher tests: entry-point wrappers on PATH, leftovers of a run, job polling."""
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -92,6 +93,44 @@ def wait_job_end(cluster, job_id, timeout, output=None):
         # a job left running would hold the nodes and stall every later test
         cluster.run(["scancel", str(job_id)], timeout=30, check=False)
         raise AssertionError(f"{exc}\n{detail}") from None
+
+
+# a job being requeued shows an ended state (FAILED) for a moment before it is PENDING again
+REQUEUE_SETTLED_SECONDS = 10.0
+
+
+def wait_requeued_job_end(cluster, job_id, timeout, output, on_poll=None):
+    """Block until a job that requeues itself has ended for good; returns (state, exit code).
+
+    An ended state counts once it has lasted REQUEUE_SETTLED_SECONDS. ``on_poll()`` runs at
+    every poll (twice a second). On timeout the job is cancelled and the assertion says why."""
+    deadline = time.monotonic() + timeout
+    ended_since = None
+    while time.monotonic() < deadline:
+        state = job_state(cluster, job_id)
+        if state is not None and state[0] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING",
+                                                   "SUSPENDED", "REQUEUED"):
+            ended_since = ended_since or time.monotonic()
+            if time.monotonic() - ended_since > REQUEUE_SETTLED_SECONDS:
+                return state
+        else:
+            ended_since = None
+        if on_poll is not None:
+            on_poll()
+        time.sleep(0.5)
+    detail = _job_detail(cluster, job_id, output)
+    cluster.run(["scancel", str(job_id)], timeout=30, check=False)
+    raise AssertionError(f"job {job_id} did not end within {timeout} s\n{detail}")
+
+
+def requeue_hold_seconds(cluster):
+    """How long Slurm holds a requeued job before it may start again: AuthInfo's cred_expire
+    (120 s by default) + 1 (slurmctld's job_mgr.c, Slurm 22.05)."""
+    proc = cluster.run(["scontrol", "show", "config"], timeout=30)
+    auth = next((line.split("=", 1)[1] for line in proc.stdout.splitlines()
+                 if line.split("=", 1)[0].strip() == "AuthInfo"), "")
+    expire = re.search(r"cred_expire=(\d+)", auth)
+    return (int(expire.group(1)) if expire else 120) + 1
 
 
 def _job_detail(cluster, job_id, output):
