@@ -1,6 +1,7 @@
 """Runs that lose their ranks (a killed rank, Slurm's time limit, a lost node, preemption)
 continue from their last checkpoint: a sync run ends with the parameters of one uninterrupted
-run (relative error below 1e-5).
+run (relative error below 1e-5), an easgd run with the global learning counter at exactly its
+total and the held-out accuracy of an uninterrupted run within one point.
 
 - ``EDDIS_MAX_RESTARTS``: ``eddis-train --local`` reports the killed rank, starts a fresh
   server and ranks, and the script's ``eddis.resume()`` continues from the periodic checkpoint.
@@ -13,10 +14,17 @@ run (relative error below 1e-5).
 - Preemption: the same job, in the dev cluster's preemptable partition ``all``, is preempted
   by a job in partition ``urgent`` that needs both nodes; the trainers answer Slurm's SIGTERM
   with a checkpoint, the job requeues itself, and its next run resumes at that step.
+- Time limit, easgd: a job with ``--time=1`` and ``--signal=B:USR1@10`` trains far longer
+  than a minute. slurmctld itself sends the warning, at its first time-limit check (every
+  30 s) at which the limit is at most 10 + 30 s away: 20 to 50 s into each run, so that a
+  run trains at least 20 s less its start-up, and at most 50 s, at most 20 steps a second on
+  each of the 2 ranks (a 0.05 s pause a step): 2000 iterations, and the total of 4100 needs
+  at least three runs. Each run resumes every rank at its own step of the checkpoint before.
 
 Slurm holds a requeued job for AuthInfo's cred_expire + 1 s; the dev cluster sets 10 s, and
 Slurm releases it itself.
 """
+import json
 import os
 import re
 
@@ -29,12 +37,19 @@ from launch_helpers import (job_state, make_bin, requeue_hold_seconds, wait_job_
 from test_checkpoint_resume import env_for as local_env
 
 SCRIPT = REPO / "tests" / "launch_scripts" / "resumable_sync.py"
+HETERO_SCRIPT = REPO / "tests" / "launch_scripts" / "resumable_hetero.py"
 STEPS = 20
 TOLERANCE = 1e-5
 MAX_HOLD_SECONDS = 30
 STALE_CLUSTER = ("the dev cluster holds a requeued job for longer than 30 s (Slurm's default: 121 s): it "
                  "was set up by an older scripts/eddis-dev-cluster; run `scripts/eddis-dev-cluster down` "
                  "and `up` to rebuild it with AuthInfo=...,cred_expire=10")
+# easgd under the time limit: less than 50 s of training a run (see above), 20 steps a second
+# at most on each of 2 ranks
+WARNING_LEAD_SECONDS = 10
+STEP_SECONDS = 0.05
+EASGD_TOTAL = 4100
+ACCURACY_POINT = 0.01
 
 
 def reference(tmp_path):
@@ -292,3 +307,56 @@ def test_a_preempted_job_checkpoints_is_requeued_and_resumes(slurm_cluster, tmp_
     assert rank0_steps_done(second) == list(range(step + 1, STEPS + 1)), text[-4000:]
     assert re.search(r"^\[0@\S+\] finished 20 steps", text, re.M), text[-4000:]
     assert_same_parameters(dict(np.load(out)), want)
+
+
+def easgd_reference(tmp_path):
+    """The held-out accuracy of one uninterrupted easgd run of the same total (no pauses)."""
+    out = tmp_path / "easgd-reference.json"
+    proc = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(HETERO_SCRIPT), str(out)],
+                             local_env(tmp_path / "ref", EDDIS_CHECKPOINT_DIR=tmp_path / "ref" / "ckpt",
+                                       EDDIS_MODE="easgd", EDDIS_TOTAL_ITERATIONS=EASGD_TOTAL), 180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["counter"] == EASGD_TOTAL and sum(r["steps"] for r in result["ranks"]) == EASGD_TOTAL
+    return result
+
+
+def rank_lines(text, rank, pattern):
+    return [int(v) for v in re.findall(rf"^\[{rank}@\S+\] {pattern}", text, re.M)]
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(720)
+def test_an_easgd_job_ended_by_its_time_limit_resumes_until_the_counter_reaches_the_total(
+        slurm_cluster, tmp_path):
+    assert requeue_hold_seconds(slurm_cluster) <= MAX_HOLD_SECONDS, STALE_CLUSTER
+    want = easgd_reference(tmp_path)
+    out, ckpt, log = tmp_path / "requeued.json", tmp_path / "ckpt", tmp_path / "job.out"
+    job_id = submit_two_node_job(
+        slurm_cluster, tmp_path, [HETERO_SCRIPT, out, "--step-seconds", STEP_SECONDS], log,
+        job_name="eddis-time-limit-test", time="1", checkpoint_signal=WARNING_LEAD_SECONDS, mode="easgd",
+        settings={"EDDIS_CHECKPOINT_DIR": str(ckpt), "EDDIS_CHECKPOINT_KEEP": "0",
+                  "EDDIS_TOTAL_ITERATIONS": str(EASGD_TOTAL)})
+    state = wait_requeued_job_end(slurm_cluster, job_id, 600, log)
+    text = log.read_text(errors="replace")
+    assert state[:2] == ("COMPLETED", "0:0"), text[-4000:]
+    requeues = re.findall(r"eddis_job: wrote checkpoint (\S+) \(step (\d+)\); requeued job", text)
+    assert len(requeues) >= 2, text[-4000:]
+    # every warning was Slurm's own, and none came too late: the limit never ended a run itself
+    # (the last run's may come once its trainers are done, and then asks nothing of them)
+    warnings = text.count("(SIGUSR1 from Slurm): asking the trainers for a checkpoint")
+    assert warnings - len(requeues) in (0, 1), text[-4000:]
+    assert "DUE TO TIME LIMIT" not in text, text[-4000:]
+    for rank in (0, 1):
+        starts = rank_lines(text, rank, r"run \d+\.0 starts at step (\d+)")
+        stops = rank_lines(text, rank, r"stopped after step (\d+)")
+        # each run starts where its rank's last step before the checkpoint was: none lost
+        assert len(stops) == len(requeues) and starts == [0, *stops], (rank, starts, stops, text[-4000:])
+        for (path, _), stop in zip(requeues, stops):
+            manifest = json.loads((ckpt / os.path.basename(path) / "manifest.json").read_text())
+            assert manifest["per_rank"][rank]["step"] == stop, (rank, manifest["per_rank"], stops)
+    got = json.loads(out.read_text())
+    assert got["counter"] == EASGD_TOTAL, got["counter"]
+    # every iteration of the total was trained once, by one rank in one run
+    assert sum(r["steps"] for r in got["ranks"]) == EASGD_TOTAL, got["ranks"]
+    assert abs(got["accuracy"] - want["accuracy"]) < ACCURACY_POINT, (got["accuracy"], want["accuracy"])
