@@ -65,7 +65,7 @@ def vanished(run_dir, servers_ended=True):
     every = launches(run_dir)
     ranks = []
     if every:
-        ended = {r.get("rank") for r in read_records(every[-1].exits)}
+        ended = every[-1].exited_ranks()
         ranks = [r for r in read_records(every[-1].ranks) if r.get("rank") not in ended]
     if not servers_ended:
         return ranks, []

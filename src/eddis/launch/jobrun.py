@@ -55,6 +55,7 @@ from typing import Optional
 
 from ..errors import ConfigError, JobSignalled, NodeFailureError
 from . import jobsteps, placement, preemption
+from .hostlist import expand_hostlist
 from .elastic import elastic_run, elastic_status, survives_server_loss
 from .report import LAUNCH_DIR, request_servers_stop, request_stop, root_cause
 
@@ -161,8 +162,7 @@ def job_nodes(env):
     size = _count(env, "SLURM_HET_SIZE", default=1)
     if size <= 1:
         return placement.allocation_nodes(env)
-    return tuple(n for g in range(size) for n in placement.allocation_nodes(
-        {"SLURM_JOB_NODELIST": env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}", "")}))
+    return tuple(n for g in range(size) for n in expand_hostlist(env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}", "")))
 
 
 # ---------------------------------------------------------------- steps as processes
@@ -394,9 +394,9 @@ class Job:
         if not terminated:
             return self._requeue()
         preempted = preemption.preempted(self.job_id)
-        where = self._checkpoint_written()
         if preempted:
             return self._requeue(preempted=True)
+        where = self._checkpoint_written()
         if preempted is None:
             say("eddis_job: the trainers stopped on SIGTERM, and `scontrol show job` could not tell whether "
                 "Slurm preempted the job; not requeued" + (f": resubmit to resume from {where}" if where else ""),
@@ -482,7 +482,7 @@ class Job:
             say("eddis_job: Slurm did not say which of the job's nodes are healthy (scontrol show job/node "
                 "failed); the restart uses the same nodes", sys.stderr)
             return True
-        current = {n for text in lists for n in placement.allocation_nodes({"SLURM_JOB_NODELIST": text})}
+        current = {n for text in lists for n in expand_hostlist(text)}
         failed = placement.failed_nodes(self.nodes_started, current, health)
         if not failed:
             return True
