@@ -100,14 +100,16 @@ def test_restarts_are_bounded_and_say_so(tmp_path):
     assert "the ranks failed again after 1 restart(s) (EDDIS_MAX_RESTARTS=1); giving up" in text, text[-3000:]
 
 
-def submit_two_node_job(cluster, tmp_path, command, log, env=None, **options):
-    """sbatch the job script render_job_script writes for 2 nodes x 1 rank; returns the job id.
-    sbatch's environment: this checkout's entry points, the job's run dir, ``env``."""
+def submit_job(cluster, tmp_path, command, log, component=None, env=None, **options):
+    """sbatch the job script render_job_script writes for ``component`` (by default 2 nodes x
+    1 rank in partition all); returns the job id. sbatch's environment: this checkout's entry
+    points, the job's run dir, ``env``."""
     from eddis.slurm.script import JobComponent, render_job_script
 
+    component = component or JobComponent("all", nodes=2, tasks_per_node=1)
     script = tmp_path / "job.sh"
-    script.write_text(render_job_script(components=[JobComponent("all", nodes=2, tasks_per_node=1)],
-                                        command=[PYTHON, *map(str, command)], output=str(log), **options))
+    script.write_text(render_job_script(components=[component], command=[PYTHON, *map(str, command)],
+                                        output=str(log), **options))
     bin_dir = make_bin(tmp_path / "bin")
     environ = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
                "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1", **(env or {})}
@@ -119,7 +121,7 @@ def submit_resumable_job(cluster, tmp_path, name, out, seconds_per_step, setting
     and its output file."""
     assert requeue_hold_seconds(cluster) <= MAX_HOLD_SECONDS, STALE_CLUSTER
     log = tmp_path / "job.out"
-    job_id = submit_two_node_job(cluster, tmp_path, [SCRIPT, STEPS, out, seconds_per_step], log, job_name=name,
+    job_id = submit_job(cluster, tmp_path, [SCRIPT, STEPS, out, seconds_per_step], log, job_name=name,
                                  time="00:10:00", checkpoint_signal=120, settings=settings)
     return job_id, log
 
@@ -170,7 +172,7 @@ def test_a_job_warned_of_its_time_limit_requeues_itself_and_resumes(slurm_cluste
 def test_a_job_restarts_its_failed_trainers_in_the_allocation(slurm_cluster, tmp_path):
     want = reference(tmp_path)
     out, log = tmp_path / "restarted.npz", tmp_path / "job.out"
-    job_id = submit_two_node_job(slurm_cluster, tmp_path, [SCRIPT, STEPS, out], log,
+    job_id = submit_job(slurm_cluster, tmp_path, [SCRIPT, STEPS, out], log,
                                  env={"TEST_CRASH_AFTER_STEP": "12"}, job_name="eddis-restart-test", time="00:10:00",
                                  settings={"EDDIS_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
                                            "EDDIS_CHECKPOINT_INTERVAL": "5", "EDDIS_MAX_RESTARTS": "1"})
@@ -193,21 +195,15 @@ def test_a_job_restarts_on_its_spare_node_without_the_node_that_went_down(slurm_
     server and trainers on n1 from the last checkpoint. The trainers start on n2 because the
     batch host is the first spare (eddis.launch.placement): a node that fails under the job's
     own script ends the job with it."""
-    from eddis.slurm.script import JobComponent, render_job_script
+    from eddis.slurm.script import JobComponent
 
     want = reference(tmp_path)
     out, log = tmp_path / "restarted.npz", tmp_path / "job.out"
-    script = tmp_path / "job.sh"
-    script.write_text(render_job_script(
-        components=[JobComponent("all", nodes=1, tasks_per_node=2, spare_nodes=1)],
-        job_name="eddis-spare-node-test", command=[PYTHON, str(SCRIPT), str(STEPS), str(out), "0.5"],
-        time="00:10:00", output=str(log), checkpoint_signal=0,
-        settings={"EDDIS_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "EDDIS_CHECKPOINT_INTERVAL": "5",
-                  "EDDIS_MAX_RESTARTS": "1"}))
-    bin_dir = make_bin(tmp_path / "bin")
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
-           "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1"}
-    job_id = slurm_cluster.run(["sbatch", "--parsable", str(script)], env=env, timeout=60).stdout.strip()
+    job_id = submit_job(slurm_cluster, tmp_path, [SCRIPT, STEPS, out, "0.5"], log,
+                        component=JobComponent("all", nodes=1, tasks_per_node=2, spare_nodes=1),
+                        job_name="eddis-spare-node-test", time="00:10:00", checkpoint_signal=0,
+                        settings={"EDDIS_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "EDDIS_CHECKPOINT_INTERVAL": "5",
+                                  "EDDIS_MAX_RESTARTS": "1"})
     try:
         wait_until(lambda: re.search(r"^\[0@n2\] step 6 done", log.read_text(errors="replace") if log.exists()
                                      else "", re.M), 300, what="step 6 on n2")
@@ -332,7 +328,7 @@ def test_an_easgd_job_ended_by_its_time_limit_resumes_until_the_counter_reaches_
     assert requeue_hold_seconds(slurm_cluster) <= MAX_HOLD_SECONDS, STALE_CLUSTER
     want = easgd_reference(tmp_path)
     out, ckpt, log = tmp_path / "requeued.json", tmp_path / "ckpt", tmp_path / "job.out"
-    job_id = submit_two_node_job(
+    job_id = submit_job(
         slurm_cluster, tmp_path, [HETERO_SCRIPT, out, "--step-seconds", STEP_SECONDS], log,
         job_name="eddis-time-limit-test", time="1", checkpoint_signal=WARNING_LEAD_SECONDS, mode="easgd",
         settings={"EDDIS_CHECKPOINT_DIR": str(ckpt), "EDDIS_CHECKPOINT_KEEP": "0",
