@@ -13,6 +13,10 @@ STAMPS       := $(REPO)/.eddis-dev
 SYSTEM_PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS  ?=
+# pytest-xdist workers for make test (0: one process). Most of the suite waits on Slurm,
+# timeouts and subprocesses, so two workers pay even on two cores; the tests that share the
+# dev cluster or the hugetlb pages run one after another in their xdist group (tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; [ "$$n" -lt 2 ] && n=2; echo $$n)
 export EDDIS_DEV_CLUSTER_DIR ?= /tmp/eddis-dev-cluster
 SLURM_CONF_DEV := $(EDDIS_DEV_CLUSTER_DIR)/slurm.conf
 DEMO_SCRIPT  ?= examples/torch_train.py
@@ -102,7 +106,7 @@ hugepages:
 # .eddis-dev/pytest.rc so .ci/run can tell "no tests collected" (5) from failures.
 test: setup hugepages
 	@rm -f $(STAMPS)/pytest.rc
-	cd $(REPO) && OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; echo $$rc > $(STAMPS)/pytest.rc; exit $$rc; }
+	cd $(REPO) && OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) || { rc=$$?; echo $$rc > $(STAMPS)/pytest.rc; exit $$rc; }
 
 # The quick tier for the edit-test loop: pure functions and single-process tests (no
 # Slurm, no MPI ranks, no netns cluster, no GPU, nothing slow); make test runs everything.

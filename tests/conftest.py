@@ -153,14 +153,36 @@ def netns_support():
     return _NETNS_SUPPORT[0]
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Mark tests by the fixtures they use, so a `-m` tier cannot miss one (make test-unit)."""
+    """Mark tests by the fixtures they use, so a `-m` tier cannot miss one (make test-unit),
+    and give the tests that share one machine-wide resource one xdist group each, so that
+    parallel workers (`make test` runs pytest-xdist with --dist loadgroup) run them one after
+    another: the dev cluster's two nodes, slurmctld ports and network namespaces (a job of one
+    test would queue behind another's, and the link counters would count both), and the few
+    hugetlb pages `make test` reserves."""
     for item in items:
         names = getattr(item, "fixturenames", ())
         if "run_mpi" in names:
             item.add_marker(pytest.mark.mpi)
-        if "slurm_cluster" in names:
+        if any(f in names for f in CLUSTER_FIXTURES):
             item.add_marker(pytest.mark.slurm)
+        group = shared_resource_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+CLUSTER_FIXTURES = ("slurm_cluster", "private_cluster")
+
+
+def shared_resource_group(item):
+    names = getattr(item, "fixturenames", ())
+    if (any(f in names for f in CLUSTER_FIXTURES) or item.get_closest_marker("slurm") is not None
+            or item.get_closest_marker("netns") is not None):
+        return "dev-cluster"
+    if item.get_closest_marker("hugepages") is not None:
+        return "hugepages"
+    return None
 
 
 def pytest_runtest_setup(item):
