@@ -229,3 +229,32 @@ def test_elastic_commits_are_persisted_in_sync_modes_only_where_something_reads_
     assert commit_folder("sync") == str(tmp_path / "ckpt")
     # easgd/hybrid survivors go on with what they hold; nothing restarts from a commit
     assert commit_folder("easgd") is None and commit_folder("hybrid") is None and commit_folder(None) is None
+
+
+def test_a_model_state_without_a_distributed_optimizer_commits_in_memory_and_says_so_once(
+        monkeypatch, tmp_path, caplog):
+    from eddis.core.elastic_state import ModelState
+
+    class PlainOptimizerState(ModelState):   # as TensorFlowKerasState beside a DistributedGradientTape
+        def __init__(self, **values):
+            self.model, self.optimizer = "model", "plain optimizer"
+            super().__init__(**values)
+
+        def training_mode(self):
+            return None
+
+    monkeypatch.setattr(ModelState, "_warned_in_memory", False)
+    monkeypatch.delenv("EDDIS_CHECKPOINT_DIR", raising=False)
+    monkeypatch.setenv("EDDIS_MODE", "sync")
+    monkeypatch.setenv("EDDIS_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("EDDIS_MAX_RESTARTS", "1")
+    state = PlainOptimizerState(epoch=0)
+    state.epoch = 3
+    for _ in range(2):
+        state.commit()   # no checkpointing module: any write would fail
+    assert not state.restore_commit()
+    state.epoch = 5
+    state.restore()
+    assert state.epoch == 3
+    warnings = [r.getMessage() for r in caplog.records if "stays in memory" in r.getMessage()]
+    assert len(warnings) == 1 and "eddis.DistributedOptimizer(optimizer)" in warnings[0], warnings

@@ -233,6 +233,31 @@ def test_a_job_restarts_on_its_spare_node_without_the_node_that_went_down(slurm_
 
 
 ELASTIC_SYNC_SCRIPT = REPO / "tests" / "horovod_style" / "torch_elastic_sync_style.py"
+TF_ELASTIC_SYNC_SCRIPT = REPO / "tests" / "horovod_style" / "tensorflow_elastic_sync_style.py"
+
+
+def launch_elastic_sync(tmp_path, script, name, timeout=150, **extra):
+    """A Horovod-style elastic script in sync with EDDIS_MAX_RESTARTS=1; its output and the
+    final parameters rank 0 wrote."""
+    out = tmp_path / f"{name}.npz"
+    env = local_env(tmp_path / name, EDDIS_MODE="sync", EDDIS_MAX_RESTARTS=1, **extra)
+    proc = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(script), str(out)], env, timeout)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert text.count("HOROVOD-STYLE ELASTIC SYNC OK") == 2, text[-4000:]
+    return text, dict(np.load(out))
+
+
+def assert_restarted_from_the_commit_at_epoch_1_batch_4(text, run_dir):
+    assert re.search(r"ROOT CAUSE: rank 1 on host \S+ was killed by signal 9 \(SIGKILL\)", text), text[-4000:]
+    assert text.count("restarting the smb-server and the ranks (restart 1 of 1)") == 1, text[-4000:]
+    assert sorted(re.findall(r"attempt (\d) starts at epoch (\d) batch (\d)", text)) == [
+        ("0", "0", "0"), ("0", "0", "0"), ("1", "1", "4"), ("1", "1", "4")], text[-4000:]
+    # one commit every 4 batches and the last one: steps 4, 8, 14, 18 and 20, the newest 3 kept,
+    # and removed once the training finished
+    assert re.search(rf"removed its 3 elastic commit\(s\) from {re.escape(str(run_dir))}/elastic-commits$",
+                     text, re.M), text[-4000:]
+    assert not (run_dir / "elastic-commits").exists()
 
 
 @pytest.mark.mpi
@@ -240,29 +265,48 @@ ELASTIC_SYNC_SCRIPT = REPO / "tests" / "horovod_style" / "torch_elastic_sync_sty
 def test_a_horovod_elastic_script_in_sync_restarts_from_its_last_commit(tmp_path):
     """Without EDDIS_CHECKPOINT_DIR, the commits go into the run directory's elastic-commits
     folder because EDDIS_MAX_RESTARTS > 0; rank 1 dies after the commit at epoch 1, batch 4."""
-    def launch(name, **extra):
-        out = tmp_path / f"{name}.npz"
-        env = local_env(tmp_path / name, EDDIS_MODE="sync", EDDIS_MAX_RESTARTS=1, **extra)
-        proc = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(ELASTIC_SYNC_SCRIPT),
-                                  str(out)], env, 150)
-        text = proc.stdout + proc.stderr
-        assert proc.returncode == 0, text[-4000:]
-        assert text.count("HOROVOD-STYLE ELASTIC SYNC OK") == 2, text[-4000:]
-        return text, dict(np.load(out))
-
-    uninterrupted, want = launch("reference")
+    uninterrupted, want = launch_elastic_sync(tmp_path, ELASTIC_SYNC_SCRIPT, "reference")
     assert "restarting" not in uninterrupted
-    text, got = launch("killed", ELASTIC_TEST_KILL_AFTER="1:4")
-    assert re.search(r"ROOT CAUSE: rank 1 on host \S+ was killed by signal 9 \(SIGKILL\)", text), text[-4000:]
-    assert text.count("restarting the smb-server and the ranks (restart 1 of 1)") == 1, text[-4000:]
-    assert sorted(re.findall(r"attempt (\d) starts at epoch (\d) batch (\d)", text)) == [
-        ("0", "0", "0"), ("0", "0", "0"), ("1", "1", "4"), ("1", "1", "4")], text[-4000:]
-    # one commit every 4 batches and the last one: steps 4, 8, 14, 18 and 20, the newest 3 kept,
-    # and removed once the training finished
-    assert re.search(r"removed its 3 elastic commit\(s\) from \S+/killed/run/elastic-commits$", text, re.M), \
-        text[-4000:]
-    assert not (tmp_path / "killed" / "run" / "elastic-commits").exists()
+    text, got = launch_elastic_sync(tmp_path, ELASTIC_SYNC_SCRIPT, "killed", ELASTIC_TEST_KILL_AFTER="1:4")
+    assert_restarted_from_the_commit_at_epoch_1_batch_4(text, tmp_path / "killed" / "run")
     assert_same_parameters(got, want)
+
+
+def replay_keras_sgd_momentum(initial, ranks, epochs, batches, lr=0.05, momentum=0.9):
+    """tensorflow_elastic_sync_style.py's training in one process, in float64: each step the
+    Dense(1) layer's gradients of the mean squared error averaged over the ranks' batches,
+    then Keras's SGD with momentum (m = momentum m - lr g; w += m)."""
+    weights = [w.astype(np.float64) for w in initial]
+    velocities = [np.zeros_like(w) for w in weights]
+    for epoch in range(epochs):
+        for batch in range(batches):
+            grads = [np.zeros_like(w) for w in weights]
+            for rank in range(ranks):
+                x = np.random.default_rng(1000 * epoch + 10 * batch + rank).normal(size=(16, 8)).astype("float32")
+                y = x.sum(axis=1, keepdims=True).astype(np.float64)
+                x = x.astype(np.float64)
+                error = x @ weights[0] + weights[1] - y
+                grads[0] += 2 * x.T @ error / len(x) / ranks
+                grads[1] += 2 * error.sum(axis=0) / len(x) / ranks
+            for w, m, g in zip(weights, velocities, grads):
+                m *= momentum
+                m -= lr * g
+                w += m
+    return weights
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_a_horovod_elastic_tensorflow_script_in_sync_restarts_from_its_last_commit(tmp_path):
+    """TensorFlowKerasState's commits are checkpoints too: the same kill as above, one launch
+    (TensorFlow's import costs seconds a process); the uninterrupted run it must equal is
+    replayed here from the weights rank 0 started from."""
+    text, got = launch_elastic_sync(tmp_path, TF_ELASTIC_SYNC_SCRIPT, "killed", timeout=240,
+                                    ELASTIC_TEST_KILL_AFTER="1:4")
+    assert_restarted_from_the_commit_at_epoch_1_batch_4(text, tmp_path / "killed" / "run")
+    initial = np.load(tmp_path / "killed-initial.npz")
+    want = replay_keras_sgd_momentum([initial[k] for k in sorted(initial)], ranks=2, epochs=2, batches=10)
+    assert_same_parameters(got, dict(zip(sorted(initial), want)))
 
 
 @pytest.mark.slurm

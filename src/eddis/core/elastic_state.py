@@ -21,11 +21,13 @@ state ends with its process. Workers never join a running job either. So:
   ``check_host_updates()`` has nothing to check (membership only shrinks, and
   that needs no action from the script).
 
-Framework adapters subclass :class:`ObjectState` for their models and optimizers
-(``eddis.torch.elastic.TorchState``).
+Framework adapters subclass :class:`ModelState` for their models and optimizers
+(``eddis.torch.elastic.TorchState``, ``eddis.tensorflow.elastic.TensorFlowKerasState``): it
+persists and restores the commits through the adapter's own ``eddis.checkpoint``/``resume``.
 """
 import copy
 import functools
+import logging
 import os
 
 from .. import settings
@@ -33,6 +35,8 @@ from ..errors import CheckpointError, UsageError
 from ..smb.rundir import ELASTIC_COMMITS_DIR
 from . import checkpoint as layout
 from . import collectives, elastic, runtime
+
+log = logging.getLogger("eddis.core.elastic_state")
 
 # the manifest's extra entry of a checkpoint a commit wrote: the state's values
 COMMIT_ENTRY = "elastic_state"
@@ -170,3 +174,47 @@ class ObjectState(State):
         for name, value in values.items():
             setattr(self, name, value)
         self.save()
+
+
+class ModelState(ObjectState):
+    """A model, its optimizer and plain values as one elastic state, whose commits in sync
+    modes are checkpoints of the run (:func:`commit_folder`). An adapter's subclass gives
+    ``checkpointing``, its module with ``checkpoint(folder, model, optimizer, **extra)`` and
+    ``resume(path, model, optimizer)``, and :meth:`training_mode`; it keeps the in-memory
+    copy itself (``save``/``restore``/``sync``, framework tensors)."""
+
+    checkpointing = None
+    _warned_in_memory = False
+
+    def training_mode(self):
+        """The mode of the eddis.DistributedOptimizer that trains the model, or None when the
+        optimizer is not one (a plain optimizer beside a DistributedGradientTape), whose
+        training state ``eddis.checkpoint`` cannot cut."""
+        raise UsageError(f"{type(self).__name__} must define training_mode()")
+
+    def _commit_folder(self):
+        mode = self.training_mode()
+        if mode is not None:
+            return commit_folder(mode)
+        if (self.model is not None and self.optimizer is not None and not ModelState._warned_in_memory
+                and commit_folder(settings.get("EDDIS_MODE")) is not None):
+            ModelState._warned_in_memory = True
+            log.warning("%s: the optimizer is not an eddis.DistributedOptimizer, so state.commit() stays "
+                        "in memory and a restarted run (EDDIS_MAX_RESTARTS) starts its function from the "
+                        "beginning; wrap it, optimizer = eddis.DistributedOptimizer(optimizer), to resume "
+                        "from the last commit", type(self).__name__)
+        return None
+
+    def persist_commit(self):
+        folder = self._commit_folder()
+        if folder is not None:
+            self.checkpointing.checkpoint(folder, self.model, self.optimizer, **{COMMIT_ENTRY: self._current()})
+
+    def restore_commit(self):
+        folder = self._commit_folder()
+        path = None if folder is None else latest_commit(folder)
+        if path is None:
+            return False
+        start = self.checkpointing.resume(path, self.model, self.optimizer)
+        self._set_values(start.extra[COMMIT_ENTRY])
+        return True

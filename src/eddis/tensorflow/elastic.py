@@ -8,18 +8,24 @@
 
 The calls mean what they mean in ``eddis.torch.elastic`` (``eddis.core.elastic_state``):
 ``run`` syncs once and calls the function once, ``commit()`` keeps an in-memory copy
-of the model's and the optimizer's variables that ``restore()`` returns to, ``sync()``
+of the model's and the optimizer's variables that ``restore()`` returns to, and in sync
+also writes it as a checkpoint (``eddis.checkpoint``) when the optimizer is an
+``eddis.DistributedOptimizer``, from which ``run`` starts a restarted run; ``sync()``
 broadcasts them from rank 0.
 """
 import numpy as np
 
-from ..core.elastic_state import ObjectState, State, run
+from ..core.elastic_state import ModelState, ObjectState, State, run
+from . import checkpointing
 from .ops import _variable_list, broadcast_variables
+from .optimizer import _DistributedOptimizer
 
 
-class TensorFlowKerasState(ObjectState):
+class TensorFlowKerasState(ModelState):
     """A Keras model, its optimizer (default: the compiled one) and plain values as one state.
     ``backward_passes_per_step`` is accepted for Horovod's signature; EDDIS's optimizer holds it."""
+
+    checkpointing = checkpointing
 
     def __init__(self, model, optimizer=None, backward_passes_per_step=1, **kwargs):
         self.model = model
@@ -41,6 +47,9 @@ class TensorFlowKerasState(ObjectState):
         for variable, value in zip(self._optimizer_variables(), self._saved_optimizer):
             variable.assign(value)
         super().restore()
+
+    def training_mode(self):
+        return self.optimizer.hetero.mode if isinstance(self.optimizer, _DistributedOptimizer) else None
 
     def sync(self):
         root = self.sync_root("state.sync()")

@@ -16,13 +16,15 @@ run; ``sync()`` broadcasts from rank 0.
 """
 import copy
 
-from ..core.elastic_state import COMMIT_ENTRY, ObjectState, State, commit_folder, latest_commit, run
+from ..core.elastic_state import ModelState, ObjectState, State, run
 from . import checkpointing
 from .functions import broadcast_optimizer_state, broadcast_parameters
 
 
-class TorchState(ObjectState):
+class TorchState(ModelState):
     """A model, an optimizer and plain values (``epoch=0, batch=0``) as one elastic state."""
+
+    checkpointing = checkpointing
 
     def __init__(self, model=None, optimizer=None, **kwargs):
         self.model = model
@@ -44,23 +46,9 @@ class TorchState(ObjectState):
             self.optimizer.load_state_dict(self._saved_optimizer)
         super().restore()
 
-    def _commit_folder(self):
+    def training_mode(self):
         hetero = getattr(self.optimizer, "_eddis_hetero", None)   # an eddis.DistributedOptimizer's
-        return None if hetero is None or self.model is None else commit_folder(hetero.mode)
-
-    def persist_commit(self):
-        folder = self._commit_folder()
-        if folder is not None:
-            checkpointing.checkpoint(folder, self.model, self.optimizer, **{COMMIT_ENTRY: self._current()})
-
-    def restore_commit(self):
-        folder = self._commit_folder()
-        path = None if folder is None else latest_commit(folder)
-        if path is None:
-            return False
-        start = checkpointing.resume(path, self.model, self.optimizer)
-        self._set_values(start.extra[COMMIT_ENTRY])
-        return True
+        return None if hetero is None or self.model is None else hetero.mode
 
     def sync(self):
         root = self.sync_root("state.sync()")
