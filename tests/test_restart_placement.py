@@ -8,7 +8,8 @@ from eddis.errors import ConfigError, NodeFailureError
 from eddis.launch import jobrun, placement
 from eddis.launch.jobrun import Component, server_step_command, trainer_step_command
 from eddis.slurm.discovery import parse_sinfo
-from eddis.slurm.nodes import NodeHealth, parse_job_node_lists, parse_node_lines, state_words
+from eddis.slurm.nodes import (NodeHealth, job_no_kill, parse_job_node_lists, parse_node_lines,
+                               script_asks_no_kill, state_words)
 from eddis.slurm.script import JobComponent, render_job_script
 from eddis.slurm.submit import plan_components
 
@@ -104,6 +105,31 @@ def test_a_job_script_with_spare_nodes_asks_for_them_and_for_no_kill():
     assert "--no-kill" not in plain and "EDDIS_SPARE_NODES" not in plain
     with pytest.raises(ConfigError, match="spare nodes are for a job of one component"):
         render_job_script(components=[JobComponent("a100", 1, 1, spare_nodes=1), JobComponent("v100", 1, 1)])
+
+
+def test_no_kill_is_read_from_the_scripts_sbatch_lines_and_sbatchs_variable():
+    spare = render_job_script(components=[JobComponent("all", nodes=1, tasks_per_node=1, spare_nodes=1)])
+    assert script_asks_no_kill(spare)
+    assert not script_asks_no_kill(render_job_script(components=[JobComponent("all", nodes=2, tasks_per_node=1)]))
+    assert script_asks_no_kill("#!/bin/bash\n# a comment\n\n#SBATCH -N 2 -k  # keep it\nsrun x\n")
+    assert not script_asks_no_kill("#!/bin/bash\n#SBATCH --no-kill\n#SBATCH --no-kill=off\n")
+    assert script_asks_no_kill("#!/bin/bash\n#SBATCH --no-kill=set\n")
+    # sbatch stops reading #SBATCH lines at the first command, and "# SBATCH" is a comment
+    assert not script_asks_no_kill("#!/bin/bash\nexport A=1\n#SBATCH --no-kill\n")
+    assert not script_asks_no_kill("#!/bin/bash\n# SBATCH --no-kill\n #SBATCH --no-kill\n")
+    # the variable overrides the script, which is then not read (no Slurm asked)
+    assert job_no_kill("1", {"SBATCH_NO_KILL": "set"}) is True
+    assert job_no_kill("1", {"SBATCH_NO_KILL": "off"}) is False
+
+
+def test_spare_nodes_without_no_kill_are_a_loud_warning_naming_the_fix():
+    warning = placement.spares_without_no_kill(1, ["n1"], no_kill=False)
+    assert warning.startswith("WARNING: EDDIS_SPARE_NODES=1, but this job did not ask for --no-kill")
+    assert "spare node(s) n1 are never used" in warning and "`#SBATCH --no-kill`" in warning
+    assert "command line is invisible to the job" in warning
+    assert "could not show this job's batch script" in placement.spares_without_no_kill(1, ["n1"], None)
+    assert placement.spares_without_no_kill(1, ["n1"], True) is None
+    assert placement.spares_without_no_kill(0, [], False) is None
 
 
 def test_submit_adds_spare_nodes_the_partition_has():

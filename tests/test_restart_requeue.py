@@ -10,7 +10,9 @@ total and the held-out accuracy of an uninterrupted run within one point.
   and its next run resumes. The test sends the warning as Slurm's ``--signal=B:USR1@N``
   does (``scancel --batch --signal=USR1``) at chosen steps, so that the runs' lengths, and
   with them the sync math, are the same every time.
-- A node set DOWN under a ``--no-kill`` job with a spare node: the job restarts without it.
+- A node set DOWN under a ``--no-kill`` job with a spare node: the job restarts without it;
+  with its spare drained too, it ends naming both nodes. A job whose script sets
+  EDDIS_SPARE_NODES without ``--no-kill`` warns at its start.
 - Preemption: the same job, in the dev cluster's preemptable partition ``all``, is preempted
   by a job in partition ``urgent`` that needs both nodes; the trainers answer Slurm's SIGTERM
   with a checkpoint, the job requeues itself, and its next run resumes at that step.
@@ -230,6 +232,63 @@ def test_a_job_restarts_on_its_spare_node_without_the_node_that_went_down(slurm_
     assert resumed >= 5, text[-4000:]
     assert re.search(r"^\[0@n1\] finished 20 steps", text, re.M), text[-4000:]
     assert_same_parameters(dict(np.load(out)), want)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(400)
+def test_a_job_whose_spare_node_failed_too_ends_naming_the_failed_nodes(slurm_cluster, tmp_path):
+    """The trainers on n2, n1 (the batch host) spare, as above; n1 drained (a DRAIN node keeps
+    its running jobs) and then n2 set DOWN: no healthy node is left for the restart, and the
+    job ends saying which nodes failed and the fixes (NodeFailureError), without restarting.
+    Its script asks for --no-kill, which the job reads back: no warning about spares."""
+    from eddis.slurm.script import JobComponent
+
+    out, log = tmp_path / "never.npz", tmp_path / "job.out"
+    job_id = submit_job(slurm_cluster, tmp_path, [SCRIPT, STEPS, out, "0.5"], log,
+                        component=JobComponent("all", nodes=1, tasks_per_node=1, spare_nodes=1),
+                        job_name="eddis-no-healthy-node-test", time="00:05:00", checkpoint_signal=0,
+                        settings={"EDDIS_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "EDDIS_MAX_RESTARTS": "1"})
+    try:
+        wait_until(lambda: re.search(r"^\[0@n2\] step 2 done", log.read_text(errors="replace") if log.exists()
+                                     else "", re.M), 300, what="step 2 on n2")
+        slurm_cluster.run(["scontrol", "update", "NodeName=n1", "State=DRAIN", "Reason=eddis test: spare drained"],
+                          timeout=30)
+        slurm_cluster.run(["scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=eddis test: node lost"],
+                          timeout=30)
+        state = wait_job_end(slurm_cluster, job_id, 300, log)
+    finally:
+        for node in ("n1", "n2"):
+            slurm_cluster.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=30, check=False)
+    text = log.read_text(errors="replace")
+    assert state[0] == "FAILED", (state, text[-4000:])
+    assert "the smb-servers and trainers run on n2; spare node(s) n1 (EDDIS_SPARE_NODES)" in text, text[-4000:]
+    assert re.search(r"eddis_job: error: node\(s\) n1 \(DRAIN: eddis test: spare drained\); n2 \([^)]*\) of this "
+                     r"job failed, and its trainers need 1 node\(s\) where 0 healthy one\(s\) remain: not "
+                     r"restarted\. Fixes: submit with spare nodes", text), text[-4000:]
+    assert "restarting the smb-servers" not in text and not out.exists(), text[-4000:]
+    assert "did not ask for --no-kill" not in text, text[-4000:]
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_a_job_with_spare_nodes_but_without_no_kill_warns_at_its_start(slurm_cluster, tmp_path):
+    """EDDIS_SPARE_NODES set by hand in a script without --no-kill: Slurm would end the job at
+    a node's failure, so its spare is useless; the job finds its script's #SBATCH lines
+    through scontrol and says so, then trains as asked."""
+    from eddis.slurm.script import JobComponent
+
+    log, trainer = tmp_path / "job.out", tmp_path / "trains.py"
+    trainer.write_text("print('trained', flush=True)\n")
+    job_id = submit_job(slurm_cluster, tmp_path, [trainer], log, component=JobComponent("all", nodes=2,
+                        tasks_per_node=1), job_name="eddis-spare-without-no-kill-test", time="00:05:00",
+                        checkpoint_signal=0, settings={"EDDIS_SPARE_NODES": "1"})
+    state = wait_job_end(slurm_cluster, job_id, 200, log)
+    text = log.read_text(errors="replace")
+    assert state == ("COMPLETED", "0:0"), text[-4000:]
+    assert "#SBATCH --no-kill" not in (tmp_path / "job.sh").read_text()
+    assert text.count("eddis_job: WARNING: EDDIS_SPARE_NODES=1, but this job did not ask for --no-kill") == 1, \
+        text[-4000:]
+    assert re.search(r"^\[0@n2\] trained$", text, re.M), text[-4000:]
 
 
 ELASTIC_SYNC_SCRIPT = REPO / "tests" / "horovod_style" / "torch_elastic_sync_style.py"

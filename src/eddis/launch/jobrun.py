@@ -428,6 +428,7 @@ class Job:
         return [p for p in [self.trainer, *self.servers] if p is not None]
 
     def _run(self):
+        from ..slurm.nodes import job_no_kill
         from ..smb.rundir import default_run_dir
 
         run_dir = str(default_run_dir())
@@ -442,6 +443,9 @@ class Job:
             spares = [n for n in self.nodes_started if n not in self.placement.nodes]
             say(f"eddis_job: the smb-servers and trainers run on {','.join(self.placement.nodes)}; "
                 f"spare node(s) {','.join(spares)} (EDDIS_SPARE_NODES)")
+            warning = placement.spares_without_no_kill(len(spares), spares, job_no_kill(self.job_id))
+            if warning is not None:
+                say(f"eddis_job: {warning}", sys.stderr)
         restarts = 0
         while True:
             status = self._attempt()

@@ -90,6 +90,27 @@ def too_few_message(failed, healthy, needed):
             "checkpoint in a new job on fewer nodes, which eddis.resume() allows")
 
 
+def spares_without_no_kill(spare, spares, no_kill):
+    """The loud warning of a job that holds spare nodes but did not ask for ``--no-kill``
+    (``no_kill``: :func:`eddis.slurm.nodes.job_no_kill`, None when unknown), or None: without
+    it Slurm ends the whole job when one of its nodes fails, so no restart ever uses a spare."""
+    if not spare or no_kill:
+        return None
+    fix = ("add `#SBATCH --no-kill` to the job script (eddis submit --spare-nodes K writes it), or unset "
+           "EDDIS_SPARE_NODES and use the node(s) for training")
+    if no_kill is None:
+        return (f"WARNING: EDDIS_SPARE_NODES={spare}, and Slurm could not show this job's batch script to "
+                f"tell whether it asked for --no-kill (scontrol write batch_script failed). Without "
+                f"--no-kill Slurm ends the whole job when one of its nodes fails, and the spare node(s) "
+                f"{','.join(spares)} are never used: {fix}")
+    return (f"WARNING: EDDIS_SPARE_NODES={spare}, but this job did not ask for --no-kill (no `#SBATCH "
+            f"--no-kill` in its script, no SBATCH_NO_KILL): Slurm ends the whole job when one of its nodes "
+            f"fails, so the spare node(s) {','.join(spares)} are never used and the restart "
+            f"(EDDIS_MAX_RESTARTS) never comes. Fix: {fix}. A --no-kill given on sbatch's command line is "
+            "invisible to the job (Slurm 22.05 does not show it); if you gave one, put it in the script "
+            "instead to silence this warning")
+
+
 def failed_nodes(started: Sequence[str], current: Optional[Sequence[str]],
                  health: Optional[Mapping[str, object]]):
     """The nodes of the allocation that failed: in a failed state (``health``: name ->

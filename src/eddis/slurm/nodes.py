@@ -10,10 +10,19 @@ Two Slurm answers say it, and a job restarted within its allocation needs both:
   while ``SLURM_JOB_NODELIST`` in the job's environment still names it; a step that asks
   for it is refused.
 
-The parsers are pure; :func:`node_health` and :func:`job_node_lists` run the Slurm CLI
-(pyslurm does not match Slurm 22.05, see :mod:`eddis.slurm.discovery`).
+Whether the job itself asked Slurm to keep it when a node fails (``--no-kill``), without
+which spare nodes are never used: Slurm 22.05 shows that flag neither in ``scontrol show job``
+nor in ``squeue --json`` nor in the job's environment, so :func:`job_no_kill` reads the job's
+batch script (``scontrol write batch_script ID -``) and sbatch's input variable
+``SBATCH_NO_KILL``, which the job inherits; a ``--no-kill`` on sbatch's command line stays
+invisible to it.
+
+The parsers are pure; :func:`node_health`, :func:`job_node_lists` and :func:`job_no_kill` run
+the Slurm CLI (pyslurm does not match Slurm 22.05, see :mod:`eddis.slurm.discovery`).
 """
+import os
 import re
+import shlex
 import subprocess
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -111,3 +120,42 @@ def job_node_lists(job_id, env=None):
     when Slurm cannot be asked."""
     text = _scontrol(["show", "job", "-o", str(job_id)], env)
     return None if text is None else parse_job_node_lists(text)
+
+
+def _no_kill_value(value):
+    """sbatch's ``--no-kill[=set|off]``: kept (True) unless ``off``/``no``."""
+    return value is None or value.strip().lower() not in ("off", "no")
+
+
+def script_asks_no_kill(text):
+    """Whether a batch script's ``#SBATCH`` lines ask for ``--no-kill`` (``-k``, ``--no-kill``,
+    ``--no-kill=set``; ``--no-kill=off`` takes it back; the last one counts). sbatch reads them
+    up to the script's first command, as this does."""
+    asked = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or (stripped.startswith("#") and not line.startswith("#SBATCH")):
+            continue
+        if not line.startswith("#SBATCH"):
+            break
+        try:
+            words = shlex.split(line[len("#SBATCH"):], comments=True)
+        except ValueError:
+            continue
+        for word in words:
+            if word == "-k":
+                asked = True
+            elif word == "--no-kill" or word.startswith("--no-kill="):
+                asked = _no_kill_value(word.partition("=")[2] if "=" in word else None)
+    return asked
+
+
+def job_no_kill(job_id, env=None) -> Optional[bool]:
+    """Whether the running job asked for ``--no-kill``: ``SBATCH_NO_KILL`` in its environment
+    (sbatch's input variable, which overrides the script), else its batch script's ``#SBATCH``
+    lines; None when the script cannot be read."""
+    value = (os.environ if env is None else env).get("SBATCH_NO_KILL")
+    if value is not None:
+        return _no_kill_value(value)
+    text = _scontrol(["write", "batch_script", str(job_id), "-"], env)
+    return None if text is None else script_asks_no_kill(text)
