@@ -99,8 +99,9 @@ def plan_components(gpus: Sequence[Tuple[str, int]], parts: Sequence[Partition],
         raise ConfigError(f"--spare-nodes {spare_nodes}: give 0 or more nodes")
     if spare_nodes and len(gpus) > 1:
         raise ConfigError(f"--spare-nodes is for a job of one GPU type, and --gpus asks for {len(gpus)}: "
-                          "each hetjob component's trainers use all its nodes. Ask for one GPU type, "
-                          "or leave --spare-nodes out")
+                          "a hetjob's components are its GPU types and each component's trainers use all "
+                          "its nodes, so a spare could not stand in for a failed node of another type. Ask "
+                          "for one GPU type with --spare-nodes, or submit the hetjob without it")
     components = []
     used = set()
     for name, count in gpus:
