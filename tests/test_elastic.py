@@ -316,3 +316,12 @@ def test_membership_outlives_a_lost_server():
         finally:
             for c in clients:
                 c.close()
+
+
+def test_a_hybrid_groups_pools_live_on_its_own_nodes_servers():
+    from eddis.core.hybrid import servers_on_hosts
+
+    # by host name, whether or not the memory is mapped (SMB_LOCAL_MAP): never the other node's
+    assert servers_on_hosts(["n1", "n2", "n1"], ["n1", "n1"]) == [0, 2]
+    assert servers_on_hosts(["n1", "n2"], ["n2"]) == [1]
+    assert servers_on_hosts(["n1", "n2"], ["n3"]) == []   # the reducer then takes every server

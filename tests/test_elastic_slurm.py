@@ -1,15 +1,18 @@
 """EDDIS_ELASTIC=1 on the Slurm cluster (``eddis-train --job``, the srun path): a 2-node easgd job,
-one rank on n1 and one on n2 (tests/launch_scripts/elastic_trainer.py).
+one rank on n1 and one on n2, or a hybrid job of 2 ranks on each node, one group per node
+(tests/launch_scripts/elastic_trainer.py).
 
 - A lost rank: rank 1 (n2) sends itself SIGKILL mid-training.
-- A lost node: rank 1 waits at a step, and the test SIGKILLs every process of the job on n2
-  at once (the rank, the smb-server and both their supervisors), as a node that dies takes
-  them; slurmd and slurmstepd stay. The survivor goes on with the mirrored copies of the
-  centre, the counters and the heartbeats that n2's server held (eddis.smb.mirror).
+- A lost node: the first rank on n2 waits at a step, and the test SIGKILLs every process of
+  the job on n2 at once (the ranks, the smb-server and their supervisors), as a node that
+  dies takes them; slurmd and slurmstepd stay. The survivors go on with the mirrored copies
+  of the centre, the counters and the heartbeats that n2's server held (eddis.smb.mirror).
+  The hybrid job runs with SMB_LOCAL_MAP=0, where a group's reduction pool once spread over
+  every server: now on its own node's server only.
 
-Stated: the survivor trains until the global learning counter reaches exactly the total,
+Stated: the survivors train until the global learning counter reaches exactly the total,
 the job ends COMPLETED 0:0, and its output says it finished degraded, naming the lost rank
-and host, or the lost node with its rank and smb-server.
+and host, or the lost node with its ranks and smb-server.
 """
 import json
 import os
@@ -29,24 +32,26 @@ KILL_STEP = 10
 LOST_AFTER = 5   # seconds: short for the test, long enough for 2 busy cores
 
 
-ONE_COMPONENT = (("all", 2),)
-HETJOB = (("a100", 1), ("v100", 1))   # n1 and n2: one smb-server step each
+ONE_COMPONENT = (("all", 2, 1),)     # (partition, nodes, ranks per node)
+HETJOB = (("a100", 1, 1), ("v100", 1, 1))   # n1 and n2: one smb-server step each
+TWO_BY_TWO = (("all", 2, 2),)
 
 
-def submit_elastic_job(cluster, tmp_path, *trainer_args, components=ONE_COMPONENT):
+def submit_elastic_job(cluster, tmp_path, *trainer_args, components=ONE_COMPONENT, mode="easgd", **settings):
     from eddis.slurm.script import JobComponent, render_job_script
 
     out, log = tmp_path / "out", tmp_path / "job.out"
     out.mkdir()
     script = tmp_path / "job.sh"
     script.write_text(render_job_script(
-        components=[JobComponent(partition, nodes=nodes, tasks_per_node=1) for partition, nodes in components],
+        components=[JobComponent(partition, nodes=nodes, tasks_per_node=tasks)
+                    for partition, nodes, tasks in components],
         job_name="eddis-elastic-test",
-        command=[str(TRAINER), "--out", str(out), "--mode", "easgd", "--total", str(TOTAL),
+        command=[str(TRAINER), "--out", str(out), "--mode", mode, "--total", str(TOTAL),
                  *map(str, trainer_args)],
-        time="00:05:00", output=str(log), mode="easgd", checkpoint_signal=0,
+        time="00:05:00", output=str(log), mode=mode, checkpoint_signal=0,
         settings={"EDDIS_ELASTIC": "1", "EDDIS_ELASTIC_LOST_AFTER": str(LOST_AFTER),
-                  "EDDIS_COMM_TIMEOUT": "90"}))
+                  "EDDIS_COMM_TIMEOUT": "90", **settings}))
     bin_dir = make_bin(tmp_path / "bin")
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "EDDIS_RUN_DIR": str(tmp_path / "run"),
            "SMB_MEMORY": "64M", "OMP_NUM_THREADS": "1"}
@@ -92,13 +97,27 @@ def job_processes_on(node, run_dir):
     return sorted(found)   # parents first: a supervisor must not see its child die and record it
 
 
+# (components, mode, extra settings); the first rank on n2 pauses, and the test kills n2
+NODE_LOSS = {
+    "one-component": (ONE_COMPONENT, "easgd", {}),
+    "hetjob": (HETJOB, "easgd", {}),
+    # groups are nodes: {0, 1} on n1, {2, 3} on n2
+    "hybrid-no-local-map": (TWO_BY_TWO, "hybrid", {"SMB_LOCAL_MAP": "0"}),
+}
+
+
 @pytest.mark.slurm
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("components", [ONE_COMPONENT, HETJOB], ids=["one-component", "hetjob"])
-def test_easgd_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, components):
-    job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--pause-rank", 1, "--pause-step", KILL_STEP,
-                                          components=components)
-    wait_until(lambda: (out / "paused.1").exists(), 180, what="rank 1 to reach its pause")
+@pytest.mark.parametrize("case", list(NODE_LOSS))
+def test_elastic_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, case):
+    components, mode, settings = NODE_LOSS[case]
+    per_node = components[0][2]
+    lost_ranks = list(range(per_node, 2 * per_node))
+    survivors = list(range(per_node))
+    job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--pause-rank", lost_ranks[0],
+                                          "--pause-step", KILL_STEP, components=components, mode=mode,
+                                          **settings)
+    wait_until(lambda: (out / f"paused.{lost_ranks[0]}").exists(), 180, what="the first rank on n2 to pause")
     victims = job_processes_on("n2", tmp_path / "run")
     for pid in victims:
         try:
@@ -107,16 +126,22 @@ def test_easgd_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, compon
             pass
     state = wait_job_end(slurm_cluster, job_id, 240, log)
     text = log.read_text(errors="replace")
-    # the rank and the smb-server of n2, each under its supervisor
-    assert len(victims) == 4, (victims, text[-4000:])
+    # n2's ranks and its smb-server, each under its supervisor
+    assert len(victims) == 2 * (per_node + 1), (victims, text[-4000:])
     assert state == ("COMPLETED", "0:0"), text[-4000:]
-    assert re.search(r"^eddis-train: finished degraded: node n2 was lost: rank 1 and its smb-server 1; "
-                     r"rank 0 finished the training$", text, re.M), text[-4000:]
+    named = ", ".join(map(str, lost_ranks))
+    finished = ", ".join(map(str, survivors))
+    assert re.search(rf"^eddis-train: finished degraded: node n2 was lost: rank {named} and its smb-server 1; "
+                     rf"rank {finished} finished the training$", text, re.M), text[-4000:]
     results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
-    assert sorted(results) == [0], text[-4000:]
-    assert results[0]["lost_servers"] == [1], results
-    assert results[0]["counter"] == TOTAL, results
-    # rank 1 claimed its steps 0..KILL_STEP and completed KILL_STEP of them
-    assert results[0]["steps"] == TOTAL - (KILL_STEP + 1), results
+    assert sorted(results) == survivors, text[-4000:]
+    for result in results.values():
+        assert result["lost_servers"] == [1], results
+        assert result["counter"] == TOTAL, results
+        # the lost unit (a rank, or n2's group) claimed its steps 0..KILL_STEP, one iteration
+        # per rank each, and the survivors' unit did the rest
+        assert result["steps"] == (TOTAL - per_node * (KILL_STEP + 1)) // per_node, results
+        if mode == "hybrid":
+            assert result["group_servers"] == [0], results   # n1's server, though not mapped
     assert (out / "model.pt").exists()
     assert "ROOT CAUSE" not in text, text[-4000:]

@@ -6,7 +6,8 @@ crashed node would end it. ``--pause-rank R --pause-step S``: rank R writes
 to kill its node. ``--groups G`` (hybrid): G groups of consecutive ranks, set
 as EDDIS_GROUP/EDDIS_NUM_GROUPS before eddis.init(), as the launcher does for the
 components of a Slurm hetjob. Every survivor writes ``<out>/<rank>.json`` (its
-steps and the global learning counter at the end); the final model (the centre) goes
+steps, the global learning counter at the end and the servers of its hybrid group's
+reduction pool); the final model (the centre) goes
 to ``<out>/model.pt`` through eddis.save_checkpoint.
 """
 import argparse
@@ -65,5 +66,6 @@ eddis.save_checkpoint(os.path.join(args.out, "model.pt"), model, optimizer)
 with open(os.path.join(args.out, f"{rank}.json"), "w") as f:
     json.dump({"rank": rank, "steps": ctl.steps_done, "counter": ctl.counter.read(),
                "lost_servers": sorted(runtime.smb_client().lost_servers),
+               "group_servers": getattr(optimizer.reducer, "servers", None) if args.mode == "hybrid" else None,
                "error": float((model.weight.detach().reshape(-1, 1) - truth).norm())}, f)
 print(f"rank {rank} finished after {ctl.steps_done} steps")

@@ -35,13 +35,16 @@ communicator), both created on first use (collective) and freed by
 ``eddis.shutdown()``; ``group_members()``.
 """
 import itertools
+import logging
 
 import numpy as np
 
 from .. import settings
 from ..errors import ConfigError
-from . import collectives, runtime
+from . import collectives, elastic, runtime
 from .reducer import Reducer, register_mode
+
+log = logging.getLogger("eddis.core.hybrid")
 
 _comms = {}
 _pool_ids = itertools.count()
@@ -115,7 +118,7 @@ class GroupSyncReducer(Reducer):
                                                 what="hybrid reducer set-up")
         self.alone = self.group_size == 1   # nothing to average: the gradients stay as they are
         client = runtime.smb_client()
-        self.servers = self._group_servers(client, comm)
+        self.servers = None if self.alone else self._group_servers(client, comm)
         self.pool = None if self.alone else client.pool(
             f"eddis.hybrid.{name}.{instance}.g{self.group}", plan.total,
             dtype=self.codec.smb_dtype, slots=self.group_size + 1, servers=self.servers)
@@ -127,11 +130,19 @@ class GroupSyncReducer(Reducer):
 
     @staticmethod
     def _group_servers(client, comm):
-        """The servers on the group's own nodes (collective over the group): its every-step
-        reduction then stays off the network between groups; every server when none is."""
-        everyone = collectives.allgather_object(client.mapped_servers(), comm=comm,
-                                                what="hybrid: the group's servers")
-        return sorted({s for servers in everyone for s in servers}) or None
+        """The servers on the group's own nodes (collective over the group), every server when
+        none is. Found by host name, not by mapped memory, so that SMB_LOCAL_MAP=0 keeps them
+        too: the every-step reduction stays off the network between groups, and a node lost
+        as a whole takes no other group's pool with it (EDDIS_ELASTIC)."""
+        hosts = collectives.allgather_object(runtime.hostname(), comm=comm,
+                                             what="hybrid: the group's nodes")
+        servers = servers_on_hosts([info["hostname"] for info in client.servers], hosts)
+        if not servers and comm.Get_rank() == 0 and elastic.requested("hybrid") and elastic.mirroring(client):
+            log.warning("hybrid group %d: no smb-server runs on its nodes (%s), so its reduction "
+                        "pool spans every server and a node lost with its server stops this group "
+                        "too; start one smb-server per node (the job script does)", runtime.group(),
+                        ", ".join(sorted(set(hosts))))
+        return servers or None
 
     def _prepare_step(self):
         self._generation += 1
@@ -163,6 +174,12 @@ class GroupSyncReducer(Reducer):
 
     # The pool is not freed on close: another member may still be reading its last
     # result; the job's servers release all memory when the job ends.
+
+
+def servers_on_hosts(server_hosts, hosts):
+    """Indices of the servers (by their host names, in server order) on any of ``hosts``."""
+    hosts = set(hosts)
+    return [s for s, host in enumerate(server_hosts) if host in hosts]
 
 
 def default_alpha(workers):
