@@ -6,9 +6,9 @@ one rank on n1 and one on n2, or a hybrid job of 2 ranks on each node, one group
 - A lost node: the first rank on n2 waits at a step, and the test SIGKILLs every process of
   the job on n2 at once (the ranks, the smb-server and their supervisors), as a node that
   dies takes them; slurmd and slurmstepd stay. The survivors go on with the mirrored copies
-  of the centre, the counters and the heartbeats that n2's server held (eddis.smb.mirror).
-  The hybrid job runs with SMB_LOCAL_MAP=0, where a group's reduction pool once spread over
-  every server: now on its own node's server only.
+  of the centre, the counters, the heartbeats and the checkpoint schedule's counters that
+  n2's server held (eddis.smb.mirror). The hybrid job runs with SMB_LOCAL_MAP=0, where a
+  group's reduction pool once spread over every server: now on its own node's server only.
 
 Stated: the survivors train until the global learning counter reaches exactly the total,
 the job ends COMPLETED 0:0, and its output says it finished degraded, naming the lost rank
@@ -114,9 +114,10 @@ def test_elastic_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, case
     per_node = components[0][2]
     lost_ranks = list(range(per_node, 2 * per_node))
     survivors = list(range(per_node))
+    # no interval: the schedule's counters exist and are read at every step, nothing is due
     job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--pause-rank", lost_ranks[0],
                                           "--pause-step", KILL_STEP, components=components, mode=mode,
-                                          **settings)
+                                          EDDIS_CHECKPOINT_DIR=str(tmp_path / "checkpoints"), **settings)
     wait_until(lambda: (out / f"paused.{lost_ranks[0]}").exists(), 180, what="the first rank on n2 to pause")
     victims = job_processes_on("n2", tmp_path / "run")
     for pid in victims:
@@ -138,6 +139,7 @@ def test_elastic_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, case
     for result in results.values():
         assert result["lost_servers"] == [1], results
         assert result["counter"] == TOTAL, results
+        assert result["checkpoint_requests"] == [{"mirrored": True, "value": 0}], results
         # the lost unit (a rank, or n2's group) claimed its steps 0..KILL_STEP, one iteration
         # per rank each, and the survivors' unit did the rest
         assert result["steps"] == (TOTAL - per_node * (KILL_STEP + 1)) // per_node, results

@@ -242,7 +242,8 @@ register("EDDIS_ELASTIC_LOST_AFTER", "float", 30.0,
          "that holds the GIL longer than this makes a live rank look lost.")
 register("EDDIS_ELASTIC_MIRROR", "bool", True,
          "Elastic runs on more than one smb-server: keep the training state in SMB (the centre "
-         "variable, the learning and staleness counters, the heartbeats) on two servers each, so "
+         "variable, the learning and staleness counters, the heartbeats, the checkpoint schedule's "
+         "counters) on two servers each, so "
          "that the survivors of a node lost with its smb-server train on. Costs twice that memory, "
          "one more write of the worker's move per easgd exchange (3 instead of 2 times the "
          "parameter bytes: the centre read once, the move written twice) and one more round trip "

@@ -6,8 +6,8 @@ crashed node would end it. ``--pause-rank R --pause-step S``: rank R writes
 to kill its node. ``--groups G`` (hybrid): G groups of consecutive ranks, set
 as EDDIS_GROUP/EDDIS_NUM_GROUPS before eddis.init(), as the launcher does for the
 components of a Slurm hetjob. Every survivor writes ``<out>/<rank>.json`` (its
-steps, the global learning counter at the end and the servers of its hybrid group's
-reduction pool); the final model (the centre) goes
+steps, the global learning counter at the end, the servers of its hybrid group's
+reduction pool, and its checkpoint schedule's request counter); the final model (the centre) goes
 to ``<out>/model.pt`` through eddis.save_checkpoint.
 """
 import argparse
@@ -38,7 +38,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import eddis.torch as eddis  # noqa: E402
-from eddis.core import runtime  # noqa: E402
+from eddis.core import checkpoint_run, runtime  # noqa: E402
+from eddis.smb.mirror import MirroredCounter  # noqa: E402
 
 eddis.init()
 rank = eddis.rank()
@@ -63,9 +64,13 @@ while not eddis.should_stop():
     optimizer.step()
     step += 1
 eddis.save_checkpoint(os.path.join(args.out, "model.pt"), model, optimizer)
+# with EDDIS_CHECKPOINT_DIR: the checkpoint schedule's request counter, read after any loss
+schedules = list(checkpoint_run._schedules.values())
 with open(os.path.join(args.out, f"{rank}.json"), "w") as f:
     json.dump({"rank": rank, "steps": ctl.steps_done, "counter": ctl.counter.read(),
                "lost_servers": sorted(runtime.smb_client().lost_servers),
                "group_servers": getattr(optimizer.reducer, "servers", None) if args.mode == "hybrid" else None,
+               "checkpoint_requests": [{"mirrored": isinstance(s.requests, MirroredCounter),
+                                        "value": s.requests.read()} for s in schedules],
                "error": float((model.weight.detach().reshape(-1, 1) - truth).norm())}, f)
 print(f"rank {rank} finished after {ctl.steps_done} steps")

@@ -40,7 +40,7 @@ from .. import settings
 from ..errors import CheckpointError, CheckpointStop, UsageError
 from . import checkpoint as layout
 from . import checkpoint_state as cstate
-from . import collectives, progress, runtime
+from . import collectives, elastic, progress, runtime
 
 log = logging.getLogger("eddis.core.checkpoint")
 
@@ -322,10 +322,13 @@ class Schedule:
         name = collectives.broadcast_object(f"eddis.checkpoint.{uuid.uuid4().hex[:12]}", root=0,
                                             what="checkpoint schedule set-up")
         client = runtime.smb_client()
-        self.requests = client.counter(f"{name}.requests", initial=0)
+        # elastic runs: on two servers, so that a node lost with its server leaves the schedule
+        mirrored = state.members is not None and elastic.mirroring(client)
+        self.requests = client.counter(f"{name}.requests", initial=0, mirrored=mirrored)
         self.leader = self.rank == unit[0]
         self.unit_size = len(unit)
-        self.target = client.counter(f"{name}.unit{unit[0]}", initial=0) if len(unit) > 1 else None
+        self.target = client.counter(f"{name}.unit{unit[0]}", initial=0,
+                                     mirrored=mirrored) if len(unit) > 1 else None
         self.seen = 0            # the request counter as the leader last saw it
         self.posted = 0          # what the leader posted on the unit's counter: 2 (step) + stop
         self.taken = 0           # the post this rank has acted on
