@@ -189,6 +189,10 @@ def test_a_request_the_job_left_in_the_run_dir_is_taken_up_and_answered(tmp_path
                                                   "terminated": False}
     layout.answer_request(tmp_path / "ckpt-00000013", 13, terminated=True)
     assert rundir.checkpoint_answer(tmp_path)["terminated"] is True
+    assert not rundir.training_was_complete(tmp_path)
+    # refused because training had ended: the job must not take it for a checkpoint to requeue on
+    layout.answer_training_complete(14)
+    assert rundir.checkpoint_answer(tmp_path) is None and rundir.training_was_complete(tmp_path)
 
 
 def test_checkpoint_stop_exits_with_the_requeue_status():

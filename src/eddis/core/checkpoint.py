@@ -243,6 +243,14 @@ def answer_request(path, step, terminated=False):
         rundir.answer_checkpoint_request(run_dir, path, step, terminated)
 
 
+def answer_training_complete(step):
+    """A rank whose requested checkpoint came after training had ended elsewhere: tell the job
+    that the trainers exit because training is over (no checkpoint, no requeue)."""
+    run_dir = settings.get("EDDIS_RUN_DIR")
+    if run_dir is not None and os.path.isdir(run_dir):
+        rundir.answer_training_complete(run_dir, step)
+
+
 def _on_signal(signum, frame):
     request(f"signal {signal.Signals(signum).name}")
 

@@ -520,9 +520,11 @@ class Job:
             # after the servers' end: a server that left no record of it was lost with its node
             status = elastic_status(self.run_dir, status, sys.stderr)
         if status == 0:
-            from ..smb.rundir import checkpoint_answer
+            from ..smb.rundir import checkpoint_answer, training_was_complete
 
             self.answer = checkpoint_answer(self.run_dir)
+            if training_was_complete(self.run_dir):
+                say(f"eddis_job: {jobsteps.COMPLETE_BEFORE_CHECKPOINT}")
             if self.answer is None:
                 jobsteps.remove_elastic_commits(self.run_dir)
         if status == INTERRUPTED_STATUS and root_cause(self.run_dir)[0] is None:

@@ -16,6 +16,11 @@ from ..errors import SMBServerError, SMBTimeoutError
 from .report import (LAUNCH_DIR, describe_exit, exit_status, format_report, launches, read_records,
                      root_cause)
 
+# what eddis-train and the job say when the trainers refused a checkpoint request (rank 0's
+# answer in the run dir) because it came after training had ended on some rank
+COMPLETE_BEFORE_CHECKPOINT = ("a checkpoint was asked for after training had ended on a rank: "
+                              "training is complete, nothing to checkpoint")
+
 
 def run_dir():
     """EDDIS_RUN_DIR, else the contract's default (~/.eddis/run/<SLURM_JOB_ID> or local-<pid>)."""

@@ -158,6 +158,8 @@ def _launch_once(argv, ranks, memory, restarts, stop_signal):
                   f"(exit status {128 + stop_signal[0]})", file=sys.stderr, flush=True)
             return 128 + stop_signal[0]
         answer = rundir.checkpoint_answer(run_dir) if code == 0 else None
+        if code == 0 and rundir.training_was_complete(run_dir):
+            print(f"eddis-train: {jobsteps.COMPLETE_BEFORE_CHECKPOINT}", file=sys.stderr, flush=True)
         if code == 0 and answer is None:
             jobsteps.remove_elastic_commits(run_dir)
         if answer is not None:

@@ -84,24 +84,47 @@ def checkpoint_request(path):
         return None
 
 
+def _write_answer(path, answer):
+    target = Path(path) / CHECKPOINT_ANSWER_FILE
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")   # a rank's own, then atomic
+    tmp.write_text(json.dumps(answer) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
 def answer_checkpoint_request(path, checkpoint, step, terminated=False):
     """Rank 0, once the requested checkpoint is complete: the trainers stop (status 0) not
     because training is over but to be requeued, and the job reads this to tell the two apart.
     ``terminated``: SIGTERM asked for it (a preemption, or the steps were sent SIGTERM)."""
-    answer = Path(path) / CHECKPOINT_ANSWER_FILE
-    tmp = answer.with_name(answer.name + ".tmp")
-    tmp.write_text(json.dumps({"checkpoint": str(checkpoint), "step": int(step),
-                               "terminated": bool(terminated)}) + "\n")
-    os.replace(tmp, answer)
-    return answer
+    return _write_answer(path, {"checkpoint": str(checkpoint), "step": int(step),
+                                "terminated": bool(terminated)})
 
 
-def checkpoint_answer(path):
-    """``{"checkpoint": path, "step": n, "terminated": bool}`` when the trainers stopped after a requested checkpoint, else None."""
+def answer_training_complete(path, step):
+    """A rank whose checkpoint request came after training had ended on another rank: no
+    checkpoint is written, the trainers exit 0 because training is over, and the job ends."""
+    return _write_answer(path, {"complete": True, "step": int(step)})
+
+
+def _read_answer(path):
     try:
         return json.loads((Path(path) / CHECKPOINT_ANSWER_FILE).read_text())
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
+
+
+def checkpoint_answer(path):
+    """``{"checkpoint": path, "step": n, "terminated": bool}`` when the trainers stopped after a
+    requested checkpoint, else None; a request that came after training was over is answered
+    as complete (:func:`answer_training_complete`) and reads as None here."""
+    answer = _read_answer(path)
+    return None if answer is None or answer.get("complete") else answer
+
+
+def training_was_complete(path):
+    """Whether a checkpoint request was answered as "training already complete"."""
+    answer = _read_answer(path)
+    return bool(answer is not None and answer.get("complete"))
 
 
 def retire_run_dir(path):
