@@ -14,7 +14,11 @@ ranks is refused by 3 ranks with a message saying why, while one trained on a fi
 2-rank run; hybrid on 4 ranks in 2 groups of 2: a checkpoint requested on rank 0 stops both
 ranks of each group after the same step, the resumed launch starts every rank at its step of
 the checkpoint with the centre of its training.h5 in the new servers, the counter ends at
-exactly the total and the held-out accuracy is within a point of an uninterrupted run's.
+exactly the total and the held-out accuracy is within a point of an uninterrupted run's;
+easgd at the end of training, both orders forced through SMB counters: a request begun just
+after rank 1's last step boundary checkpoints both ranks (rank 1 at its end of training, 75),
+and in the resumed run, where one rank has no iteration left, a request that comes after that
+rank ended is refused (status 0, "training is complete") with the counter at the total.
 """
 import json
 import os
@@ -253,3 +257,40 @@ def test_hybrid_resume_restores_the_centre_and_every_rank_resumes_at_its_step(tm
     assert second["counter"] == full["counter"] == total
     assert consumed + sum(r["this_run"] for r in second["ranks"]) == total
     assert abs(second["accuracy"] - full["accuracy"]) < 0.01, (second["accuracy"], full["accuracy"])
+
+
+@pytest.mark.timeout(300)
+def test_easgd_requests_at_the_end_of_training_checkpoint_every_rank_or_none(tmp_path):
+    """The two orders of a request and another rank's end of training, forced: rank 0 asks
+    right after rank 1's last step boundary, so rank 1 joins the save at its end of training;
+    the resumed run has one iteration left, one rank none (it must not wait for the other's
+    set-up), and the rank with the step asks once the other has ended: refused, complete."""
+    script, total, ckpt = REPO / "tests" / "launch_scripts" / "resumable_hetero.py", 40, tmp_path / "ckpt"
+    settings = {"EDDIS_MODE": "easgd", "EDDIS_TOTAL_ITERATIONS": total, "EDDIS_CLAIM_CHUNK": 2,
+                "EDDIS_CHECKPOINT_DIR": ckpt}
+
+    def race_launch(out, *args):
+        argv = ["eddis-train", "--local", "-n", "2", PYTHON, str(script), str(out), *map(str, args)]
+        return run_process_group(argv, env_for(tmp_path, **settings), 150)
+
+    # step 3 is the first of rank 0's second claim of 2: one iteration claimed, not run
+    first = race_launch(tmp_path / "first.json", "--end-race", "begun-first", "--request-at", 3)
+    text = first.stdout + first.stderr
+    assert first.returncode == 75, text[-4000:]
+    [name] = complete(ckpt)
+    manifest = json.loads((ckpt / name / "manifest.json").read_text())
+    steps = [r["step"] for r in manifest["per_rank"]]
+    assert manifest["reason"] == "requested" and steps == [3, total - 4], steps
+    assert "stopped after step 3" in text and f"stopped after step {total - 4}" in text, text[-4000:]
+    with h5py.File(ckpt / name / "training.h5", "r") as h5:
+        assert int(h5["progress"].attrs["consumed"]) == total - 1
+
+    second = race_launch(tmp_path / "second.json", "--end-race", "ended-first")
+    text = second.stdout + second.stderr
+    assert second.returncode == 0, text[-4000:]
+    assert "training is complete, nothing to checkpoint" in text, text[-4000:]
+    assert complete(ckpt) == [name]
+    result = json.loads((tmp_path / "second.json").read_text())
+    assert [r["start"] for r in result["ranks"]] == steps
+    assert sorted(r["this_run"] for r in result["ranks"]) == [0, 1]
+    assert result["counter"] == total

@@ -14,6 +14,14 @@ that a run is long in steps but light on the CPUs. ``--request-at K``: rank 0 as
 checkpoint after its K-th step of the first run (as Slurm's warning signal would), so every
 rank writes one at its next step boundary and stops with status 75.
 
+``--end-race begun-first`` (needs --request-at K): the request reaches rank 0 just after the
+last step boundary of the ranks that do not step with it, and before they find the total
+reached: rank 0 waits in its step K until they all are past their last boundary, then asks;
+they wait until rank 0 has begun the save, which they must join at their end of training.
+``--end-race ended-first``: a rank at its last step waits until every other rank has ended its
+training, then asks: the request must be refused (training complete). The waits are on SMB
+counters, bounded.
+
 Each rank prints ``run R.E starts at step S`` (R: SLURM_RESTART_COUNT, E: EDDIS_RESTART_COUNT)
 and, when a requested checkpoint stops it, ``stopped after step N``. Rank 0 writes OUT.json
 when the counter has reached the total: the held-out accuracy of the final model (the centre),
@@ -31,6 +39,7 @@ p.add_argument("--mode", default="easgd", choices=["easgd", "hybrid"])
 p.add_argument("--groups", type=int, default=0)
 p.add_argument("--step-seconds", type=float, default=0.0)
 p.add_argument("--request-at", type=int, default=None)
+p.add_argument("--end-race", choices=["begun-first", "ended-first"], default=None)
 args = p.parse_args()
 
 if args.groups:
@@ -42,10 +51,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import eddis.torch as eddis  # noqa: E402
-from eddis.core import progress  # noqa: E402
+from eddis.core import checkpoint_run, hybrid, progress, runtime  # noqa: E402
 from eddis.errors import CheckpointStop  # noqa: E402
 
 FEATURES, CLASSES, BATCH = 8, 3, 32
+RACE_WAIT_SECONDS = 60
+
+
+def at_last_step():
+    """Whether this rank's running step is its last: nothing left of its claim, none to claim."""
+    ctl = progress.controller()
+    return ctl.reserved == 0 and ctl.counter.read() >= ctl.total
 
 
 def gaussian_classes(count, seed):
@@ -70,6 +86,11 @@ run = f"{os.environ.get('SLURM_RESTART_COUNT', '0')}.{os.environ.get('EDDIS_REST
 print(f"run {run} starts at step {start.step}", flush=True)
 # what the resume put into this job's servers, before any step moves it
 centre_after_resume = optimizer._eddis_hetero.averager.read_center().tolist() if start.resumed else None
+if args.end_race is not None:
+    steps_with_rank0 = hybrid.group_members()[0] if args.mode == "hybrid" else [0]
+    client = runtime.smb_client()
+    past_last_boundary = client.counter("test.end-race.past-last-boundary")
+    training_ended = client.counter("test.end-race.ended")
 step = start.step
 try:
     while not eddis.should_stop():
@@ -78,13 +99,27 @@ try:
         optimizer.zero_grad()
         F.cross_entropy(model(train_x[batch]), train_y[batch]).backward()
         step += 1   # before step(): a requested checkpoint stops the run inside it, after the update
+        if args.end_race == "begun-first" and rank == 0 and step == args.request_at:
+            past_last_boundary.wait_for(eddis.size() - len(steps_with_rank0), RACE_WAIT_SECONDS)
+            eddis.request_checkpoint("the test asks for one")
+        if args.end_race == "ended-first" and at_last_step():
+            training_ended.wait_for(eddis.size() - 1, RACE_WAIT_SECONDS)
+            eddis.request_checkpoint("the test asks for one after the others ended")
+        last = args.end_race == "begun-first" and rank not in steps_with_rank0 and at_last_step()
         optimizer.step()
-        if args.request_at is not None and rank == 0 and not start.resumed and step == args.request_at:
+        if last:
+            past_last_boundary.fetch_add(1)
+            saves = checkpoint_run.schedule_of(optimizer._eddis_hetero).saves
+            saves.wait_for(1, RACE_WAIT_SECONDS)   # rank 0 began the save
+        if args.request_at is not None and args.end_race is None and rank == 0 and not start.resumed \
+                and step == args.request_at:
             eddis.request_checkpoint("the test asks for one")
         time.sleep(args.step_seconds)
 except CheckpointStop:
     print(f"stopped after step {step}", flush=True)
     raise
+if args.end_race is not None:
+    training_ended.fetch_add(1)
 eddis.final_model(optimizer)
 with torch.no_grad():
     accuracy = float((model(held_out_x).argmax(1) == held_out_y).float().mean())

@@ -23,6 +23,7 @@ The algorithms themselves are the core's: :mod:`eddis.core.easgd`
 ``should_stop()`` here wraps ``progress.should_stop()`` and notes when the
 loop's waiting ended, so that waiting is not measured as compute.
 """
+import itertools
 import threading
 import time
 import warnings
@@ -37,6 +38,7 @@ from . import collectives, easgd, elastic, hybrid, join, progress, runtime, simu
 _current = [None]   # the newest HeteroStep (for module-level helpers)
 _loop_mark = [0.0]  # when should_stop() last returned
 _names = [0]
+_serials = itertools.count(1)
 
 
 def current():
@@ -63,6 +65,9 @@ class HeteroStep:
         measure of this rank's speed (a graph framework traces and compiles in it),
         so the simulated slowdown neither sleeps in it nor learns from it."""
         self.mode = str(settings.get("EDDIS_MODE") if mode is None else mode).lower()
+        # the same on every rank, which builds its optimizers in the same order: what names
+        # this optimizer's SMB objects that ranks set up apart, without a collective
+        self.serial = next(_serials)
         initial = None
         if balance is None:
             balance = settings.get("EDDIS_BALANCE")

@@ -160,6 +160,8 @@ class ProgressController:
             self._claim()
             if self.reserved == 0:
                 self._finish()
+                for hook in _end_of_training_hooks:
+                    hook()
                 return True
         if self.staleness >= 0:
             self._wait_for_bound(self.steps_done)
@@ -288,6 +290,17 @@ class ProgressController:
 
 
 # ---------------------------------------------------------------- module API
+_end_of_training_hooks = []   # called when a rank's training ends, before should_stop() says so
+
+
+def on_end_of_training(hook):
+    """Call ``hook()`` on each rank where ``should_stop()`` finds the total reached (not where a
+    loop is left early): what must still happen at that rank's last step boundary (a checkpoint
+    that other ranks have begun) happens before the script's own end-of-training calls."""
+    if hook not in _end_of_training_hooks:
+        _end_of_training_hooks.append(hook)
+
+
 _controller = None
 _resume_point = None   # {"consumed": iterations, "steps_done": per rank or None}, from a checkpoint
 _instance = itertools.count()
