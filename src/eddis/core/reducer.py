@@ -143,8 +143,9 @@ class Reducer:
     def record_events(self, on=True):
         self.event_log = [] if on else None
 
-    def _emit(self, event, bucket, nbytes=0):
-        t = time.perf_counter_ns()
+    def _emit(self, event, bucket, nbytes=0, t=None):
+        if t is None:
+            t = time.perf_counter_ns()
         if self.event_log is not None:
             self.event_log.append((t, event, self.step, bucket))
         for fn in self.listeners:
@@ -188,8 +189,11 @@ class Reducer:
             self._ready[k] = True
             self._fences[k] = fence
             self._nready += 1
+            # stamped before the communication thread can take the bucket: stamped after, a
+            # descheduled caller put "ready" after that bucket's push on the timeline
+            ready_ns = time.perf_counter_ns()
             self._cond.notify_all()
-        self._emit("ready", k)
+        self._emit("ready", k, t=ready_ns)
 
     def mark_all_ready(self):
         for k in range(self.num_buckets):
