@@ -156,20 +156,20 @@ def netns_support():
 @pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Mark tests by the fixtures they use, so a `-m` tier cannot miss one (make test-unit),
-    and give the tests that share one machine-wide resource one xdist group each, so that
-    parallel workers (`make test` runs pytest-xdist with --dist loadgroup) run them one after
-    another: the dev cluster's two nodes, slurmctld ports and network namespaces (a job of one
-    test would queue behind another's, and the link counters would count both), and the few
-    hugetlb pages `make test` reserves."""
+    and give every test an xdist group (`make test` runs pytest-xdist with --dist loadgroup):
+    the tests that share one machine-wide resource run one after another on one worker (the
+    dev cluster's two nodes, slurmctld ports and network namespaces: a job of one test would
+    queue behind another's, and the link counters would count both; the few hugetlb pages
+    `make test` reserves), and every other test runs on the worker of its file's other tests,
+    because files share expensive launches through module-level caches (test_tf_equivalence
+    runs its 2-rank and 4-rank workers once each), which a second worker would run again."""
     for item in items:
         names = getattr(item, "fixturenames", ())
         if "run_mpi" in names:
             item.add_marker(pytest.mark.mpi)
         if any(f in names for f in CLUSTER_FIXTURES):
             item.add_marker(pytest.mark.slurm)
-        group = shared_resource_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(shared_resource_group(item) or item.path.name))
 
 
 CLUSTER_FIXTURES = ("slurm_cluster", "private_cluster")
@@ -182,7 +182,7 @@ def shared_resource_group(item):
         return "dev-cluster"
     if item.get_closest_marker("hugepages") is not None:
         return "hugepages"
-    return None
+    return None   # the file's group
 
 
 def pytest_runtest_setup(item):
