@@ -123,13 +123,13 @@ def test_no_kill_is_read_from_the_scripts_sbatch_lines_and_sbatchs_variable():
 
 
 def test_spare_nodes_without_no_kill_are_a_loud_warning_naming_the_fix():
-    warning = placement.spares_without_no_kill(1, ["n1"], no_kill=False)
+    warning = placement.spares_without_no_kill(["n1"], no_kill=False)
     assert warning.startswith("WARNING: EDDIS_SPARE_NODES=1, but this job did not ask for --no-kill")
     assert "spare node(s) n1 are never used" in warning and "`#SBATCH --no-kill`" in warning
     assert "command line is invisible to the job" in warning
-    assert "could not show this job's batch script" in placement.spares_without_no_kill(1, ["n1"], None)
-    assert placement.spares_without_no_kill(1, ["n1"], True) is None
-    assert placement.spares_without_no_kill(0, [], False) is None
+    assert "could not show this job's batch script" in placement.spares_without_no_kill(["n1"], None)
+    assert placement.spares_without_no_kill(["n1"], True) is None
+    assert placement.spares_without_no_kill([], False) is None
 
 
 def test_submit_adds_spare_nodes_the_partition_has():

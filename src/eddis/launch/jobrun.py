@@ -443,7 +443,7 @@ class Job:
             spares = [n for n in self.nodes_started if n not in self.placement.nodes]
             say(f"eddis_job: the smb-servers and trainers run on {','.join(self.placement.nodes)}; "
                 f"spare node(s) {','.join(spares)} (EDDIS_SPARE_NODES)")
-            warning = placement.spares_without_no_kill(len(spares), spares, job_no_kill(self.job_id))
+            warning = placement.spares_without_no_kill(spares, job_no_kill(self.job_id))
             if warning is not None:
                 say(f"eddis_job: {warning}", sys.stderr)
         restarts = 0

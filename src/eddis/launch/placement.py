@@ -90,12 +90,13 @@ def too_few_message(failed, healthy, needed):
             "checkpoint in a new job on fewer nodes, which eddis.resume() allows")
 
 
-def spares_without_no_kill(spare, spares, no_kill):
+def spares_without_no_kill(spares, no_kill):
     """The loud warning of a job that holds spare nodes but did not ask for ``--no-kill``
     (``no_kill``: :func:`eddis.slurm.nodes.job_no_kill`, None when unknown), or None: without
     it Slurm ends the whole job when one of its nodes fails, so no restart ever uses a spare."""
-    if not spare or no_kill:
+    if not spares or no_kill:
         return None
+    spare = len(spares)
     fix = ("add `#SBATCH --no-kill` to the job script (eddis submit --spare-nodes K writes it), or unset "
            "EDDIS_SPARE_NODES and use the node(s) for training")
     if no_kill is None:
