@@ -159,6 +159,27 @@ def test_ranks_that_recorded_no_exit_are_found(tmp_path):
     assert jobsteps.ranks_without_exit(tmp_path) == []
 
 
+def test_an_interrupt_is_read_from_every_ranks_exit_record(tmp_path):
+    """srun --kill-on-bad-exit can end the last ranks with SIGTERM after the first exited 130:
+    the job was still interrupted when every rank recorded that SIGINT stopped it."""
+    import signal
+
+    from eddis.launch import jobsteps
+    from eddis.launch.report import LaunchRecords
+
+    assert not jobsteps.every_rank_interrupted(tmp_path)
+    records = LaunchRecords(tmp_path, "31.2")
+    for rank in range(4):
+        records.start(rank, {"rank": rank, "size": 4, "host": "n1"})
+    for rank in range(3):
+        records.finish(rank, {"rank": rank, "code": 130, "why": "stopped", "stop_signal": int(signal.SIGINT)})
+    assert not jobsteps.every_rank_interrupted(tmp_path)  # rank 3 recorded nothing
+    records.finish(3, {"rank": 3, "code": None, "signal": 15, "why": "stopped", "stop_signal": int(signal.SIGTERM)})
+    assert not jobsteps.every_rank_interrupted(tmp_path)  # scancel's SIGTERM, not an interrupt
+    records.finish(3, {"rank": 3, "code": 0, "why": "stopped", "stop_signal": int(signal.SIGINT)})
+    assert jobsteps.every_rank_interrupted(tmp_path)
+
+
 def test_eddis_submit_spare_nodes_reach_the_script():
     import argparse
 

@@ -527,9 +527,11 @@ class Job:
                 say(f"eddis_job: {jobsteps.COMPLETE_BEFORE_CHECKPOINT}")
             if self.answer is None:
                 jobsteps.remove_elastic_commits(self.run_dir)
-        if status == INTERRUPTED_STATUS and root_cause(self.run_dir)[0] is None:
+        if status != 0 and root_cause(self.run_dir)[0] is None and (
+                status == INTERRUPTED_STATUS or jobsteps.every_rank_interrupted(self.run_dir)):
             # scancel --signal=INT reached the trainers' step itself: no rank failed
             say("eddis_job: the trainers were interrupted (SIGINT)", sys.stderr)
+            status = INTERRUPTED_STATUS
         elif status != 0:
             # srun's own status may be a peer's SIGKILL; the root cause's is the job's
             status, _ = jobsteps.report_failure(self.run_dir, status)

@@ -121,12 +121,31 @@ def ranks_without_exit(path):
     """The ranks of the newest launch that recorded no exit; none when it recorded no start.
     srun (Slurm 22.05) returns 0 when a node of a ``--no-kill`` job fails under its step: the
     tasks there are killed with their supervisors, which then record nothing."""
+    newest, size = _newest_launch(path)
+    if newest is None:
+        return []
+    exited = newest.exited_ranks()
+    return [rank for rank in range(size) if rank not in exited]
+
+
+def _newest_launch(path):
+    """The newest launch's records and its world size (from its start records); (None, 0)."""
     newest = launches(path)[-1:]
     if not newest:
-        return []
-    size = max((r.get("size") or 0 for r in read_records(newest[0].ranks)), default=0)
-    exited = newest[0].exited_ranks()
-    return [rank for rank in range(size) if rank not in exited]
+        return None, 0
+    return newest[0], max((r.get("size") or 0 for r in read_records(newest[0].ranks)), default=0)
+
+
+def every_rank_interrupted(path):
+    """Whether every rank of the newest launch recorded that SIGINT stopped it. The first rank
+    to exit 130 is a bad exit to ``srun --kill-on-bad-exit``, which may end the last ones with
+    SIGTERM after they recorded it: srun's status is then 143, yet the job was interrupted."""
+    newest, size = _newest_launch(path)
+    if newest is None:
+        return False
+    exits = read_records(newest.exits)
+    return size > 0 and len({e.get("rank") for e in exits}) >= size and all(
+        e.get("why") == "stopped" and e.get("stop_signal") == signal.SIGINT for e in exits)
 
 
 TRAINERS_STATUS_FILE = "trainers.status"

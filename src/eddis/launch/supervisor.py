@@ -401,6 +401,9 @@ class Supervisor:
         return stack
 
     def _record(self, code, sig, ended, why, traceback, tail):
+        # stop_signal: the signal that stopped it, so the job can tell an interrupt from srun's
+        # --kill-on-bad-exit ending the last ranks after they recorded their exit
         return {"rank": self.info.rank, "host": self.info.hostname, "code": code, "signal": sig,
-                "time": ended, "why": why, "command": self.argv, "traceback": traceback,
+                "stop_signal": self.stop_signal, "time": ended, "why": why, "command": self.argv,
+                "traceback": traceback,
                 "tail": tail[-10:], "local_rank": self.info.local_rank, "group": self.info.group}
