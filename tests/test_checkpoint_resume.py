@@ -282,6 +282,7 @@ def test_easgd_requests_at_the_end_of_training_checkpoint_every_rank_or_none(tmp
     steps = [r["step"] for r in manifest["per_rank"]]
     assert manifest["reason"] == "requested" and steps == [3, total - 4], steps
     assert "stopped after step 3" in text and f"stopped after step {total - 4}" in text, text[-4000:]
+    assert "FinalModelWarning" not in text, text[-4000:]   # a stop to be requeued is not the end
     with h5py.File(ckpt / name / "training.h5", "r") as h5:
         assert int(h5["progress"].attrs["consumed"]) == total - 1
 

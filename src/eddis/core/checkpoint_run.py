@@ -551,6 +551,7 @@ def _scheduled_save(schedule, participant):
         layout.clear_request()
         if runtime.rank() == 0:
             layout.answer_request(path, state.step, terminated)
+        state.stopped_for_checkpoint = path
         raise CheckpointStop(f"stopped after step {state.step} for a requested checkpoint ({path}); "
                              f"exit status {CheckpointStop('').code}: requeue the job to continue", path)
     return path

@@ -105,6 +105,7 @@ class HeteroStep:
         self.exchanging = False
         self._centre_ready = False
         self._final_model_step = None   # self.step at the last final_model()
+        self.stopped_for_checkpoint = None   # the checkpoint a requested stop wrote: not the end
         self._final_model_check = None
         self.flat = None
         self._when_attached = []   # e.g. a resumed centre variable, once its pool exists
@@ -336,8 +337,8 @@ class _FinalModelCheck:
 
     def close(self):
         state = self.state
-        if state.rank != 0 or state.averager is None:
-            return
+        if state.rank != 0 or state.averager is None or state.stopped_for_checkpoint is not None:
+            return  # a stop to be requeued is not the end of training: the centre lives on
         steps = state.steps_after_final_model()
         if steps <= 0:
             return
