@@ -71,7 +71,7 @@ def test_stopped_rank_is_named_and_ends_the_job(slurm_cluster, job_env, tmp_path
     assert state == "FAILED" and code == "137:0", (state, code, text)
     assert re.search(r"ROOT CAUSE: rank 2 on host n2 hung \(.*stopped by a signal \(SIGSTOP", text), text
     assert "its Python stack when it was found hung (rank 2)" in text and "mpi_trainer.py" in text
-    assert text.count("ROOT CAUSE") == 1 and "eddis_job: done, status 137" in text
+    assert text.count("ROOT CAUSE") == 1 and "eddis_job: failed, status 137" in text
     assert took < BOUND
     assert_no_processes_left(job_env["EDDIS_RUN_DIR"])
 
@@ -116,7 +116,7 @@ def test_every_rank_failing_at_once_reports_and_keeps_their_status(slurm_cluster
     text = out.read_text()
     assert state == "FAILED" and code == "1:0", (state, code, text)
     assert re.search(r"ROOT CAUSE: rank [0-3] on host n[12] exited with code 1", text), text
-    assert "RuntimeError: injected failure" in text and "eddis_job: done, status 1" in text
+    assert "RuntimeError: injected failure" in text and "eddis_job: failed, status 1" in text
     assert took < 60, f"took {took:.0f} s"
     assert_no_processes_left(job_env["EDDIS_RUN_DIR"])
 

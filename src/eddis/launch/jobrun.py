@@ -372,7 +372,10 @@ class Job:
             return status
         if (status == 0 and self.answer is not None) or status == SIGNALLED_STATUS:
             return self._stopped_early(status)
-        say(f"eddis_job: done, status {status}")
+        if status == 0:
+            say("eddis_job: done, status 0")
+        else:
+            say(f"eddis_job: failed, status {status}", sys.stderr)
         return status
 
     def _stop_steps_now(self, reason):
