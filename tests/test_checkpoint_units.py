@@ -239,7 +239,7 @@ def test_a_model_state_without_a_distributed_optimizer_commits_in_memory_and_say
         monkeypatch, tmp_path, caplog):
     from eddis.core.elastic_state import ModelState
 
-    class PlainOptimizerState(ModelState):   # as TensorFlowKerasState beside a DistributedGradientTape
+    class PlainOptimizerState(ModelState):   # as TorchState with a plain torch optimizer
         def __init__(self, **values):
             self.model, self.optimizer = "model", "plain optimizer"
             super().__init__(**values)
@@ -262,3 +262,19 @@ def test_a_model_state_without_a_distributed_optimizer_commits_in_memory_and_say
     assert state.epoch == 3
     warnings = [r.getMessage() for r in caplog.records if "stays in memory" in r.getMessage()]
     assert len(warnings) == 1 and "eddis.DistributedOptimizer(optimizer)" in warnings[0], warnings
+
+
+def test_a_plain_optimizers_run_counts_its_steps_and_refuses_modes_a_tape_cannot_train():
+    """A checkpoint of a plain optimizer beside a DistributedGradientTape: its step is the
+    optimizer's own count (read and restored); easgd and hybrid keep their state in EDDIS's
+    optimizer alone, so there it is refused with the fix."""
+    from eddis.core.checkpoint_state import PlainOptimizerRun
+
+    iterations = [7]
+    run = PlainOptimizerRun("allreduce", lambda: iterations[0], lambda n: iterations.__setitem__(0, n))
+    assert run.step == 7 and run.averager is None and run.balancer is None and run.global_batch is None
+    run.step = 12
+    assert iterations == [12]
+    for mode in ("easgd", "hybrid"):
+        with pytest.raises(ConfigError, match=r"mode '\w+'.*eddis.DistributedOptimizer\(optimizer\)"):
+            PlainOptimizerRun(mode, lambda: 0, lambda n: None)

@@ -295,12 +295,13 @@ ELASTIC_SYNC_SCRIPT = REPO / "tests" / "horovod_style" / "torch_elastic_sync_sty
 TF_ELASTIC_SYNC_SCRIPT = REPO / "tests" / "horovod_style" / "tensorflow_elastic_sync_style.py"
 
 
-def launch_elastic_sync(tmp_path, script, name, timeout=150, **extra):
+def launch_elastic_sync(tmp_path, script, name, timeout=150, script_args=(), **extra):
     """A Horovod-style elastic script in sync with EDDIS_MAX_RESTARTS=1; its output and the
     final parameters rank 0 wrote."""
     out = tmp_path / f"{name}.npz"
     env = local_env(tmp_path / name, EDDIS_MODE="sync", EDDIS_MAX_RESTARTS=1, **extra)
-    proc = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(script), str(out)], env, timeout)
+    proc = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(script), str(out), *script_args],
+                             env, timeout)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     assert text.count("HOROVOD-STYLE ELASTIC SYNC OK") == 2, text[-4000:]
@@ -356,12 +357,15 @@ def replay_keras_sgd_momentum(initial, ranks, epochs, batches, lr=0.05, momentum
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-def test_a_horovod_elastic_tensorflow_script_in_sync_restarts_from_its_last_commit(tmp_path):
-    """TensorFlowKerasState's commits are checkpoints too: the same kill as above, one launch
-    (TensorFlow's import costs seconds a process); the uninterrupted run it must equal is
-    replayed here from the weights rank 0 started from."""
+@pytest.mark.parametrize("reduce_by", ["optimizer", "tape"])
+def test_a_horovod_elastic_tensorflow_script_in_sync_restarts_from_its_last_commit(tmp_path, reduce_by):
+    """TensorFlowKerasState's commits are checkpoints too, with an eddis.DistributedOptimizer
+    and with a plain optimizer beside a DistributedGradientTape (Horovod's TF2 pattern): the
+    same kill as above, one launch each (TensorFlow's import costs seconds a process); the
+    uninterrupted run it must equal is replayed here from the weights rank 0 started from."""
     text, got = launch_elastic_sync(tmp_path, TF_ELASTIC_SYNC_SCRIPT, "killed", timeout=240,
-                                    ELASTIC_TEST_KILL_AFTER="1:4")
+                                    script_args=[reduce_by], ELASTIC_TEST_KILL_AFTER="1:4")
+    assert "stays in memory" not in text, text[-4000:]
     assert_restarted_from_the_commit_at_epoch_1_batch_4(text, tmp_path / "killed" / "run")
     initial = np.load(tmp_path / "killed-initial.npz")
     want = replay_keras_sgd_momentum([initial[k] for k in sorted(initial)], ranks=2, epochs=2, batches=10)

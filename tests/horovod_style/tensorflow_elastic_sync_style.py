@@ -1,11 +1,12 @@
 """A Horovod elastic TensorFlow/Keras script with only the import changed (``import
 eddis.tensorflow as hvd``), run in mode sync with EDDIS_MAX_RESTARTS: a GradientTape loop
-with the Keras optimizer wrapped in ``hvd.DistributedOptimizer`` inside
-``@hvd.elastic.run``, its state a ``TensorFlowKerasState``. A lost rank ends the trainers,
-the launcher starts them again, and ``hvd.elastic.run`` goes on from the last
-``state.commit()``, which in sync is a checkpoint of the run. A commit records the batches
-of the epoch done, so a restarted run trains each batch exactly once.
-Usage: tensorflow_elastic_sync_style.py OUT.npz
+inside ``@hvd.elastic.run``, its state a ``TensorFlowKerasState``, with the Keras optimizer
+wrapped in ``hvd.DistributedOptimizer`` (``optimizer``) or, as in Horovod's own TF2 elastic
+example, a plain optimizer applying a ``hvd.DistributedGradientTape``'s gradients (``tape``).
+A lost rank ends the trainers, the launcher starts them again, and ``hvd.elastic.run`` goes
+on from the last ``state.commit()``, which in sync is a checkpoint of the run. A commit
+records the batches of the epoch done, so a restarted run trains each batch exactly once.
+Usage: tensorflow_elastic_sync_style.py OUT.npz {optimizer,tape}
 
 Test harness hooks (not Horovod's): ELASTIC_TEST_KILL_AFTER=epoch:batch, rank 1 SIGKILLs
 itself right after the commit at that point, on the launcher's first attempt; rank 0 writes
@@ -22,14 +23,16 @@ from tensorflow import keras
 import eddis.tensorflow as hvd
 
 EPOCHS, BATCHES, COMMIT_EVERY = 2, 10, 4
-out = sys.argv[1]
+out, reduce_by = sys.argv[1], sys.argv[2]
 kill_after = os.environ.get("ELASTIC_TEST_KILL_AFTER")
 attempt = os.environ.get("EDDIS_RESTART_COUNT", "0")
 
 hvd.init()
 keras.utils.set_random_seed(hvd.rank())   # different on purpose: sync() must make them equal
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
-optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))
+optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+if reduce_by == "optimizer":
+    optimizer = hvd.DistributedOptimizer(optimizer)
 optimizer.build(model.trainable_variables)
 
 
@@ -49,6 +52,8 @@ def train(state):
             x, y = batch_of(state.epoch, batch)
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+            if reduce_by == "tape":
+                tape = hvd.DistributedGradientTape(tape)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             state.batch = batch + 1

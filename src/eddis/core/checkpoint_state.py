@@ -7,6 +7,9 @@
   claimed but not run, every rank's completed steps (the staleness counters) and the balanced
   shares of the global batch.
 
+A run whose optimizer is not EDDIS's (a plain one beside TensorFlow's DistributedGradientTape)
+has none of the job's part: :class:`PlainOptimizerRun` stands for its state.
+
 Everything is read at a consistent cut: every rank waits at a step boundary (``checkpoint_run``)
 and its last centre update is applied before rank 0 reads the pools.
 """
@@ -14,6 +17,7 @@ import random
 
 import numpy as np
 
+from ..errors import ConfigError
 from . import hetero as _hetero
 from . import progress
 
@@ -157,3 +161,36 @@ def restore_centre(state, centre, rates, rank):
         if rates is not None and averager.rates is not None and len(rates) == averager.workers:
             averager.rates.write(np.ascontiguousarray(rates, dtype=np.float64), slot=0)
     state._centre_ready = True
+
+
+# ---------------------------------------------------------------- a run without EDDIS's optimizer
+PLAIN_OPTIMIZER_MODES = ("sync", "allreduce")
+
+
+class PlainOptimizerRun:
+    """What a checkpoint cuts of a run whose optimizer is not EDDIS's: a plain optimizer beside
+    a gradient reduction (TensorFlow's ``DistributedGradientTape``), which trains in ``sync`` or
+    ``allreduce`` only. Every rank then holds the same parameters, nothing of the training lives
+    in SMB, and the optimizer counts its own steps: ``step`` reads and restores that count
+    (``get_step()``, ``set_step(n)``), which names the checkpoint."""
+
+    averager = balancer = reducer = global_batch = None
+    _centre_ready = False
+
+    def __init__(self, mode, get_step, set_step):
+        if mode not in PLAIN_OPTIMIZER_MODES:
+            raise ConfigError(
+                f"a checkpoint of a plain optimizer (not an eddis.DistributedOptimizer) needs mode sync or "
+                f"allreduce, where a DistributedGradientTape averages the gradients; this run is in mode "
+                f"{mode!r}, whose state only EDDIS's optimizer holds: wrap the optimizer, "
+                "optimizer = eddis.DistributedOptimizer(optimizer)")
+        self.mode = mode
+        self._get_step, self._set_step = get_step, set_step
+
+    @property
+    def step(self):
+        return int(self._get_step())
+
+    @step.setter
+    def step(self, value):
+        self._set_step(int(value))

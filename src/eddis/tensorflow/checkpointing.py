@@ -9,27 +9,36 @@ What is written, where and when is :mod:`eddis.core.checkpoint_run`'s; this modu
 ``rank-NNNNN.keras.h5`` (h5py): every variable of the model (``model.variables``, in order:
 weights, and the seed generators' states where Keras tracks them), the optimizer's variables
 (iterations, slots such as momenta) and TensorFlow's global generator state.
+
+The optimizer is an ``eddis.DistributedOptimizer`` (its periodic and requested checkpoints
+too), or, in sync and allreduce, a plain Keras optimizer that applies a
+``DistributedGradientTape``'s gradients: no EDDIS code runs in its step, so it gets the
+explicit ``eddis.checkpoint`` calls and ``state.commit()`` only, and its ``iterations`` count the
+steps.
 """
 import h5py
+import keras
 import numpy as np
 import tensorflow as tf
 
+from .. import settings
 from ..core.basics import basics as _basics
+from ..core.checkpoint_state import PLAIN_OPTIMIZER_MODES, PlainOptimizerRun
 from ..errors import CheckpointError, ConfigError
 
 
 class KerasParticipant:
-    """The TensorFlow side of one rank's checkpoint: a Keras model and its DistributedOptimizer."""
+    """The TensorFlow side of one rank's checkpoint: a Keras model and its optimizer, an
+    eddis.DistributedOptimizer or a plain one beside a DistributedGradientTape."""
 
     framework = "tensorflow"
     ext = ".keras.h5"
 
     def __init__(self, model, optimizer):
-        from .optimizer import _DistributedOptimizer
-
-        if not isinstance(optimizer, _DistributedOptimizer):
-            raise ConfigError("eddis.checkpoint/resume need the optimizer returned by "
-                              "eddis.DistributedOptimizer(...)")
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise ConfigError(f"eddis.checkpoint/resume need the Keras optimizer that trains the model (an "
+                              f"eddis.DistributedOptimizer, or a plain one beside a DistributedGradientTape), "
+                              f"got {type(optimizer).__name__}")
         if not hasattr(model, "variables"):
             raise ConfigError(f"eddis.checkpoint/resume need the Keras model that is trained, got "
                               f"{type(model).__name__}")
@@ -68,10 +77,24 @@ class KerasParticipant:
                 tf.random.get_global_generator().reset(h5["rng/tf"][()])
 
 
+def plain_optimizer_mode():
+    """The mode a plain optimizer trains in beside a DistributedGradientTape (EDDIS_MODE), or
+    None where a tape cannot train (easgd, hybrid): there only EDDIS's optimizer holds the state."""
+    mode = settings.get("EDDIS_MODE")
+    return mode if mode in PLAIN_OPTIMIZER_MODES else None
+
+
 def _bind(model, optimizer):
+    from .optimizer import _DistributedOptimizer
+
     participant = KerasParticipant(model, optimizer)
-    optimizer._eddis.checkpointing = participant
-    return optimizer.hetero, participant
+    if isinstance(optimizer, _DistributedOptimizer):
+        optimizer._eddis.checkpointing = participant   # its periodic checkpoints
+        return optimizer.hetero, participant
+    # a plain optimizer steps with no EDDIS code in its step: explicit checkpoints and commits only
+    run = PlainOptimizerRun(settings.get("EDDIS_MODE"), lambda: optimizer.iterations.numpy(),
+                            optimizer.iterations.assign)
+    return run, participant
 
 
 def checkpoint(path, model, optimizer, epoch=None, batch=None, **extra):

@@ -49,7 +49,10 @@ class TensorFlowKerasState(ModelState):
         super().restore()
 
     def training_mode(self):
-        return self.optimizer.hetero.mode if isinstance(self.optimizer, _DistributedOptimizer) else None
+        if isinstance(self.optimizer, _DistributedOptimizer):
+            return self.optimizer.hetero.mode
+        # a plain optimizer beside a DistributedGradientTape (Horovod's TF2 elastic pattern)
+        return None if self.optimizer is None else checkpointing.plain_optimizer_mode()
 
     def sync(self):
         root = self.sync_root("state.sync()")
