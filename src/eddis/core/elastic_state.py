@@ -187,9 +187,9 @@ class ModelState(ObjectState):
     _warned_in_memory = False
 
     def training_mode(self):
-        """The mode of the eddis.DistributedOptimizer that trains the model, or None when the
-        optimizer is not one (a plain optimizer beside a DistributedGradientTape), whose
-        training state ``eddis.checkpoint`` cannot cut."""
+        """The mode the model trains in, where the adapter's ``eddis.checkpoint`` can cut its
+        state (an eddis.DistributedOptimizer; in TensorFlow also a plain optimizer beside a
+        DistributedGradientTape), else None (a plain torch optimizer)."""
         raise UsageError(f"{type(self).__name__} must define training_mode()")
 
     def _commit_folder(self):
