@@ -293,6 +293,7 @@ def test_a_job_with_spare_nodes_but_without_no_kill_warns_at_its_start(slurm_clu
 
 ELASTIC_SYNC_SCRIPT = REPO / "tests" / "horovod_style" / "torch_elastic_sync_style.py"
 TF_ELASTIC_SYNC_SCRIPT = REPO / "tests" / "horovod_style" / "tensorflow_elastic_sync_style.py"
+KERAS_ELASTIC_SYNC_SCRIPT = REPO / "tests" / "horovod_style" / "keras_elastic_sync_style.py"
 
 
 def launch_elastic_sync(tmp_path, script, name, timeout=150, script_args=(), **extra):
@@ -367,6 +368,29 @@ def test_a_horovod_elastic_tensorflow_script_in_sync_restarts_from_its_last_comm
                                     script_args=[reduce_by], ELASTIC_TEST_KILL_AFTER="1:4")
     assert "stays in memory" not in text, text[-4000:]
     assert_restarted_from_the_commit_at_epoch_1_batch_4(text, tmp_path / "killed" / "run")
+    initial = np.load(tmp_path / "killed-initial.npz")
+    want = replay_keras_sgd_momentum([initial[k] for k in sorted(initial)], ranks=2, epochs=2, batches=10)
+    assert_same_parameters(got, dict(zip(sorted(initial), want)))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_a_horovod_elastic_keras_fit_in_sync_restarts_from_its_last_commit(tmp_path):
+    """hvd.elastic for model.fit (KerasState, its three callbacks): rank 1 is killed right after
+    the commit at the end of epoch 0; the restarted fit runs epoch 1 only and ends with the
+    weights of the uninterrupted run, replayed here."""
+    text, got = launch_elastic_sync(tmp_path, KERAS_ELASTIC_SYNC_SCRIPT, "killed", timeout=240,
+                                    ELASTIC_TEST_KILL_AFTER="1:0")
+    assert re.search(r"ROOT CAUSE: rank 1 on host \S+ was killed by signal 9 \(SIGKILL\)", text), text[-4000:]
+    assert text.count("restarting the smb-server and the ranks (restart 1 of 1)") == 1, text[-4000:]
+    assert sorted(re.findall(r"attempt (\d) starts at epoch (\d) batch (\d)", text)) == [
+        ("0", "0", "0"), ("0", "0", "0"), ("1", "1", "0"), ("1", "1", "0")], text[-4000:]
+    assert text.count("trained epochs 2") == 2, text[-4000:]
+    # commits after batches 4 and 8 and at each epoch's end: steps 4, 8, 10, then 14, 18, 20;
+    # the newest 3 kept, and removed once the training finished
+    run_dir = tmp_path / "killed" / "run"
+    assert re.search(rf"removed its 3 elastic commit\(s\) from {re.escape(str(run_dir))}/elastic-commits$",
+                     text, re.M), text[-4000:]
     initial = np.load(tmp_path / "killed-initial.npz")
     want = replay_keras_sgd_momentum([initial[k] for k in sorted(initial)], ranks=2, epochs=2, batches=10)
     assert_same_parameters(got, dict(zip(sorted(initial), want)))

@@ -89,6 +89,41 @@ def test_warmup_schedule_ramps_from_lr_over_size_to_lr():
         callbacks.LearningRateWarmupCallback(0.1, momentum_correction=True)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("initial_epoch", [0, 3])
+def test_keras_elastic_callbacks_count_across_restarts_and_commit_in_order(initial_epoch):
+    """Horovod's callbacks for model.fit, driven as fit drives them: a run restarted after 3
+    epochs, fit either numbering its epochs from 0 (epochs=total - state.epoch) or from
+    initial_epoch=3; every 2 batches and each epoch's end a commit of the values after it."""
+    from eddis.core.elastic_state import ObjectState
+    from eddis.tensorflow.keras import elastic
+
+    class Recorded(ObjectState):
+        def commit(self):
+            self.commits = getattr(self, "commits", []) + [(self.epoch, self.batch)]
+            super().commit()
+
+    state = Recorded(epoch=3, batch=0)
+    listed = [elastic.UpdateEpochStateCallback(state), elastic.UpdateBatchStateCallback(state),
+              elastic.CommitStateCallback(state, batches_per_commit=2)]
+    for cb in listed:
+        cb.on_train_begin()
+    for epoch in range(initial_epoch, initial_epoch + 2):
+        for cb in listed:
+            cb.on_epoch_begin(epoch)
+        for batch in range(3):
+            for cb in listed:
+                cb.on_train_batch_end(batch)
+        for cb in listed:
+            cb.on_epoch_end(epoch)
+    assert (state.epoch, state.batch) == (5, 0)
+    # the batch count restarts at each fit's start and each epoch's end: batch 2 of 3, the end
+    assert state.commits == [(3, 2), (4, 0), (4, 2), (5, 0)]
+    for bad in (0, 1.5, True, "4"):
+        with pytest.raises(ConfigError, match="whole number of batches"):
+            elastic.CommitStateCallback(state, batches_per_commit=bad)
+
+
 # ---------------------------------------------------------------- one single-rank process
 WORKER = r'''
 import json, os, sys, tempfile

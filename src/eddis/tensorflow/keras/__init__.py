@@ -14,10 +14,12 @@ import keras as _keras
 
 from ... import tensorflow as _tensorflow
 from . import callbacks as _callbacks
+from . import elastic as _elastic
 
 # eddis.tensorflow's own objects, bound again under its names (one adapter, two addresses)
 globals().update({name: getattr(_tensorflow, name) for name in _tensorflow.__all__})
 callbacks = _callbacks  # Horovod's hvd.callbacks.*, also importable as eddis.tensorflow.keras.callbacks
+elastic = _elastic  # Horovod's hvd.elastic.* for model.fit: KerasState and its callbacks
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=None):
@@ -40,4 +42,4 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     return model
 
 
-__all__ = [*_tensorflow.__all__, "load_model"]
+__all__ = [*_tensorflow.__all__, "elastic", "load_model"]
