@@ -295,3 +295,40 @@ def test_easgd_requests_at_the_end_of_training_checkpoint_every_rank_or_none(tmp
     assert [r["start"] for r in result["ranks"]] == steps
     assert sorted(r["this_run"] for r in result["ranks"]) == [0, 1]
     assert result["counter"] == total
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_request_at_a_groups_end_of_training_checkpoints_every_rank(tmp_path):
+    """The begun-first order in hybrid, 2 groups of 2: group 0 asks after its step 3 once group
+    1 is past its last step boundary, so group 1 joins the save at its end of training: every
+    rank writes the checkpoint, nothing of the counter is lost, and the resumed run has nothing
+    left to train (no rank waits for another's set-up)."""
+    script, total, ckpt = REPO / "tests" / "launch_scripts" / "resumable_hetero.py", 40, tmp_path / "ckpt"
+    settings = {"EDDIS_MODE": "hybrid", "EDDIS_TOTAL_ITERATIONS": total, "EDDIS_CLAIM_CHUNK": 2,
+                "EDDIS_CHECKPOINT_DIR": ckpt}
+
+    def hybrid_launch(out, *args):
+        argv = ["eddis-train", "--local", "-n", "4", PYTHON, str(script), str(out), "--mode", "hybrid",
+                "--groups", "2", *map(str, args)]
+        return run_process_group(argv, env_for(tmp_path, **settings), 200)
+
+    first = hybrid_launch(tmp_path / "first.json", "--end-race", "begun-first", "--request-at", 3)
+    text = first.stdout + first.stderr
+    assert first.returncode == 75, text[-4000:]
+    [name] = complete(ckpt)
+    manifest = json.loads((ckpt / name / "manifest.json").read_text())
+    steps = [r["step"] for r in manifest["per_rank"]]
+    assert manifest["reason"] == "requested" and steps[:2] == [4, 4] and steps[2] == steps[3] > 4, steps
+    assert text.count("stopped after step 4") == 2 and text.count(f"stopped after step {steps[2]}") == 2, \
+        text[-4000:]
+    assert "FinalModelWarning" not in text, text[-4000:]
+    with h5py.File(ckpt / name / "training.h5", "r") as h5:
+        assert int(h5["progress"].attrs["consumed"]) == total
+        centre = h5["centre"][()]
+
+    second = hybrid_launch(tmp_path / "second.json")
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    result = json.loads((tmp_path / "second.json").read_text())
+    assert [r["start"] for r in result["ranks"]] == steps
+    assert [r["this_run"] for r in result["ranks"]] == [0, 0, 0, 0] and result["counter"] == total
+    assert np.array_equal(np.asarray(result["centre_after_resume"], dtype=np.float32), centre)
