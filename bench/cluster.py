@@ -17,7 +17,11 @@ contender in turn on the same data:
 - ``eddis-allreduce`` (MPI), ``eddis-sync`` (hierarchical across nodes), ``-fp16``,
   ``-bf16``, ``eddis-sync-flat`` (``EDDIS_SYNC_REDUCE=server``: every rank's slot to
   the servers, the path before the hierarchy), ``eddis-balanced``, ``eddis-easgd``,
-  ``eddis-hybrid`` (a group per node).
+  ``eddis-hybrid`` (a group per node);
+- ``solo``, the ideal: every rank trains a model of its own at the same time, with no
+  communication, for ``--solo-seconds``; its samples/s is the sum of the ranks' own
+  rates, so it carries the same CPU contention and slowdowns as the others, and the
+  table gives each contender's share of it (``x ideal``).
 
 Each contender warms up, then every rank stops at a barrier while this driver reads
 the byte counters of every node link (``eddis.slurm.devcluster.traffic``), trains on
@@ -57,7 +61,7 @@ MODELS = {  # local batch, target loss, learning rate at a batch of 32, steps to
     "lstm": {"batch": 8, "target": 3.5, "lr": 1.0, "warmup": 2},
 }
 CONTENDERS = ["ddp", "ddp-fp16", "horovod", "eddis-allreduce", "eddis-sync", "eddis-sync-fp16",
-              "eddis-sync-bf16", "eddis-sync-flat", "eddis-balanced", "eddis-easgd", "eddis-hybrid"]
+              "eddis-sync-bf16", "eddis-sync-flat", "eddis-balanced", "eddis-easgd", "eddis-hybrid", "solo"]
 QUICK = {"links": ["1gbit"], "layouts": ["2x2"], "slowdowns": ["1111"], "models": ["comm"],
          "contenders": ["ddp", "eddis-sync", "eddis-hybrid"]}
 PAUSE_TIMEOUT_S = 300
@@ -220,6 +224,9 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
 
             net.register_comm_hook(None, default_hooks.fp16_compress_hook)
         opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"] * global_batch / 32, momentum=0.9)
+    elif contender == "solo":
+        net = model
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"] * local_batch / 32, momentum=0.9)
     elif contender == "horovod":
         import horovod.torch as hvd  # ImportError: listed as skipped
 
@@ -242,7 +249,8 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
             named_parameters=model.named_parameters(), mode=eddis_mode,
             compression=getattr(eddis.Compression, compression), balance=parts[0] == "balanced")
         eddis.broadcast_parameters(model.state_dict(), root_rank=0)
-    lockstep = eddis_mode not in ("easgd", "hybrid")  # every rank takes its share of one global batch
+    # every rank takes its share of one global batch
+    lockstep = eddis_mode not in ("easgd", "hybrid") and contender != "solo"
     rng = np.random.default_rng(100 + rank)
     tracker = LossTracker(cfg["target"])
 
@@ -276,6 +284,18 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
         eddis.configure_progress(total=total_samples // local_batch)
     start = tracker.start = time.perf_counter()
     local_steps = 0
+    if contender == "solo":   # each rank's own rate over the same stretch of time
+        while time.perf_counter() - start < args.solo_seconds:
+            one_step(cfg["warmup"] + local_steps)
+            local_steps += 1
+        local_wall = time.perf_counter() - start
+        rates = eddis.allgather_object(local_steps * local_batch / local_wall)
+        steps_run = eddis.allgather_object(local_steps)
+        pause(args.marker_dir, f"{contender}-2", comm, rank)
+        # as global batches: the link counters are divided by samples / global batch
+        return {"contender": contender, "samples": sum(steps_run) * local_batch, "wall_s": local_wall,
+                "samples_per_s": sum(rates), "time_to_target_s": None, "final_loss_ema": tracker.ema,
+                "gradient_bytes": gradient_bytes, "global_batch": global_batch, "rank0_steps": local_steps}
     while (not eddis.should_stop()) if counted else local_steps < args.steps:
         one_step(cfg["warmup"] + local_steps)
         local_steps += 1
@@ -341,9 +361,9 @@ def run_configuration(args, env, config, contenders):
     os.chmod(work, 0o755)
     output = work / "job.out"
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", config["model"],
-               "--steps", str(args.steps), "--slowdowns", config["slowdowns"], "--device-ms",
-               str(args.device_ms), "--contenders", ",".join(contenders), "--marker-dir", str(work),
-               "--port", str(29500 + os.getpid() % 1000)]
+               "--steps", str(args.steps), "--solo-seconds", str(args.solo_seconds), "--slowdowns",
+               config["slowdowns"], "--device-ms", str(args.device_ms), "--contenders", ",".join(contenders),
+               "--marker-dir", str(work), "--port", str(29500 + os.getpid() % 1000)]
     script = work / "job.sh"
     script.write_text(job_script(config["nodes"], config["ranks_per_node"], command, str(output)))
     # a run directory of the job's own: job ids start again with every rebuilt cluster
@@ -411,18 +431,20 @@ def print_table(records):
     for key, rows in by_config.items():
         config = json.loads(key)
         ddp = next((r for r in rows if r["contender"] == "ddp"), None)
+        ideal = next((r for r in rows if r["contender"] == "solo"), None)
         print(f"\n{config['link']}, {config['nodes']} nodes x {config['ranks_per_node']} ranks, slowdowns "
               f"{config['slowdowns']}, model {config['model']} (S = {rows[0]['gradient_bytes'] / 1e6:.1f} MB, "
               f"target loss {rows[0]['target_loss']})")
         print(f"{'contender':18s} {'samples/s':>10s} {'x DDP':>6s} {'to target s':>12s} {'x DDP':>6s} "
-              f"{'bytes/step/node/way':>20s} {'/ S':>6s}")
+              f"{'bytes/step/node/way':>20s} {'/ S':>6s} {'x ideal':>8s}")
         for r in rows:
             speed = f"{r['samples_per_s'] / ddp['samples_per_s']:.2f}" if ddp else "-"
             hit = r["time_to_target_s"]
             faster = (f"{ddp['time_to_target_s'] / hit:.2f}" if ddp and hit and ddp["time_to_target_s"] else "-")
             print(f"{r['contender']:18s} {r['samples_per_s']:10.1f} {speed:>6s} "
                   f"{'-' if hit is None else f'{hit:.1f}':>12s} {faster:>6s} "
-                  f"{r['cross_node_bytes_per_step'] / 1e6:18.1f}MB {r['cross_node_bytes_per_step'] / r['gradient_bytes']:6.2f}")
+                  f"{r['cross_node_bytes_per_step'] / 1e6:18.1f}MB {r['cross_node_bytes_per_step'] / r['gradient_bytes']:6.2f} "
+                  f"{r['samples_per_s'] / ideal['samples_per_s'] if ideal else float('nan'):8.2f}")
 
 
 def configurations(args):
@@ -451,6 +473,8 @@ def main(argv=None):
     p.add_argument("--models", default="comm,compute,lstm")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--steps", type=int, default=80, help="global batches each contender trains on (measured)")
+    p.add_argument("--solo-seconds", type=float, default=30.0,
+                   help="how long the ranks of the solo contender (the ideal) train alone")
     p.add_argument("--device-ms", type=float, default=0.0,
                    help="simulated accelerator: ms per sample at factor 1 (0: none)")
     p.add_argument("--json", default=None, help="also write the records to this file")
