@@ -36,7 +36,7 @@ import pytest
 from conftest import PYTHON, REPO, run_process_group
 from launch_helpers import (job_state, make_bin, requeue_hold_seconds, wait_job_end, wait_requeued_job_end,
                             wait_until)
-from test_checkpoint_resume import env_for as local_env
+from test_checkpoint_resume import complete, env_for as local_env
 
 SCRIPT = REPO / "tests" / "launch_scripts" / "resumable_sync.py"
 HETERO_SCRIPT = REPO / "tests" / "launch_scripts" / "resumable_hetero.py"
@@ -491,3 +491,35 @@ def test_an_easgd_job_ended_by_its_time_limit_resumes_until_the_counter_reaches_
     # every iteration of the total was trained once, by one rank in one run
     assert sum(r["steps"] for r in got["ranks"]) == EASGD_TOTAL, got["ranks"]
     assert abs(got["accuracy"] - want["accuracy"]) < ACCURACY_POINT, (got["accuracy"], want["accuracy"])
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(420)
+def test_a_job_whose_checkpoint_request_comes_after_training_ended_completes(slurm_cluster, tmp_path):
+    """A request refused as "training is complete" ends the Slurm job COMPLETED, neither
+    requeued nor checkpointed: the job resumes a checkpoint with one iteration left (written
+    here first, by eddis-train --local), and its rank at that last step asks once the other
+    rank has ended its training (resumable_hetero.py --end-race ended-first)."""
+    from eddis.launch.jobsteps import COMPLETE_BEFORE_CHECKPOINT
+
+    total, ckpt = 40, tmp_path / "ckpt"
+    settings = {"EDDIS_MODE": "easgd", "EDDIS_TOTAL_ITERATIONS": total, "EDDIS_CLAIM_CHUNK": 2,
+                "EDDIS_CHECKPOINT_DIR": ckpt}
+    first = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(HETERO_SCRIPT),
+                               str(tmp_path / "first.json"), "--end-race", "begun-first", "--request-at", "3"],
+                              local_env(tmp_path / "first", **settings), 150)
+    assert first.returncode == 75, (first.stdout + first.stderr)[-4000:]
+    [name] = complete(ckpt)
+    assert requeue_hold_seconds(slurm_cluster) <= MAX_HOLD_SECONDS, STALE_CLUSTER
+    out, log = tmp_path / "second.json", tmp_path / "job.out"
+    job_id = submit_job(slurm_cluster, tmp_path, [HETERO_SCRIPT, out, "--end-race", "ended-first"], log,
+                        job_name="eddis-refused-test", time="00:05:00", checkpoint_signal=120, mode="easgd",
+                        settings={key: str(value) for key, value in settings.items() if key != "EDDIS_MODE"})
+    state = wait_requeued_job_end(slurm_cluster, job_id, 240, log)
+    text = log.read_text(errors="replace")
+    assert state[:2] == ("COMPLETED", "0:0"), text[-4000:]
+    assert f"eddis_job: {COMPLETE_BEFORE_CHECKPOINT}" in text and "eddis_job: done, status 0" in text, text[-4000:]
+    assert "requeued job" not in text and "stopped after step" not in text, text[-4000:]
+    assert complete(ckpt) == [name]
+    result = json.loads(out.read_text())
+    assert result["counter"] == total and sorted(r["this_run"] for r in result["ranks"]) == [0, 1], result
