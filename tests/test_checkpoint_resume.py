@@ -259,34 +259,49 @@ def test_hybrid_resume_restores_the_centre_and_every_rank_resumes_at_its_step(tm
     assert abs(second["accuracy"] - full["accuracy"]) < 0.01, (second["accuracy"], full["accuracy"])
 
 
+RACE_SCRIPT = REPO / "tests" / "launch_scripts" / "resumable_hetero.py"
+RACE_TOTAL = 40
+
+
+def race_launch(tmp_path, out, *args, mode="easgd", ranks=2):
+    """resumable_hetero.py on ``ranks`` ranks of ``eddis-train --local`` (hybrid: 2 groups), the
+    counter's total RACE_TOTAL claimed 2 at a time, checkpoints in ``tmp_path/ckpt``."""
+    settings = {"EDDIS_MODE": mode, "EDDIS_TOTAL_ITERATIONS": RACE_TOTAL, "EDDIS_CLAIM_CHUNK": 2,
+                "EDDIS_CHECKPOINT_DIR": tmp_path / "ckpt"}
+    groups = ["--mode", "hybrid", "--groups", "2"] if mode == "hybrid" else []
+    argv = ["eddis-train", "--local", "-n", str(ranks), PYTHON, str(RACE_SCRIPT), str(out), *groups,
+            *map(str, args)]
+    return run_process_group(argv, env_for(tmp_path, **settings), 200)
+
+
+def requested_checkpoint(proc, ckpt):
+    """The only checkpoint in ``ckpt``, which the launch ``proc`` wrote when asked and then
+    stopped for (status 75): its name, every rank's step in it and the launch's output."""
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 75, text[-4000:]
+    [name] = complete(ckpt)
+    manifest = json.loads((ckpt / name / "manifest.json").read_text())
+    assert manifest["reason"] == "requested", manifest
+    assert "FinalModelWarning" not in text, text[-4000:]   # a stop to be requeued is not the end
+    return name, [r["step"] for r in manifest["per_rank"]], text
+
+
 @pytest.mark.timeout(300)
 def test_easgd_requests_at_the_end_of_training_checkpoint_every_rank_or_none(tmp_path):
     """The two orders of a request and another rank's end of training, forced: rank 0 asks
     right after rank 1's last step boundary, so rank 1 joins the save at its end of training;
     the resumed run has one iteration left, one rank none (it must not wait for the other's
     set-up), and the rank with the step asks once the other has ended: refused, complete."""
-    script, total, ckpt = REPO / "tests" / "launch_scripts" / "resumable_hetero.py", 40, tmp_path / "ckpt"
-    settings = {"EDDIS_MODE": "easgd", "EDDIS_TOTAL_ITERATIONS": total, "EDDIS_CLAIM_CHUNK": 2,
-                "EDDIS_CHECKPOINT_DIR": ckpt}
-
-    def race_launch(out, *args):
-        argv = ["eddis-train", "--local", "-n", "2", PYTHON, str(script), str(out), *map(str, args)]
-        return run_process_group(argv, env_for(tmp_path, **settings), 150)
-
+    total, ckpt = RACE_TOTAL, tmp_path / "ckpt"
     # step 3 is the first of rank 0's second claim of 2: one iteration claimed, not run
-    first = race_launch(tmp_path / "first.json", "--end-race", "begun-first", "--request-at", 3)
-    text = first.stdout + first.stderr
-    assert first.returncode == 75, text[-4000:]
-    [name] = complete(ckpt)
-    manifest = json.loads((ckpt / name / "manifest.json").read_text())
-    steps = [r["step"] for r in manifest["per_rank"]]
-    assert manifest["reason"] == "requested" and steps == [3, total - 4], steps
+    first = race_launch(tmp_path, tmp_path / "first.json", "--end-race", "begun-first", "--request-at", 3)
+    name, steps, text = requested_checkpoint(first, ckpt)
+    assert steps == [3, total - 4], steps
     assert "stopped after step 3" in text and f"stopped after step {total - 4}" in text, text[-4000:]
-    assert "FinalModelWarning" not in text, text[-4000:]   # a stop to be requeued is not the end
     with h5py.File(ckpt / name / "training.h5", "r") as h5:
         assert int(h5["progress"].attrs["consumed"]) == total - 1
 
-    second = race_launch(tmp_path / "second.json", "--end-race", "ended-first")
+    second = race_launch(tmp_path, tmp_path / "second.json", "--end-race", "ended-first")
     text = second.stdout + second.stderr
     assert second.returncode == 0, text[-4000:]
     assert "training is complete, nothing to checkpoint" in text, text[-4000:]
@@ -303,30 +318,18 @@ def test_hybrid_request_at_a_groups_end_of_training_checkpoints_every_rank(tmp_p
     1 is past its last step boundary, so group 1 joins the save at its end of training: every
     rank writes the checkpoint, nothing of the counter is lost, and the resumed run has nothing
     left to train (no rank waits for another's set-up)."""
-    script, total, ckpt = REPO / "tests" / "launch_scripts" / "resumable_hetero.py", 40, tmp_path / "ckpt"
-    settings = {"EDDIS_MODE": "hybrid", "EDDIS_TOTAL_ITERATIONS": total, "EDDIS_CLAIM_CHUNK": 2,
-                "EDDIS_CHECKPOINT_DIR": ckpt}
-
-    def hybrid_launch(out, *args):
-        argv = ["eddis-train", "--local", "-n", "4", PYTHON, str(script), str(out), "--mode", "hybrid",
-                "--groups", "2", *map(str, args)]
-        return run_process_group(argv, env_for(tmp_path, **settings), 200)
-
-    first = hybrid_launch(tmp_path / "first.json", "--end-race", "begun-first", "--request-at", 3)
-    text = first.stdout + first.stderr
-    assert first.returncode == 75, text[-4000:]
-    [name] = complete(ckpt)
-    manifest = json.loads((ckpt / name / "manifest.json").read_text())
-    steps = [r["step"] for r in manifest["per_rank"]]
-    assert manifest["reason"] == "requested" and steps[:2] == [4, 4] and steps[2] == steps[3] > 4, steps
+    total, ckpt = RACE_TOTAL, tmp_path / "ckpt"
+    first = race_launch(tmp_path, tmp_path / "first.json", "--end-race", "begun-first", "--request-at", 3,
+                        mode="hybrid", ranks=4)
+    name, steps, text = requested_checkpoint(first, ckpt)
+    assert steps[:2] == [4, 4] and steps[2] == steps[3] > 4, steps
     assert text.count("stopped after step 4") == 2 and text.count(f"stopped after step {steps[2]}") == 2, \
         text[-4000:]
-    assert "FinalModelWarning" not in text, text[-4000:]
     with h5py.File(ckpt / name / "training.h5", "r") as h5:
         assert int(h5["progress"].attrs["consumed"]) == total
         centre = h5["centre"][()]
 
-    second = hybrid_launch(tmp_path / "second.json")
+    second = race_launch(tmp_path, tmp_path / "second.json", mode="hybrid", ranks=4)
     assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
     result = json.loads((tmp_path / "second.json").read_text())
     assert [r["start"] for r in result["ranks"]] == steps

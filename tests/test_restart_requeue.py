@@ -36,7 +36,7 @@ import pytest
 from conftest import PYTHON, REPO, run_process_group
 from launch_helpers import (job_state, make_bin, requeue_hold_seconds, wait_job_end, wait_requeued_job_end,
                             wait_until)
-from test_checkpoint_resume import complete, env_for as local_env
+from test_checkpoint_resume import RACE_TOTAL, complete, env_for as local_env, race_launch, requested_checkpoint
 
 SCRIPT = REPO / "tests" / "launch_scripts" / "resumable_sync.py"
 HETERO_SCRIPT = REPO / "tests" / "launch_scripts" / "resumable_hetero.py"
@@ -502,19 +502,15 @@ def test_a_job_whose_checkpoint_request_comes_after_training_ended_completes(slu
     rank has ended its training (resumable_hetero.py --end-race ended-first)."""
     from eddis.launch.jobsteps import COMPLETE_BEFORE_CHECKPOINT
 
-    total, ckpt = 40, tmp_path / "ckpt"
-    settings = {"EDDIS_MODE": "easgd", "EDDIS_TOTAL_ITERATIONS": total, "EDDIS_CLAIM_CHUNK": 2,
-                "EDDIS_CHECKPOINT_DIR": ckpt}
-    first = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(HETERO_SCRIPT),
-                               str(tmp_path / "first.json"), "--end-race", "begun-first", "--request-at", "3"],
-                              local_env(tmp_path / "first", **settings), 150)
-    assert first.returncode == 75, (first.stdout + first.stderr)[-4000:]
-    [name] = complete(ckpt)
+    ckpt = tmp_path / "first" / "ckpt"
+    name, _, _ = requested_checkpoint(race_launch(tmp_path / "first", tmp_path / "first.json", "--end-race",
+                                                  "begun-first", "--request-at", 3), ckpt)
     assert requeue_hold_seconds(slurm_cluster) <= MAX_HOLD_SECONDS, STALE_CLUSTER
     out, log = tmp_path / "second.json", tmp_path / "job.out"
     job_id = submit_job(slurm_cluster, tmp_path, [HETERO_SCRIPT, out, "--end-race", "ended-first"], log,
                         job_name="eddis-refused-test", time="00:05:00", checkpoint_signal=120, mode="easgd",
-                        settings={key: str(value) for key, value in settings.items() if key != "EDDIS_MODE"})
+                        settings={"EDDIS_TOTAL_ITERATIONS": str(RACE_TOTAL), "EDDIS_CLAIM_CHUNK": "2",
+                                  "EDDIS_CHECKPOINT_DIR": str(ckpt)})
     state = wait_requeued_job_end(slurm_cluster, job_id, 240, log)
     text = log.read_text(errors="replace")
     assert state[:2] == ("COMPLETED", "0:0"), text[-4000:]
@@ -522,4 +518,4 @@ def test_a_job_whose_checkpoint_request_comes_after_training_ended_completes(slu
     assert "requeued job" not in text and "stopped after step" not in text, text[-4000:]
     assert complete(ckpt) == [name]
     result = json.loads(out.read_text())
-    assert result["counter"] == total and sorted(r["this_run"] for r in result["ranks"]) == [0, 1], result
+    assert result["counter"] == RACE_TOTAL and sorted(r["this_run"] for r in result["ranks"]) == [0, 1], result
