@@ -10,6 +10,7 @@ lost rank still stops the job (tests/test_launch_local.py). Sync refuses elastic
 import json
 import re
 
+import numpy as np
 import pytest
 
 from conftest import REPO, run_process_group
@@ -220,6 +221,52 @@ def test_membership_barrier_is_bounded(smb_client):
     zero.close()
 
 
+def test_membership_exchanges_objects_among_the_live_ranks(smb_client):
+    """Ranks 0 and 1 of 3 exchange (rank 2 never beats): each gets the other's object and its
+    own, not rank 2's; with sources only those ranks' objects; exchanges in a row, the two
+    buffers taking turns, never mix one up with the last."""
+    import threading
+
+    from eddis.core.elastic import Membership
+
+    zero = Membership(smb_client(), 0, 3, name="t.exchange", lost_after=1.0, timeout=30)
+    one = Membership(smb_client(), 1, 3, name="t.exchange", lost_after=1.0, timeout=30)
+    got = {}
+
+    def rank_one():
+        got["one"] = [one.exchange({"rank": 1, "n": n}, f"round {n}") for n in range(3)]
+        got["one"].append(one.exchange("one's", "to rank 0 only", sources=[0]))
+
+    other = threading.Thread(target=rank_one)
+    other.start()
+    mine = [zero.exchange({"rank": 0, "n": n}, f"round {n}") for n in range(3)]
+    mine.append(zero.exchange("zero's", "to rank 0 only", sources=[0]))
+    other.join(30)
+    for n in range(3):
+        expected = {0: {"rank": 0, "n": n}, 1: {"rank": 1, "n": n}}
+        assert mine[n] == expected and got["one"][n] == expected
+    assert mine[3] == {0: "zero's"} and got["one"][3] == {0: "zero's"}
+    assert zero.lost() == [2]
+    one.close()
+    zero.close()
+
+
+def test_an_exchange_part_names_a_rank_that_made_another_call():
+    from eddis.core.elastic import OBJECT_BYTES, decode_part, encode_part
+    from eddis.errors import UsageError
+
+    part = encode_part(5, "checkpoint: folder", ("ckpt", None))
+    raw = np.zeros(OBJECT_BYTES, dtype=np.uint8)
+    raw[:part.size] = part
+    assert decode_part(raw, 2, 5, "checkpoint: folder") == ("ckpt", None)
+    with pytest.raises(UsageError, match="rank 2 passed the live ranks' barrier 7 in 'checkpoint: folder'"):
+        decode_part(raw, 2, 7, "checkpoint: commit")
+    with pytest.raises(UsageError, match="rank 3 passed .* without an exchange"):
+        decode_part(np.zeros(OBJECT_BYTES, dtype=np.uint8), 3, 1, "final model")
+    with pytest.raises(UsageError, match="write large ones to files"):
+        encode_part(1, "too much", "x" * OBJECT_BYTES)
+
+
 def test_elastic_trainer_step_lets_a_lost_task_end_alone(monkeypatch):
     from eddis.launch.jobrun import Component, server_step_command, trainer_step_command
 
@@ -311,6 +358,15 @@ def test_membership_outlives_a_lost_server():
             servers.kill(1)
             pass_barrier_without_rank_2(zero, one)
             assert all(c.lost_servers == {1} for c in clients)
+            # and the objects of an exchange, from the copy on server 0
+            import threading
+
+            theirs = []
+            other = threading.Thread(target=lambda: theirs.append(one.exchange("b", "after the loss")))
+            other.start()
+            assert zero.exchange("a", "after the loss") == {0: "a", 1: "b"}
+            other.join(30)
+            assert theirs == [{0: "a", 1: "b"}]
             one.close()
             zero.close()
         finally:

@@ -27,10 +27,19 @@ other groups train on.
 
     members = elastic.join(mode)          # collective (easgd/hybrid set-up); None when not elastic
     members.barrier("final model")        # waits for every rank that is neither there nor gone
+    members.exchange(obj, "what")         # the same barrier, passing small objects: {rank: obj}
     members.lost()                        # ranks counted lost so far
+
+What passes through :meth:`Membership.exchange` (a checkpoint's folder, every rank's
+position, the outcome of its commit) lies in a second pool of bytes, a fixed part for each
+rank, written before the rank's barrier phase and read once every rank has passed it or is
+gone. The pool has two buffers, the barrier's phase deciding which: a rank cannot write the
+buffer of phase p again before phase p + 2, and it cannot pass phase p + 1 before every
+live rank has read phase p's.
 """
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
@@ -38,7 +47,7 @@ import time
 import numpy as np
 
 from .. import settings
-from ..errors import ConfigError, MembershipTimeoutError
+from ..errors import ConfigError, MembershipTimeoutError, UsageError
 from . import collectives, runtime
 
 log = logging.getLogger("eddis.core.elastic")
@@ -48,6 +57,8 @@ BEAT_SECONDS = 0.5
 DONE = 1 << 60        # the beat of a rank that left on purpose
 BEATS, PHASES = 0, 1  # the pool's slots
 POLL_SECONDS = 0.05
+OBJECT_BYTES = 1024   # one rank's part of an exchange: an 8-byte length, then the pickle
+LENGTH_BYTES = 8
 # A hybrid rank that ends because a member of its group was lost: EX_UNAVAILABLE, not 75
 # (eddis.errors.REQUEUE_EXIT_STATUS), which the launcher takes for a checkpointed stop.
 GROUP_LOST_STATUS = 69
@@ -107,6 +118,9 @@ class Membership:
         self.pool = client.pool(name, self.size, dtype="int64", slots=2, mirrored=mirrored)
         # the beat thread's handle
         self._beat_pool = client.pool(name, self.size, dtype="int64", slots=2, mirrored=mirrored)
+        # set up with the heartbeats, while every server lives: a mirrored pool spans them all
+        self.objects = client.pool(f"{name}.objects", self.size * OBJECT_BYTES, dtype="uint8", slots=2,
+                                   mirrored=mirrored)
         self._view = _View(self.rank, self.size, self.lost_after)
         self.phase = 0
         self._one = np.zeros(1, dtype=np.int64)
@@ -196,6 +210,66 @@ class Membership:
                     f"EDDIS_ELASTIC_LOST_AFTER={self.lost_after:g} s (they are alive but stall). Raise "
                     "EDDIS_COMM_TIMEOUT if they are only slow.")
             time.sleep(POLL_SECONDS)
+
+
+    def exchange(self, obj, what, sources=None):
+        """A :meth:`barrier` that also passes objects: every rank gives ``obj`` (picklable, at
+        most OBJECT_BYTES pickled) and gets ``{rank: obj}`` of the ranks that reached this
+        barrier, the lost ones left out; with ``sources`` (ranks), of those among them only
+        (the others' parts are not read). Bounded as :meth:`barrier`."""
+        phase = self.phase + 1
+        buffer = phase % 2
+        self._put(buffer, encode_part(phase, what, obj))
+        self.barrier(what)
+        arrived = self.arrived()
+        if sources is None:   # every part, in one read
+            raw = np.empty(self.size * OBJECT_BYTES, dtype=np.uint8)
+            self.objects.read(out=raw, slot=buffer, timeout=self.timeout)
+            return {r: decode_part(raw[r * OBJECT_BYTES:(r + 1) * OBJECT_BYTES], r, phase, what)
+                    for r in arrived}
+        parts = {}
+        for r in sorted(set(arrived) & {int(s) for s in sources}):
+            raw = np.empty(OBJECT_BYTES, dtype=np.uint8)
+            self.objects.read(out=raw, slot=buffer, start=r * OBJECT_BYTES, count=OBJECT_BYTES,
+                              timeout=self.timeout)
+            parts[r] = decode_part(raw, r, phase, what)
+        return parts
+
+    def _put(self, buffer, part):
+        self.objects.write(part, slot=buffer, start=self.rank * OBJECT_BYTES, timeout=self.timeout)
+
+
+def encode_part(phase, what, obj):
+    """One rank's part of an exchange (uint8): its length, then ``(phase, what, obj)`` pickled;
+    a UsageError when it does not fit in OBJECT_BYTES."""
+    payload = pickle.dumps((int(phase), str(what), obj), protocol=pickle.HIGHEST_PROTOCOL)
+    if len(payload) > OBJECT_BYTES - LENGTH_BYTES:
+        raise UsageError(f"{what}: this rank's part of the exchange of the live ranks takes {len(payload)} "
+                         f"bytes pickled, more than the {OBJECT_BYTES - LENGTH_BYTES} each rank has; "
+                         "pass less (exchange small values, write large ones to files)")
+    part = np.zeros(LENGTH_BYTES + len(payload), dtype=np.uint8)
+    part[:LENGTH_BYTES] = np.frombuffer(np.array([len(payload)], dtype="<i8").tobytes(), dtype=np.uint8)
+    part[LENGTH_BYTES:] = np.frombuffer(payload, dtype=np.uint8)
+    return part
+
+
+def decode_part(raw, rank, phase, what):
+    """The object of rank ``rank``'s part ``raw`` of the exchange ``what`` at barrier ``phase``;
+    a UsageError when that rank passed the barrier in another call (the ranks must make the
+    same calls in the same order)."""
+    raw = np.asarray(raw, dtype=np.uint8)
+    length = int(np.frombuffer(raw[:LENGTH_BYTES].tobytes(), dtype="<i8")[0])
+    found = None
+    if 0 < length <= len(raw) - LENGTH_BYTES:
+        try:
+            found = pickle.loads(raw[LENGTH_BYTES:LENGTH_BYTES + length].tobytes())
+        except Exception:   # a part of no exchange (zeros, or torn by a rank counted lost)
+            found = None
+    if not (isinstance(found, tuple) and len(found) == 3 and found[0] == phase):
+        theirs = f"in {found[1]!r}" if isinstance(found, tuple) and len(found) == 3 else "without an exchange"
+        raise UsageError(f"{what}: rank {rank} passed the live ranks' barrier {phase} {theirs}, not in "
+                         "this exchange: the ranks must make the same collective calls in the same order")
+    return found[2]
 
 
 def join(mode):
