@@ -106,6 +106,47 @@ def test_commit_renames_and_replaces_a_checkpoint_of_the_same_step(tmp_path):
     assert layout.read_manifest(str(tmp_path / "ckpt-00000004"))["files"] == ["new"]
 
 
+def test_a_checkpoint_of_the_live_ranks_names_them_and_the_lost_ones(tmp_path):
+    m = manifest(world_size=4, mode="easgd", ranks=[3, 0, 2])
+    assert (m["ranks"], m["lost_ranks"]) == ([0, 2, 3], [1])
+    assert (layout.ranks_held(m), layout.lost_ranks(m)) == ([0, 2, 3], [1])
+    whole = manifest(world_size=2)
+    assert (whole["ranks"], whole["lost_ranks"]) == ([0, 1], [])
+    # a manifest written before checkpoints of the live ranks: every rank is in it
+    del whole["ranks"], whole["lost_ranks"]
+    assert (layout.ranks_held(whole), layout.lost_ranks(whole)) == ([0, 1], [])
+
+
+def test_a_worker_checkpoint_never_sorts_below_an_older_one(tmp_path):
+    assert layout.number_for(str(tmp_path), 7, after_newest=True) == 7      # nothing there yet
+    complete(tmp_path, 40)
+    # a resumed easgd run on another number of workers at its step 5, or the rank that commits
+    # after rank 0 was lost, at fewer steps than rank 0 had
+    assert layout.number_for(str(tmp_path), 5, after_newest=True) == 41
+    assert layout.number_for(str(tmp_path), 40, after_newest=True) == 40   # replaces, as in sync
+    assert layout.number_for(str(tmp_path), 55, after_newest=True) == 55
+    assert layout.number_for(str(tmp_path), 5, after_newest=False) == 5    # sync: the step it is
+
+
+def test_the_lost_ranks_claims_count_as_consumed_and_their_steps_as_unknown():
+    from eddis.core.checkpoint_state import LOST_STEPS, steps_and_consumed
+
+    # rank 1 was lost; rank 2 had claimed 3 iterations it has not run yet
+    steps, consumed = steps_and_consumed(100, {0: (30, 0), 2: (28, 3), 3: (29, 0)}, 4)
+    assert steps == [30, LOST_STEPS, 28, 29] and LOST_STEPS < 0
+    assert consumed == 97
+    assert steps_and_consumed(10, {0: (5, 1), 1: (4, 0)}, 2) == ([5, 4], 9)
+
+
+def test_the_lowest_live_rank_commits_and_asks_for_the_periodic_checkpoints():
+    from eddis.core.checkpoint_run import committer_of, requester_of
+
+    assert committer_of([0, 2, 3]) == 0 and committer_of([3, 1, 2]) == 1
+    assert requester_of(0, []) and requester_of(0, [0])
+    assert not requester_of(1, []) and requester_of(1, [0])
+    assert requester_of(2, [1, 0]) and not requester_of(2, [0, 3]) and not requester_of(3, [1])
+
+
 @pytest.mark.parametrize("text,expected", [(None, None), ("", None), ("500", ("steps", 500)),
                                            ("600s", ("seconds", 600.0)), ("1.5S", ("seconds", 1.5))])
 def test_interval_in_steps_or_seconds(text, expected):

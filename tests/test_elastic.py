@@ -251,6 +251,72 @@ def test_membership_exchanges_objects_among_the_live_ranks(smb_client):
     zero.close()
 
 
+class _Died(BaseException):
+    """A rank's end in a thread: no ``except Exception`` of the checkpoint code takes it."""
+
+
+def test_a_checkpoint_of_the_live_ranks_leaves_the_lost_out_and_outlives_its_committer(smb_client, tmp_path):
+    """Ranks 1, 2 and 3 of 4 (threads) checkpoint; rank 0 never beats. The first checkpoint holds
+    ranks 1, 2, 3, committed by rank 1. In the second, rank 1 dies while it writes its files:
+    rank 2 writes it again without it, and the folder of its step 9 sorts after rank 1's 12."""
+    import threading
+    from types import SimpleNamespace
+
+    from eddis.core import checkpoint as layout
+    from eddis.core.checkpoint_run import LiveRanks, _write
+    from eddis.core.elastic import Membership
+
+    class Files:
+        framework, ext = "torch", ".pt"
+
+        def __init__(self, before_writing=None):
+            self.before_writing = before_writing
+
+        def write(self, path, include_model):
+            if self.before_writing is not None:
+                self.before_writing()
+            with open(path, "w") as f:
+                f.write("tensors")
+
+    members = {r: Membership(smb_client(), r, 4, name="t.ckpt", lost_after=1.0, timeout=30) for r in (1, 2, 3)}
+    steps = {1: 12, 2: 9, 3: 10}
+    written = {r: [] for r in members}
+
+    def die():
+        members[1]._stop.set()   # its heartbeat stops with it, as a killed rank's
+        members[1]._thread.join()
+        raise _Died()
+
+    def rank(r):
+        state = SimpleNamespace(mode="easgd", step=steps[r], averager=None, balancer=None, global_batch=None,
+                                reducer=None, _centre_ready=False)
+        position = {"step": steps[r], "epoch": 0, "batch": steps[r]}
+        args = (LiveRanks(members[r]), r, 4, str(tmp_path), state)
+        tail = (position, None, "periodic", 0)
+        try:
+            written[r].append(_write(*args, Files(), *tail))
+            second = _write(*args, Files(die if r == 1 else None), *tail)
+            written[r].append(second or _write(*args, Files(), *tail))
+        except _Died:
+            pass
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    first = (str(tmp_path / "ckpt-00000012"), 1)
+    second = (str(tmp_path / "ckpt-00000013"), 2)
+    assert written == {1: [first], 2: [first, second], 3: [first, second]}
+    manifests = [layout.read_manifest(first[0]), layout.read_manifest(second[0])]
+    assert [(m["ranks"], m["lost_ranks"], m["step"]) for m in manifests] == [([1, 2, 3], [0], 12),
+                                                                              ([2, 3], [0, 1], 9)]
+    assert sorted(manifests[1]["files"]) == ["rank-00002.h5", "rank-00002.pt", "rank-00003.h5", "rank-00003.pt",
+                                             "training.h5"]
+    for m in members.values():
+        m.close()
+
+
 def test_an_exchange_part_names_a_rank_that_made_another_call():
     from eddis.core.elastic import OBJECT_BYTES, decode_part, encode_part
     from eddis.errors import UsageError

@@ -49,13 +49,28 @@ def rank_file(rank, ext):
 
 # ---------------------------------------------------------------- the manifest
 def make_manifest(*, framework, world_size, mode, step, epoch, batch, global_step, settings_used,
-                  files, extra=None, reason="explicit", per_rank=None):
-    """The manifest of one checkpoint (a dict, written as JSON); ``files``: names in the folder."""
+                  files, extra=None, reason="explicit", per_rank=None, ranks=None):
+    """The manifest of one checkpoint (a dict, written as JSON); ``files``: names in the folder;
+    ``ranks``: the ranks whose state it holds (None: all ``world_size``), the others were lost
+    before it (an elastic run)."""
+    ranks = list(range(int(world_size))) if ranks is None else sorted(int(r) for r in ranks)
     return {"format": FORMAT, "eddis_version": __version__, "framework": framework,
             "world_size": int(world_size), "mode": mode, "step": int(step), "epoch": int(epoch),
             "batch": int(batch), "global_step": int(global_step), "settings": dict(settings_used),
             "files": sorted(files), "extra": dict(extra or {}), "reason": reason,
-            "per_rank": list(per_rank or []), "written_at": time.time()}
+            "per_rank": list(per_rank or []), "ranks": ranks,
+            "lost_ranks": sorted(set(range(int(world_size))) - set(ranks)), "written_at": time.time()}
+
+
+def ranks_held(manifest):
+    """The ranks whose files a checkpoint holds: all of its world size, unless ranks were lost
+    before it (manifests before elastic checkpoints name none)."""
+    return list(manifest.get("ranks", range(int(manifest["world_size"]))))
+
+
+def lost_ranks(manifest):
+    """The ranks of the run that wrote a checkpoint that were lost before it (elastic runs)."""
+    return list(manifest.get("lost_ranks", []))
 
 
 def write_manifest(folder, manifest):
@@ -147,6 +162,18 @@ def prune(directory, keep):
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
                 removed.append(os.path.join(directory, name))
     return removed
+
+
+def number_for(directory, step, after_newest):
+    """The number of a new checkpoint's folder in ``directory``: ``step``; with ``after_newest``
+    one above the newest complete checkpoint's when ``step`` is lower, so that the newest folder
+    stays the one written last (easgd/hybrid, where the step is one worker's: a run resumed on
+    another number of workers starts at step 0, and after rank 0 was lost another rank, with
+    other steps, commits)."""
+    step = int(step)
+    found = complete_checkpoints(directory) if after_newest else []
+    newest = found[-1][0] if found else None
+    return newest + 1 if newest is not None and step < newest else step
 
 
 def commit(tmp_folder, final_folder):

@@ -22,6 +22,18 @@ the same global batches, the gradient weighted by sample counts is the global ba
 the ranks). In ``easgd``/``hybrid`` the centre variable is the shared state: it is restored and
 every worker starts from it, with a fresh optimizer state.
 
+Elastic runs (EDDIS_ELASTIC, :mod:`eddis.core.elastic`): a checkpoint is a collective of the
+live ranks, not of every rank: each of its waits and exchanges is a barrier of the live ranks
+over SMB (``Membership.exchange``), which a lost rank holds up for EDDIS_ELASTIC_LOST_AFTER at
+most and then leaves out, never an MPI collective, which would wait for a dead rank until
+EDDIS_COMM_TIMEOUT and fail. The lowest rank present commits (rank 0 unless it was lost; if
+the committer is lost during the save, the next lowest writes it again), and the manifest
+names the ranks in the checkpoint (``ranks``) and the lost ones (``lost_ranks``). Once every
+rank below it was lost, the lowest live rank asks for the periodic checkpoints. A resume takes
+a checkpoint that lost ranks as one of fewer workers: in easgd/hybrid the centre variable
+carries on and every worker starts from it, and the global learning counter continues from
+what the checkpoint consumed, the iterations a lost rank had claimed and not run included.
+
 When (``Schedule``, at every optimizer step's end when EDDIS_CHECKPOINT_DIR is set): a request
 (rank 0's interval, or any rank's :func:`eddis.core.checkpoint.request`) is one ``fetch_add``
 on an SMB counter of the run; the leader of each set of ranks that step together (all ranks in
@@ -63,8 +75,9 @@ SYNC_MODES = ("sync", "allreduce")
 
 
 def before_commit(tmp_folder):
-    """Called on rank 0 between the last file written and the rename (tests replace it to
-    crash a run exactly there)."""
+    """Called on the committing rank (rank 0, or in an elastic run that lost it the lowest
+    live rank) between the last file written and the rename (tests replace it to crash a run
+    exactly there)."""
 
 
 class Start:
@@ -140,78 +153,174 @@ def _attempt(fn, *args):
     try:
         fn(*args)
     except Exception as exc:  # every rank must hear of it, or the others wait forever
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
     return None
+
+
+MAX_ERROR_CHARS = 400   # of one rank's error, so that it fits its part of an exchange
+
+
+# ---------------------------------------------------------------- who takes part
+class EveryRank:
+    """The ranks a checkpoint waits for and exchanges with: all of them, over MPI."""
+
+    def barrier(self, what):
+        """Wait for the others; returns the ranks present."""
+        collectives.barrier(what=what)
+        return list(range(runtime.size()))
+
+    def gather(self, obj, what, sources=None):
+        """``{rank: obj}`` of every rank (of ``sources`` only, when given)."""
+        values = collectives.allgather_object(obj, what=what)
+        return {r: v for r, v in enumerate(values) if sources is None or r in sources}
+
+
+class LiveRanks:
+    """In an elastic run: the live ranks, over SMB (:meth:`eddis.core.elastic.Membership.exchange`);
+    a rank lost before or during a checkpoint holds nobody up and is left out of it."""
+
+    def __init__(self, members):
+        self.members = members
+
+    def barrier(self, what):
+        self.members.barrier(what)
+        return self.members.arrived()
+
+    def gather(self, obj, what, sources=None):
+        return self.members.exchange(obj, what, sources)
+
+
+def taking_part():
+    """Who a checkpoint of this run is a collective of: the live ranks in an elastic run."""
+    members = elastic.current()
+    return EveryRank() if members is None else LiveRanks(members)
+
+
+def committer_of(present):
+    """The rank that creates, completes and commits a checkpoint: the lowest of those in it
+    (rank 0, unless an elastic run lost it)."""
+    return min(present)
 
 
 # ---------------------------------------------------------------- checkpoint
 def save(directory, state, participant, extra=None, reason="explicit", epoch=None, batch=None, keep=None):
     """Collective: write a checkpoint of the run into ``directory`` (a folder of checkpoints),
-    as ``ckpt-<step>``; returns its path. Every rank must be at a step boundary."""
-    import h5py
+    as ``ckpt-<step>``; returns its path. Every rank must be at a step boundary. In an elastic
+    run a collective of the live ranks: the checkpoint holds those, and its manifest names them
+    (``ranks``) and the lost ones (``lost_ranks``)."""
+    return _save(directory, state, participant, extra, reason, epoch, batch, keep)[0]
 
+
+def _save(directory, state, participant, extra, reason, epoch, batch, keep):
+    """:func:`save`; returns ``(path, the rank that committed it)``."""
     rt = runtime.require("eddis.checkpoint()")
-    rank, size = rt.rank, rt.size
     _remember(state, participant)
+    ranks = taking_part()
     ctl = progress.controller()
     if ctl is not None:
         ctl.publish_completed()   # no rank may wait for this one's progress while it waits here
-    collectives.barrier(what="checkpoint: every rank at a step boundary")
+    ranks.barrier("checkpoint: every rank at a step boundary")
     if state is not None and state.averager is not None:
         state.averager.finish()   # this worker's last centre update is in the pool
-    collectives.barrier(what="checkpoint: every worker's last centre update applied")
     directory = os.path.abspath(os.fspath(directory))
     step = state.step if state is not None else 0
     data_epoch, data_batch = cstate.data_position(step)
-    epoch = data_epoch if epoch is None else int(epoch)
-    batch = data_batch if batch is None else int(batch)
-    include_model = rank == 0 or _mode(state) not in SYNC_MODES
-    folder = None
-    error = None
-    if rank == 0:
+    position = {"step": step, "epoch": data_epoch if epoch is None else int(epoch),
+                "batch": data_batch if batch is None else int(batch)}
+    # a rank that was to commit and was lost during the save leaves it to the next lowest
+    for _ in range(rt.size):
+        written = _write(ranks, rt.rank, rt.size, directory, state, participant, position, extra, reason, keep)
+        if written is not None:
+            return written
+    raise CheckpointError(f"eddis.checkpoint() into {directory}: every rank that began to commit it "
+                          "was lost during it")
+
+
+def _write(ranks, rank, size, directory, state, participant, position, extra, reason, keep):
+    """One attempt of rank ``rank`` (of ``size``) at a checkpoint by the ranks present:
+    ``(path, committer)``, or None when the committing rank was lost before it said how its
+    commit went."""
+    import h5py
+
+    present = ranks.barrier("checkpoint: every worker's last centre update applied")
+    committer = committer_of(present)
+    mode = _mode(state)
+    step = position["step"]
+    named = None
+    if rank == committer:
         try:
             os.makedirs(directory, exist_ok=True)
-            folder = os.path.join(directory, layout.temporary_name(step, uuid.uuid4().hex[:8]))
-            os.mkdir(folder)
+            number = layout.number_for(directory, step, after_newest=mode not in SYNC_MODES)
+            named = (layout.temporary_name(number, uuid.uuid4().hex[:8]), layout.folder_name(number), None)
+            os.mkdir(os.path.join(directory, named[0]))
         except OSError as exc:
-            error = f"cannot create a checkpoint folder in {directory}: {exc}"
-    folder, error = collectives.broadcast_object((folder, error), root=0, what="checkpoint: folder")
+            named = (None, None, f"cannot create a checkpoint folder in {directory}: {exc}"[:MAX_ERROR_CHARS])
+    told = ranks.gather(named, "checkpoint: folder", sources=[committer])
+    if committer not in told:
+        return _committer_lost(rank, committer, "creating the folder")
+    tmp_name, final_name, error = told[committer]
     if error is not None:
         raise CheckpointError(f"eddis.checkpoint(): {error}")
+    folder = os.path.join(directory, tmp_name)
+    include_model = rank == 0 or mode not in SYNC_MODES
 
     def write_mine():
         with h5py.File(os.path.join(folder, layout.rank_file(rank, ".h5")), "w") as h5:
-            cstate.write_rank(h5, state, epoch, batch)
+            cstate.write_rank(h5, state, position["epoch"], position["batch"])
         participant.write(os.path.join(folder, layout.rank_file(rank, participant.ext)), include_model)
 
-    mine = {"rank": rank, "step": step, "epoch": epoch, "batch": batch, "model": include_model,
-            "progress": cstate.progress_of_rank()}
-    _share_error("checkpoint: writing every rank's files", _attempt(write_mine))
-    per_rank = collectives.allgather_object(mine, what="checkpoint: every rank's position")
-    result = None
-    if rank == 0:
-        def write_job():
-            with h5py.File(os.path.join(folder, layout.TRAINING_STATE), "w") as h5:
-                cstate.write_training(h5, state, [r["progress"] for r in per_rank])
-            files = sorted(os.listdir(folder))
-            manifest = layout.make_manifest(
-                framework=participant.framework, world_size=size, mode=_mode(state), step=step,
-                epoch=epoch, batch=batch, global_step=progress.global_step(),
-                settings_used=math_settings(state), files=files, extra=extra, reason=reason,
-                per_rank=[{k: v for k, v in r.items() if k != "progress"} for r in per_rank])
-            layout.write_manifest(folder, manifest)
-            before_commit(folder)
-            layout.commit(folder, os.path.join(directory, layout.folder_name(step)))
-            kept = settings.get("EDDIS_CHECKPOINT_KEEP") if keep is None else int(keep)
-            layout.prune(directory, kept)
-
-        result = _attempt(write_job)
-    result = collectives.broadcast_object(result, root=0, what="checkpoint: commit")
-    if result is not None:
-        raise CheckpointError(f"eddis.checkpoint() into {directory} failed on rank 0: {result}")
-    path = os.path.join(directory, layout.folder_name(step))
+    mine = {"rank": rank, **position, "model": include_model, "progress": cstate.progress_of_rank(),
+            "error": _attempt(write_mine)}
+    # only the committer reads every rank's part; it tells the others how it went
+    per_rank = ranks.gather(mine, "checkpoint: every rank's files and position",
+                            sources=None if rank == committer else [committer])
+    outcome = None
+    if rank == committer:
+        failed = [(r, p["error"]) for r, p in sorted(per_rank.items()) if p["error"] is not None]
+        if failed:
+            outcome = "writing the files failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed[:2])
+        else:
+            outcome = _attempt(_write_job, folder, os.path.join(directory, final_name), state, participant,
+                               position, per_rank, size, extra, reason, keep)
+            if outcome is not None:
+                outcome = f"completing it failed on rank {rank}: {outcome}"
+    told = ranks.gather(outcome, "checkpoint: commit", sources=[committer])
+    if committer not in told:
+        return _committer_lost(rank, committer, "completing it")
+    if told[committer] is not None:
+        raise CheckpointError(f"eddis.checkpoint() into {directory}: {told[committer]}")
+    path = os.path.join(directory, final_name)
     log.info("checkpoint %s written (%s)", path, reason)
-    return path
+    return path, committer
+
+
+def _committer_lost(rank, committer, doing):
+    log.warning("rank %d: rank %d was lost while %s a checkpoint; the next lowest live rank writes it "
+                "again", rank, committer, doing)
+    return None
+
+
+def _write_job(folder, final_folder, state, participant, position, per_rank, size, extra, reason, keep):
+    """The committer: the job's state and the manifest into ``folder``, then the commit."""
+    import h5py
+
+    with h5py.File(os.path.join(folder, layout.TRAINING_STATE), "w") as h5:
+        cstate.write_training(h5, state, {r: p["progress"] for r, p in per_rank.items()}, size)
+    held = sorted(per_rank)
+    # a rank that wrote its files, then was lost before it said so: not in the checkpoint
+    mine = {layout.rank_file(r, ext) for r in held for ext in (".h5", participant.ext)}
+    files = [name for name in os.listdir(folder) if not name.startswith("rank-") or name in mine]
+    manifest = layout.make_manifest(
+        framework=participant.framework, world_size=size, mode=_mode(state), step=position["step"],
+        epoch=position["epoch"], batch=position["batch"], global_step=progress.global_step(),
+        settings_used=math_settings(state), files=files, extra=extra, reason=reason,
+        per_rank=[{k: v for k, v in per_rank[r].items() if k not in ("progress", "error")} for r in held],
+        ranks=held)
+    layout.write_manifest(folder, manifest)
+    before_commit(folder)
+    layout.commit(folder, final_folder)
+    kept = settings.get("EDDIS_CHECKPOINT_KEEP") if keep is None else int(keep)
+    layout.prune(os.path.dirname(final_folder), kept)
 
 
 # ---------------------------------------------------------------- resume
@@ -238,12 +347,20 @@ def resume(path_or_dir, state, participant):
         return Start()
     mode = _mode(state)
     _check_fits(found, manifest, mode, size, participant.framework, state)
-    same_size = manifest["world_size"] == size
-    saved_rank = rank if rank < manifest["world_size"] else None
+    held = layout.ranks_held(manifest)
+    # a checkpoint that lost ranks before it (elastic) is one of fewer workers: the centre
+    # variable carries on, as on any change of their number
+    same_size = manifest["world_size"] == size and len(held) == size
+    saved_rank = rank if rank in held else None
     model_rank = 0 if mode in SYNC_MODES else saved_rank if same_size else None
+    if rank == 0 and layout.lost_ranks(manifest):
+        log.warning("checkpoint %s holds %d of the %d workers that wrote it (rank(s) %s were lost before "
+                    "it): every worker of this job starts from its centre variable, with a fresh optimizer "
+                    "state, and the global learning counter continues", found, len(held),
+                    manifest["world_size"], ", ".join(map(str, layout.lost_ranks(manifest))))
 
     # this rank's own place (easgd/hybrid workers differ); a rank the checkpoint did not have
-    # starts where rank 0 was in the data
+    # starts where its committer was in the data
     position = [(manifest["step"], manifest["epoch"], manifest["batch"])]
 
     def restore_mine():
@@ -364,9 +481,26 @@ class Schedule:
         self.ended = False
         self.last_time = time.monotonic()
         self.last_periodic = 0
+        self.asking = False      # a rank but 0 that asks for the periodic checkpoints (rank 0 lost)
+        self.next_look = 0.0     # when it next looks whether every rank below it was lost
+
+    def _asks_periodically(self):
+        """Whether this rank asks for the periodic checkpoints: rank 0, or in an elastic run
+        the lowest live rank once every rank below it was lost."""
+        if self.rank == 0 or self.asking:
+            return True
+        members = self.state.members
+        if members is None or time.monotonic() < self.next_look:
+            return False
+        self.next_look = time.monotonic() + elastic.BEAT_SECONDS   # a look reads the SMB heartbeats
+        self.asking = requester_of(self.rank, members.lost())
+        if self.asking:
+            log.warning("rank %d: rank(s) %s were lost; this rank asks for the periodic checkpoints now",
+                        self.rank, ", ".join(map(str, range(self.rank))))
+        return self.asking
 
     def _periodic_due(self, completed):
-        if self.rank != 0 or self.interval is None:
+        if self.interval is None or not self._asks_periodically():
             return False
         unit, value = self.interval
         if unit == "seconds":
@@ -465,16 +599,24 @@ class Schedule:
         return join
 
     def agree(self):
-        """Collective, in every save: the request counter as the units' leaders saw it, the
-        largest of them, decides whether the ranks stop after this save, the same on all."""
+        """Collective (of the live ranks in an elastic run), in every save: the request counter
+        as the units' leaders saw it, the largest of them, decides whether the ranks stop after
+        this save, the same on all."""
         mine = self.requests.read() if self.leader else None
-        seen = [v for v in collectives.allgather_object(mine, what="checkpoint: the requests every unit saw")
+        seen = [v for v in taking_part().gather(mine, "checkpoint: the requests every unit saw").values()
                 if v is not None]
         value = max(seen, default=self.agreed)
         stop = value // STOP > self.agreed // STOP
         self.agreed = self.seen = value
         self.saves_done += 1
         return stop
+
+
+def requester_of(rank, lost):
+    """Whether ``rank`` asks for the periodic checkpoints when ``lost`` ranks were lost: it is
+    the lowest rank not lost."""
+    lost = set(lost)
+    return all(r in lost for r in range(rank))
 
 
 _schedules = {}      # id(state) -> Schedule
@@ -545,11 +687,12 @@ def _scheduled_save(schedule, participant):
                          "eddis.resume(EDDIS_CHECKPOINT_DIR, model, optimizer) (or eddis.checkpoint) "
                          "once before training")
     stop = schedule.agree()
-    path = save(schedule.directory, state, participant, reason="requested" if stop else "periodic")
+    path, committer = _save(schedule.directory, state, participant, None,
+                            "requested" if stop else "periodic", None, None, None)
     if stop:
         terminated = layout.requested_by_sigterm()
         layout.clear_request()
-        if runtime.rank() == 0:
+        if runtime.rank() == committer:
             layout.answer_request(path, state.step, terminated)
         state.stopped_for_checkpoint = path
         raise CheckpointStop(f"stopped after step {state.step} for a requested checkpoint ({path}); "

@@ -2,7 +2,7 @@
 
 - per rank (``rank-NNNNN.h5``): Python's and numpy's global RNG states, the optimizer's step
   count, the easgd worker's measured throughput, the data position (epoch, batches of it done);
-- for the job (``training.h5``, rank 0): the easgd/hybrid centre variable and the workers'
+- for the job (``training.h5``, the committing rank): the easgd/hybrid centre variable and the workers'
   published throughputs (SMB pools), the global learning counter's value less the iterations
   claimed but not run, every rank's completed steps (the staleness counters) and the balanced
   shares of the global batch.
@@ -11,7 +11,8 @@ A run whose optimizer is not EDDIS's (a plain one beside TensorFlow's Distribute
 has none of the job's part: :class:`PlainOptimizerRun` stands for its state.
 
 Everything is read at a consistent cut: every rank waits at a step boundary (``checkpoint_run``)
-and its last centre update is applied before rank 0 reads the pools.
+and its last centre update is applied before the committing rank (rank 0, or in an elastic run
+the lowest live one) reads the pools.
 """
 import random
 
@@ -107,23 +108,36 @@ def progress_of_rank():
     return done, unused
 
 
-# ---------------------------------------------------------------- the job (rank 0)
-def write_training(h5, state, progress_parts):
-    """The SMB pools and counters of the run into ``h5`` (rank 0, after every rank's last
-    centre update is in). ``progress_parts``: every rank's :func:`progress_of_rank`."""
+# ---------------------------------------------------------------- the job (the committing rank)
+LOST_STEPS = -1   # steps_done of a rank lost before the checkpoint (its count went with it)
+
+
+def steps_and_consumed(counter, progress_parts, size):
+    """``(steps done by rank, iterations consumed)`` at a checkpoint: ``progress_parts`` maps
+    each rank in it to its :func:`progress_of_rank`; a rank lost before it has LOST_STEPS, and
+    the iterations it had claimed and not run count as consumed (nobody runs them)."""
+    steps = [progress_parts[r][0] if r in progress_parts else LOST_STEPS for r in range(size)]
+    return steps, int(counter) - sum(unused for _, unused in progress_parts.values())
+
+
+def write_training(h5, state, progress_parts, size):
+    """The SMB pools and counters of the run into ``h5`` (the committing rank, after every
+    rank's last centre update is in). ``progress_parts``: ``{rank: progress_of_rank()}`` of the
+    ranks in the checkpoint, of ``size`` ranks in all."""
     averager = None if state is None else state.averager
     if averager is not None and state._centre_ready:
         h5.create_dataset("centre", data=averager.read_center())
         if averager.rates is not None:
             h5.create_dataset("rates", data=averager.rates.read(out=np.empty(averager.workers), slot=0))
     ctl = progress.controller()
-    if ctl is not None and all(p is not None for p in progress_parts):
+    if ctl is not None and all(p is not None for p in progress_parts.values()):
         p = h5.create_group("progress")
         value = ctl.counter.read()
+        steps, consumed = steps_and_consumed(value, progress_parts, size)
         p.attrs["counter"] = value
-        p.attrs["consumed"] = value - sum(unused for _, unused in progress_parts)
+        p.attrs["consumed"] = consumed
         p.attrs["total"] = ctl.total
-        p.create_dataset("steps_done", data=np.asarray([done for done, _ in progress_parts], dtype=np.int64))
+        p.create_dataset("steps_done", data=np.asarray(steps, dtype=np.int64))
     balancer = None if state is None else state.balancer
     if balancer is not None:
         b = h5.create_group("balance")
