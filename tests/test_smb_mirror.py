@@ -66,6 +66,26 @@ def test_a_mirrored_pool_and_counter_outlive_a_killed_server(hostnames):
             client.close()
 
 
+def test_a_mirrored_counters_compare_swap_keeps_both_copies_alike():
+    """The checkpoint schedule's saves counter: a compare-and-swap begins a save, a fetch_add
+    of another client may come between its two copies; after losing the primary the mirror
+    holds the same value and decides the next swap."""
+    with LocalServers(2, memory="16M", hostnames=["c0", "c1"]) as servers:
+        client = Client(servers.run_dir, expected_servers=2, timeout=20)
+        try:
+            saves = client.counter("saves", initial=0, server=0, mirrored=True)
+            assert saves.compare_swap(0, 1) == 0          # swapped
+            assert saves.compare_swap(0, 1) == 1          # not: the value stays
+            saves.fetch_add(1 << 40)
+            assert saves.compare_swap(1, 2) == 1 + (1 << 40)
+            servers.kill(0)
+            assert saves.read() == 1 + (1 << 40)          # the mirror's copy
+            assert saves.compare_swap(1 + (1 << 40), 2 + (1 << 40)) == 1 + (1 << 40)
+            assert saves.read() == 2 + (1 << 40) and client.lost_servers == {0}
+        finally:
+            client.close()
+
+
 def test_a_stopped_server_is_given_up_after_the_timeout():
     with LocalServers(2, memory="16M", hostnames=["s0", "s1"]) as servers:
         client = Client(servers.run_dir, expected_servers=2, timeout=2)

@@ -8,7 +8,8 @@ rotated by one (segment i on server i + 1), so a lost server takes one copy of t
 segments and never both copies of one. A :class:`MirroredCounter` lives on its own server
 and the next one.
 
-- Updates (write, axpy) go to both copies and are waited for together.
+- Updates (write, axpy) go to both copies and are waited for together; a counter's
+  compare_swap is decided on its first live copy and, where it swapped, added to the other.
 - Reads go to the primary copy; the segments whose primary server is lost are read from
   the mirror.
 - A server is lost once its connection has failed (the server died, or its node: a
@@ -245,6 +246,23 @@ class MirroredCounter:
     def fetch_add(self, n=1):
         """Add n on both copies; returns the value before (the primary's while it lives)."""
         return self._apply(lambda copy: copy.fetch_add(n), "fetch_add")
+
+    def compare_swap(self, expected, desired):
+        """Set to ``desired`` if it equals ``expected``, decided on the first live copy (the
+        primary while it lives); returns the value before there. Where it swapped, the other
+        copy gets the same change as an addition, not a swap of its own: another client's
+        fetch_add may reach the copies in another order, and additions agree in any order."""
+        swapped = []
+
+        def operation(copy):
+            if not swapped:
+                before = copy.compare_swap(expected, desired)
+                swapped.append(before == expected)
+                return before
+            if swapped[0]:
+                copy.fetch_add(desired - expected)
+            return None
+        return self._apply(operation, "compare_swap")
 
     def read(self):
         return self._apply(lambda copy: copy.read(), "read", every=False)
