@@ -8,8 +8,10 @@ what the lost ranks claimed; a survivor saves the final centre. Without EDDIS_EL
 lost rank still stops the job (tests/test_launch_local.py). Sync refuses elastic.
 """
 import json
+import os
 import re
 
+import h5py
 import numpy as np
 import pytest
 
@@ -26,14 +28,14 @@ KILL_STEP = 10
 LOST_AFTER = 5   # seconds: short for the test, long enough for 2 busy cores
 
 
-def elastic_train(tmp_path, mode, *args, timeout=300, **env):
+def elastic_train(tmp_path, mode, *args, timeout=300, total=TOTAL, **env):
     out = tmp_path / "out"
     out.mkdir()
     environ = local_env(tmp_path)
     environ.update({"EDDIS_ELASTIC": "1", "EDDIS_MODE": mode, "EDDIS_ELASTIC_LOST_AFTER": str(LOST_AFTER),
                     "EDDIS_COMM_TIMEOUT": "90", "OMP_NUM_THREADS": "1", **env})
     proc = run_process_group(["eddis-train", "--local", "-n", "4", str(TRAINER), "--out", str(out),
-                              "--mode", mode, "--total", str(TOTAL), *map(str, args)],
+                              "--mode", mode, "--total", str(total), *map(str, args)],
                              environ, timeout, cwd=str(REPO))
     results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
     return proc, results, out
@@ -60,6 +62,46 @@ def test_easgd_trains_on_without_a_lost_rank(tmp_path):
     assert saved["mode"] == "easgd" and set(saved["model"]) == {"weight", "bias"}
     assert "ROOT CAUSE" not in proc.stderr
     assert_clean(tmp_path)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(360)
+def test_easgd_checkpoints_go_on_without_rank_0_and_resume_on_as_many_ranks(tmp_path):
+    """Rank 0, which commits the checkpoints and asks for the periodic ones, is lost: rank 1
+    takes both over, its checkpoints sort after rank 0's, and a job of 4 ranks again resumes
+    the newest as one of 3 workers, continuing the counter to the total."""
+    from eddis.core import checkpoint as layout
+
+    total, checkpoints = 300, tmp_path / "checkpoints"
+    lossy, resumed = tmp_path / "lossy", tmp_path / "resumed"
+    lossy.mkdir()
+    resumed.mkdir()
+    proc, results, _ = elastic_train(lossy, "easgd", "--kill-rank", 0, "--kill-step", KILL_STEP,
+                                     "--await-loss", "--resume", checkpoints, total=total,
+                                     EDDIS_CHECKPOINT_DIR=str(checkpoints), EDDIS_CHECKPOINT_INTERVAL="8",
+                                     EDDIS_CHECKPOINT_KEEP="0")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "finished degraded: rank 0 on host" in proc.stderr, text
+    assert sorted(results) == [1, 2, 3] and all(r["counter"] == total for r in results.values()), results
+    found = [(number, layout.read_manifest(path))
+             for number, path in layout.complete_checkpoints(str(checkpoints))]
+    before = [number for number, m in found if m["lost_ranks"] == []]
+    after = [number for number, m in found if m["lost_ranks"] == [0]]
+    assert after and len(before) + len(after) == len(found), ([(n, m["ranks"]) for n, m in found], text)
+    assert all(m["ranks"] == [1, 2, 3] for _, m in found if m["lost_ranks"] == [0])
+    assert max(before, default=-1) < min(after), (before, after)   # the newest is the last written
+    newest = layout.latest(str(checkpoints))
+    with h5py.File(os.path.join(newest, layout.TRAINING_STATE), "r") as h5:
+        consumed = int(h5["progress"].attrs["consumed"])
+
+    proc, results, _ = elastic_train(resumed, "easgd", "--resume", newest, total=total)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "finished degraded" not in proc.stderr, text
+    assert sorted(results) == [0, 1, 2, 3], text
+    for result in results.values():
+        assert result["start"] == {"path": newest, "step": 0} and result["counter"] == total, results
+    assert consumed + sum(r["steps"] for r in results.values()) == total, (consumed, results)
 
 
 @pytest.mark.mpi

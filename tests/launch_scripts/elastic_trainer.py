@@ -8,7 +8,12 @@ as EDDIS_GROUP/EDDIS_NUM_GROUPS before eddis.init(), as the launcher does for th
 components of a Slurm hetjob. Every survivor writes ``<out>/<rank>.json`` (its
 steps, the global learning counter at the end, the servers of its hybrid group's
 reduction pool, and its checkpoint schedule's request counter); the final model (the centre) goes
-to ``<out>/model.pt`` through eddis.save_checkpoint.
+to ``<out>/model.pt`` through eddis.save_checkpoint. ``--await-loss``: every other rank sleeps AWAIT_SECONDS a step until it counts rank R (of
+``--kill-rank``) as lost, so that training goes on after the loss is known, however fast the
+steps and however late rank R reaches step S; it does not stop stepping, since a checkpoint
+that rank R asked for before it died still needs the others at their step boundaries. ``--resume PATH``: eddis.resume(PATH) before
+training (a checkpoint, or a folder of them: none there is a fresh start), which also gives the
+periodic checkpoints (EDDIS_CHECKPOINT_INTERVAL) the model to save; the json then has the Start.
 """
 import argparse
 import json
@@ -17,6 +22,7 @@ import signal
 import time
 
 PAUSE_SECONDS = 120
+AWAIT_SECONDS = 0.3
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -27,6 +33,8 @@ p.add_argument("--kill-step", type=int, default=10)
 p.add_argument("--pause-rank", type=int, default=-1)
 p.add_argument("--pause-step", type=int, default=10)
 p.add_argument("--groups", type=int, default=0)
+p.add_argument("--resume", default=None)
+p.add_argument("--await-loss", action="store_true")
 args = p.parse_args()
 
 if args.groups:
@@ -38,7 +46,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import eddis.torch as eddis  # noqa: E402
-from eddis.core import checkpoint_run, runtime  # noqa: E402
+from eddis.core import checkpoint_run, elastic, runtime  # noqa: E402
 from eddis.smb.mirror import MirroredCounter  # noqa: E402
 
 eddis.init()
@@ -49,12 +57,19 @@ model = torch.nn.Linear(16, 1)
 optimizer = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                        named_parameters=model.named_parameters(), mode=args.mode)
 eddis.broadcast_parameters(model.state_dict(), root_rank=0)
+start = eddis.resume(args.resume, model, optimizer) if args.resume else None
 ctl = eddis.configure_progress(total=args.total)
 generator = torch.Generator().manual_seed(100 + rank)
 step = 0
 while not eddis.should_stop():
     if rank == args.kill_rank and step == args.kill_step:
         os.kill(os.getpid(), signal.SIGKILL)
+    if args.await_loss and rank != args.kill_rank:
+        members = elastic.current()   # set up at the first step
+        if members is not None and args.kill_rank in members.lost():
+            args.await_loss = False
+        else:
+            time.sleep(AWAIT_SECONDS)
     if rank == args.pause_rank and step == args.pause_step:
         open(os.path.join(args.out, f"paused.{rank}"), "w").close()
         time.sleep(PAUSE_SECONDS)
@@ -72,5 +87,6 @@ with open(os.path.join(args.out, f"{rank}.json"), "w") as f:
                "group_servers": getattr(optimizer.reducer, "servers", None) if args.mode == "hybrid" else None,
                "checkpoint_requests": [{"mirrored": isinstance(s.requests, MirroredCounter),
                                         "value": s.requests.read()} for s in schedules],
+               "start": None if start is None else {"path": start.path, "step": start.step},
                "error": float((model.weight.detach().reshape(-1, 1) - truth).norm())}, f)
 print(f"rank {rank} finished after {ctl.steps_done} steps")

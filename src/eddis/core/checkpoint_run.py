@@ -490,10 +490,14 @@ class Schedule:
         if self.rank == 0 or self.asking:
             return True
         members = self.state.members
-        if members is None or time.monotonic() < self.next_look:
+        if members is None:
             return False
-        self.next_look = time.monotonic() + elastic.BEAT_SECONDS   # a look reads the SMB heartbeats
-        self.asking = requester_of(self.rank, members.lost())
+        if time.monotonic() >= self.next_look:   # a look reads the SMB heartbeats: not every step
+            self.next_look = time.monotonic() + elastic.BEAT_SECONDS
+            lost = members.lost()
+        else:
+            lost = members.counted_lost()        # as another wait of this rank last saw them
+        self.asking = requester_of(self.rank, lost)
         if self.asking:
             log.warning("rank %d: rank(s) %s were lost; this rank asks for the periodic checkpoints now",
                         self.rank, ", ".join(map(str, range(self.rank))))

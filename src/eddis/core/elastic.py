@@ -188,6 +188,10 @@ class Membership:
         self._refresh()
         return sorted(self._view.lost)
 
+    def counted_lost(self):
+        """The ranks counted lost as of this rank's last look at the heartbeats (no SMB read)."""
+        return sorted(self._view.lost)
+
     def arrived(self):
         """The ranks at (or past) this rank's latest barrier, as of the last look, sorted."""
         return [int(r) for r in np.flatnonzero(self._view.table[PHASES] >= self.phase)]
