@@ -13,6 +13,10 @@ one rank on n1 and one on n2, or a hybrid job of 2 ranks on each node, one group
 Stated: the survivors train until the global learning counter reaches exactly the total,
 the job ends COMPLETED 0:0, and its output says it finished degraded, naming the lost rank
 and host, or the lost node with its ranks and smb-server.
+
+Checkpoints of the live ranks: a 2-node easgd job with periodic checkpoints loses rank 1;
+rank 0 goes on checkpointing, every checkpoint after the loss naming the rank in it and the
+lost one, and a fresh job of 2 ranks resumes the newest of them.
 """
 import json
 import os
@@ -147,3 +151,71 @@ def test_elastic_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, case
             assert result["group_servers"] == [0], results   # n1's server, though not mapped
     assert (out / "model.pt").exists()
     assert "ROOT CAUSE" not in text, text[-4000:]
+
+
+CHECKPOINT_EVERY = 25   # rank 0's steps (of about 290 in the job)
+
+
+def manifests_in(folder):
+    from eddis.core import checkpoint as layout
+
+    return [layout.read_manifest(path) for _, path in layout.complete_checkpoints(str(folder))]
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(420)
+def test_easgd_checkpoints_the_live_ranks_after_a_loss_and_a_new_job_resumes_them(slurm_cluster, tmp_path):
+    """2 easgd ranks (n1, n2) with periodic checkpoints; rank 1 kills itself: rank 0 goes on
+    checkpointing, each checkpoint after the loss naming the rank in it and the lost one, and a
+    fresh job of 2 ranks resumes the newest as one of 1 worker, continuing the global learning
+    counter to the total. (Not 2 ranks a node: there slurmstepd's PMIx error handler cancels
+    the whole step when one of its ranks is killed, "STEP ... CANCELLED", elastic or not.)"""
+    import h5py
+
+    from eddis.core import checkpoint as layout
+
+    checkpoints = tmp_path / "checkpoints"
+    lossy, resumed = tmp_path / "lossy", tmp_path / "resumed"
+    lossy.mkdir()
+    resumed.mkdir()
+    job_id, out, log = submit_elastic_job(
+        slurm_cluster, lossy, "--kill-rank", 1, "--kill-step", KILL_STEP, "--resume", checkpoints,
+        EDDIS_CHECKPOINT_DIR=str(checkpoints), EDDIS_CHECKPOINT_INTERVAL=str(CHECKPOINT_EVERY),
+        EDDIS_CHECKPOINT_KEEP="0")
+    state = wait_job_end(slurm_cluster, job_id, 240, log)
+    text = log.read_text(errors="replace")
+    assert state == ("COMPLETED", "0:0"), text[-4000:]
+    assert re.search(r"^eddis-train: finished degraded: rank 1 on host n2 was lost \(was killed by signal 9 "
+                     r"\(SIGKILL\)\) at \d\d:\d\d:\d\d; rank 0 finished the training$", text, re.M), text[-4000:]
+    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(results) == [0], text[-4000:]
+    assert results[0]["counter"] == TOTAL, results
+    # rank 1 claimed its steps 0..KILL_STEP and completed KILL_STEP of them
+    assert results[0]["steps"] == TOTAL - (KILL_STEP + 1), results
+    manifests = manifests_in(checkpoints)
+    held = [[m["ranks"], m["lost_ranks"]] for m in manifests]
+    # before the loss both ranks, after it the survivor
+    assert all(h in ([[0, 1], []], [[0], [1]]) for h in held), held
+    after_loss = [m for m in manifests if m["lost_ranks"] == [1]]
+    assert after_loss, held
+    assert all([r["rank"] for r in m["per_rank"]] == [0] and m["world_size"] == 2 for m in after_loss)
+
+    # a fresh job of 2 ranks resumes the newest checkpoint, one after the loss
+    newest = layout.latest(str(checkpoints))
+    assert layout.read_manifest(newest)["lost_ranks"] == [1], held
+    with h5py.File(os.path.join(newest, layout.TRAINING_STATE), "r") as h5:
+        consumed = int(h5["progress"].attrs["consumed"])
+        assert h5["progress"]["steps_done"][1] == -1   # the lost rank's count went with it
+    assert 0 < consumed < TOTAL
+    job_id, out, log = submit_elastic_job(slurm_cluster, resumed, "--resume", newest)
+    state = wait_job_end(slurm_cluster, job_id, 240, log)
+    text = log.read_text(errors="replace")
+    assert state == ("COMPLETED", "0:0"), text[-4000:]
+    assert "finished degraded" not in text, text[-4000:]
+    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(results) == [0, 1], text[-4000:]
+    for result in results.values():
+        # the same number of ranks, but a checkpoint of one worker: both start from the centre
+        assert result["start"] == {"path": newest, "step": 0}, results
+        assert result["counter"] == TOTAL, results
+    assert consumed + sum(r["steps"] for r in results.values()) == TOTAL, (consumed, results)
