@@ -225,7 +225,8 @@ register("EDDIS_CHECKPOINT_DIR", "path", None,
          "eddis.init() also installs the SIGUSR1 handler that asks for a checkpoint and a stop.")
 register("EDDIS_CHECKPOINT_INTERVAL", "str", None,
          "Periodic checkpoints into EDDIS_CHECKPOINT_DIR: every N optimizer steps ('500'), or "
-         "every N seconds of rank 0's clock ('600s'); unset: none (requests only).")
+         "every N seconds ('600s'), by rank 0's steps or clock (in an elastic run that lost rank 0, "
+         "the lowest live rank's); unset: none (requests only).")
 register("EDDIS_CHECKPOINT_KEEP", "int", 3,
          "Complete checkpoints kept in EDDIS_CHECKPOINT_DIR; older ones are removed after each "
          "new one is committed (0: keep all).")
@@ -237,8 +238,8 @@ register("EDDIS_ELASTIC", "bool", False,
          "last checkpoint instead (EDDIS_MAX_RESTARTS). Needs the launcher's smb-servers.")
 register("EDDIS_ELASTIC_LOST_AFTER", "float", 30.0,
          "Elastic runs: seconds a rank's heartbeat in SMB may stay still before the others count "
-         "it as lost and stop waiting for it (staleness bound, final model, shutdown; a hybrid "
-         "group then stops). As EDDIS_LIVENESS_TIMEOUT: the beat is a Python thread, so a call "
+         "it as lost and stop waiting for it (staleness bound, checkpoints, final model, shutdown; "
+         "a hybrid group then stops). As EDDIS_LIVENESS_TIMEOUT: the beat is a Python thread, so a call "
          "that holds the GIL longer than this makes a live rank look lost.")
 register("EDDIS_ELASTIC_MIRROR", "bool", True,
          "Elastic runs on more than one smb-server: keep the training state in SMB (the centre "
