@@ -119,6 +119,17 @@ def test_keras_elastic_callbacks_count_across_restarts_and_commit_in_order(initi
     assert (state.epoch, state.batch) == (5, 0)
     # the batch count restarts at each fit's start and each epoch's end: batch 2 of 3, the end
     assert state.commits == [(3, 2), (4, 0), (4, 2), (5, 0)]
+    # fit's epochs of 4 steps: batch 4's commit would write the step the epoch's end writes again
+    state.commits = []
+    committing = elastic.CommitStateCallback(state, batches_per_commit=2)
+    committing.set_params({"steps": 4})
+    committing.on_train_begin()
+    for batch in range(4):
+        state.batch = batch + 1
+        committing.on_train_batch_end(batch)
+    state.batch = 0
+    committing.on_epoch_end(5)
+    assert state.commits == [(5, 2), (5, 0)]
     for bad in (0, 1.5, True, "4"):
         with pytest.raises(ConfigError, match="whole number of batches"):
             elastic.CommitStateCallback(state, batches_per_commit=bad)

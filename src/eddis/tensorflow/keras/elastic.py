@@ -52,7 +52,10 @@ class CommitStateCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.batches_left -= 1
         if self.batches_left == 0:
-            self.state.commit()
+            # the epoch's last batch: the epoch-end commit follows at the same step, and a commit
+            # in sync is a checkpoint of the run, which would be written twice
+            if (self.params or {}).get("steps") != batch + 1:
+                self.state.commit()
             self.batches_left = self.batches_per_commit
 
     def on_epoch_end(self, epoch, logs=None):
