@@ -375,19 +375,23 @@ def test_an_exchange_part_names_a_rank_that_made_another_call():
         encode_part(1, "too much", "x" * OBJECT_BYTES)
 
 
-def test_elastic_trainer_step_lets_a_lost_task_end_alone(monkeypatch):
-    from eddis.launch.jobrun import Component, server_step_command, trainer_step_command
+def test_elastic_trainers_start_under_mpirun_and_a_lost_server_task_ends_alone(monkeypatch):
+    from eddis.launch.jobrun import Component, launched_by_mpirun, server_step_command, trainer_step_command
 
     monkeypatch.setenv("EDDIS_ELASTIC", "1")
     monkeypatch.setenv("EDDIS_MODE", "hybrid")
-    assert trainer_step_command([Component(None, 2, 4)], ["t.py"]) == [
-        "srun", "--job-name=eddis-train", "--mpi=pmix", "--kill-on-bad-exit=0", "eddis-train", "t.py"]
+    env = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "4(x2)"}
+    command = trainer_step_command([Component(None, 2, 4)], ["t.py"], env=env)
+    assert launched_by_mpirun(command) and command[-2:] == ["eddis-train", "t.py"]
+    assert command[command.index("--host") + 1] == "n1:4,n2:4"
+    assert env["EDDIS_HOST_GROUPS"] == "n1:0:4,n2:1:4"   # what mpirun's ranks inherit
     # the servers' step too: the mirrored state outlives one lost server
     assert "--kill-on-bad-exit=0" in server_step_command(Component(None, 2, 4), 0)
     monkeypatch.setenv("EDDIS_ELASTIC_MIRROR", "0")
     assert "--kill-on-bad-exit=1" in server_step_command(Component(None, 2, 4), 0)
     monkeypatch.delenv("EDDIS_ELASTIC")
-    assert "--kill-on-bad-exit=1" in trainer_step_command([Component(None, 2, 4)], ["t.py"])
+    assert trainer_step_command([Component(None, 2, 4)], ["t.py"]) == [
+        "srun", "--job-name=eddis-train", "--mpi=pmix", "--kill-on-bad-exit=1", "eddis-train", "t.py"]
 
 
 def test_a_lost_components_server_step_ends_training_only_without_mirrored_state():

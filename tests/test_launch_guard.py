@@ -143,3 +143,56 @@ def test_a_new_run_of_a_job_id_starts_without_the_last_runs_records(tmp_path):
     # no records: nothing says the ranks have exited, so the guard leaves srun to return
     assert jobsteps.guard_trainer_step(run_dir, srun.pid, grace=0.1, poll=0.05) == 0
     assert srun.wait(timeout=10) == 0
+
+
+def _elastic_launch(run_dir, size, finished):
+    """A launch of ``size`` ranks of which ranks ``finished`` recorded a finished training."""
+    records = LaunchRecords(run_dir, "77.mpirun-5")
+    for rank in range(size):
+        records.start(rank, {"rank": rank, "host": f"n{1 + rank // 2}", "size": size, "time": time.time()})
+    for rank in finished:
+        records.finish(rank, {"rank": rank, "host": "n1", "code": 0, "signal": None, "why": "exited",
+                              "time": time.time()})
+
+
+@pytest.mark.timeout(60)
+def test_elastic_mpirun_is_ended_once_the_survivors_finished_and_a_node_stays_silent(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """mpirun never learns that the ranks of a lost node ended: after the first finished rank, the
+    others get EDDIS_STEP_END_GRACE + EDDIS_ELASTIC_LOST_AFTER s, then mpirun ends with status 0."""
+    monkeypatch.setenv("EDDIS_ELASTIC_LOST_AFTER", "0.3")
+    _elastic_launch(tmp_path, 4, finished=[0, 1])
+    mpirun = _stuck_srun()
+    try:
+        started = time.monotonic()
+        assert jobsteps.guard_trainer_step(tmp_path, mpirun.pid, grace=0.2, poll=0.05, elastic=True) == 0
+        assert mpirun.wait(timeout=10) == -9
+        assert time.monotonic() - started >= 0.5
+    finally:
+        mpirun.kill()
+    assert (tmp_path / "launch" / jobsteps.TRAINERS_STATUS_FILE).read_text() == "0\n"
+    err = capsys.readouterr().err
+    assert "2 of 4 ranks exited (exited with code 0)" in err
+    assert "rank(s) 2, 3 recorded no exit" in err and "lost with their node" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_launch_without_a_finished_rank_is_not_ended_early_nor_is_srun(tmp_path, monkeypatch):
+    """No rank finished yet (elastic), or srun's launch (not elastic) with ranks unrecorded: waits."""
+    monkeypatch.setenv("EDDIS_ELASTIC_LOST_AFTER", "0.1")
+    for finished, elastic in (([], True), ([0, 1], False)):
+        run_dir = tmp_path / f"{elastic}-{len(finished)}"
+        _elastic_launch(run_dir, 4, finished)
+        launcher = _stuck_srun()
+        guard = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from eddis.launch import jobsteps; "
+             f"sys.exit(jobsteps.guard_trainer_step({str(run_dir)!r}, {launcher.pid}, grace=0.1, poll=0.05, "
+             f"elastic={elastic}))"])
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):
+                guard.wait(timeout=2.0)
+            assert launcher.poll() is None
+        finally:
+            launcher.kill()
+            launcher.wait(timeout=10)
+        assert guard.wait(timeout=10) == 0   # it returns once the launcher has ended

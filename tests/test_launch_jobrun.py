@@ -275,3 +275,27 @@ def test_preemptions_are_counted_across_requeues_and_forgotten_by_a_first_run(tm
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     assert preemption.preemptions(run) == 0
     assert preemption.count_preemption(run) == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("answers_sigterm", [True, False])
+def test_an_elastic_mpirun_is_asked_in_the_run_dir_then_terminated_then_killed(tmp_path, monkeypatch,
+                                                                                answers_sigterm):
+    """A real process plays mpirun: the stop request reaches the run dir first; one that outlives
+    it and SIGTERM is killed with everything below it."""
+    import json
+
+    from eddis.launch.jobrun import stop_mpirun
+    from eddis.launch.report import LAUNCH_DIR, STOP_FILE
+
+    monkeypatch.setenv("EDDIS_STOP_GRACE", "0.2")
+    handler = "" if answers_sigterm else "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    mpirun = subprocess.Popen([sys.executable, "-c", f"{handler}import time; time.sleep(600)"])
+    time.sleep(0.5)   # its handler in place
+    try:
+        stop_mpirun(tmp_path, mpirun, "an smb-server step ended (status 1)", env={}, wait=0.5, poll=0.05)
+        assert mpirun.wait(timeout=10) == (-signal.SIGTERM if answers_sigterm else -signal.SIGKILL)
+    finally:
+        mpirun.kill()
+    request = json.loads((tmp_path / LAUNCH_DIR / STOP_FILE).read_text())
+    assert (request["reason"], request["signal"]) == ("an smb-server step ended (status 1)", "SIGTERM")

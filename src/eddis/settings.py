@@ -326,6 +326,8 @@ register("EDDIS_LOCAL_SIZE", "int", None, "Ranks on this node.", internal=True)
 register("EDDIS_GROUP", "int", None, "This rank's group: hetjob component, else node.", internal=True)
 register("EDDIS_NUM_GROUPS", "int", None, "Groups in the job.", internal=True)
 register("EDDIS_GROUP_SIZE", "int", None, "Ranks in this rank's group.", internal=True)
+register("EDDIS_HOST_GROUPS", "str", None, "The trainer nodes of an elastic Slurm job (mpirun): "
+         "node:group:ranks, comma-separated (eddis.launch.mpirun_step).", internal=True)
 register("EDDIS_HOSTNAME", "str", None, "The node this rank is on (eddis.identity.node_name).",
          internal=True)
 register("EDDIS_LAUNCHED", "bool", False, "Set for processes eddis-train started.", internal=True)

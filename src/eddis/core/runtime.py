@@ -42,6 +42,8 @@ class _Runtime:
         import mpi4py
 
         mpi4py.rc.thread_level = getattr(mpi4py.rc, "thread_level", "multiple") or "multiple"
+        if _skips_mpi_finalize():
+            mpi4py.rc.finalize = False
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -83,6 +85,17 @@ class _Runtime:
                     f"(rank {self.rank} of {self.size}). Under Slurm start the ranks with "
                     "`srun --mpi=pmix eddis-train ...` (without pmix every rank is a "
                     "1-process MPI job); outside Slurm use `eddis-train --local -n N` or mpirun.")
+
+
+def _skips_mpi_finalize(environ=None):
+    """Whether this rank ends without MPI_Finalize: an elastic rank that eddis-train started with
+    mpirun. Open MPI's MPI_Finalize is a fence of every process, which never completes once a
+    node's daemon has lost all its ranks (one rank a node, that rank lost); the launcher gives
+    mpirun ``orte_allowed_exit_without_sync`` (eddis.launch.elastic.MPIRUN_OPTIONS), and the live
+    ranks have already left together through SMB (core/elastic.py) by then."""
+    env = settings.environ(environ)
+    return bool(settings.get("EDDIS_ELASTIC", env) and settings.get("EDDIS_LAUNCHED", env)
+                and "OMPI_COMM_WORLD_RANK" in env)
 
 
 def require(what="this call"):

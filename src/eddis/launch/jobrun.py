@@ -13,7 +13,8 @@ script before this starts (exit 2). Then, in order:
    ends first fails the job at once;
 4. the trainers, ``srun --het-group=0,...,K-1 --mpi=pmix --kill-on-bad-exit=1
    eddis-train train.py ...``, under the trainer guard (srun can miss the end of a
-   step, Slurm 22.05); a server step that ends meanwhile stops them;
+   step, Slurm 22.05); a server step that ends meanwhile stops them. An elastic run's
+   trainers start under ``mpirun`` instead (:mod:`eddis.launch.mpirun_step`);
 5. the servers asked to stop in the run dir, so that their steps end by themselves,
    COMPLETED (``scancel`` after STOP_SECONDS for any that does not), the root-cause
    report when the trainers failed, the run directory retired; the job's status is the
@@ -54,7 +55,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError, JobSignalled, NodeFailureError
-from . import jobsteps, placement, preemption
+from . import jobsteps, mpirun_step, placement, preemption
 from .hostlist import expand_hostlist
 from .elastic import elastic_run, elastic_status, survives_server_loss
 from .report import LAUNCH_DIR, request_servers_stop, request_stop, root_cause
@@ -135,15 +136,27 @@ def server_step_command(component, first_index, nodes=None):
             "bash", "-c", f"exec eddis-train --smb-server $(({first_index} + SLURM_NODEID))"]
 
 
-def trainer_step_command(parts, train, nodes=None):
-    """The srun of the trainers: one rank per task of every component, one MPI world (pmix);
-    on the nodes of ``nodes`` (a :class:`~eddis.launch.placement.Placement`) when given."""
+def trainer_step_command(parts, train, nodes=None, env=None):
+    """The launch of the trainers: one rank per task of every component, one MPI world; on the
+    nodes of ``nodes`` (a :class:`~eddis.launch.placement.Placement`) when given.
+
+    ``srun --mpi=pmix``, except in an elastic run: there ``mpirun`` inside the allocation
+    (:mod:`eddis.launch.mpirun_step`), since Slurm's PMIx plugin kills the whole step when a
+    rank that shares its node with another is lost. Sets EDDIS_HOST_GROUPS in ``env`` (default:
+    this process's environment, which the launch inherits) for mpirun's ranks."""
+    if elastic_run():
+        env = os.environ if env is None else env
+        hosts = mpirun_step.trainer_hosts(env, nodes)
+        env["EDDIS_HOST_GROUPS"] = mpirun_step.host_groups_text(hosts)
+        return mpirun_step.mpirun_command(hosts, train)
     het = [f"--het-group={','.join(str(c.group) for c in parts)}"] if len(parts) > 1 else []
-    # elastic runs: a lost rank's task must not take the survivors' step down with it (said
-    # explicitly: a cluster's KillOnBadExit=1 would otherwise)
-    kill = "--kill-on-bad-exit=0" if elastic_run() else "--kill-on-bad-exit=1"
     where = [] if nodes is None else nodes.step_options()
-    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", kill, *where, "eddis-train", *train]
+    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", "--kill-on-bad-exit=1", *where,
+            "eddis-train", *train]
+
+
+def launched_by_mpirun(argv):
+    return bool(argv) and argv[0] == "mpirun"
 
 
 def server_steps_end_training(ended, steps, survivable):
@@ -239,6 +252,28 @@ def stop_steps(name, sruns, env=None, wait=STOP_SECONDS, poll=POLL_SECONDS):
     _kill_waiting(sruns, poll)
 
 
+def stop_mpirun(run_dir, mpirun, reason, env=None, wait=STOP_SECONDS, poll=POLL_SECONDS):
+    """Stop the elastic trainers' ``mpirun`` (a Popen) and wait, bounded, for it: first through the
+    run dir, where every rank's supervisor stops its trainer gently (EDDIS_STOP_GRACE), then
+    SIGTERM to mpirun, which passes it on to the supervisors and ends them soon after; what is
+    left ``wait`` s later is killed, the nodes' daemon steps cancelled."""
+    from .. import settings
+
+    if mpirun is None or mpirun.poll() is not None:
+        return
+    request_stop(run_dir, reason, signal.SIGTERM)
+    if not wait_ended([mpirun], settings.get("EDDIS_STOP_GRACE") + wait, poll):
+        return
+    mpirun.send_signal(signal.SIGTERM)
+    if not wait_ended([mpirun], wait, poll):
+        return
+    steps = jobsteps.step_ids(TRAINER_STEP_NAME, env) or []
+    if steps:
+        scancel(steps, env)
+    jobsteps.kill_tree(mpirun.pid)
+    wait_ended([mpirun], SLURM_COMMAND_TIMEOUT, poll)
+
+
 def end_server_steps(run_dir, sruns, env=None, wait=STOP_SECONDS, poll=POLL_SECONDS):
     """End the smb-server steps of a job whose trainers have ended: every server's supervisor
     is asked in the run dir to stop its server, and exits 0, so that its step ends COMPLETED
@@ -325,6 +360,7 @@ class Job:
         self.run_dir = None
         self.servers = []
         self.trainer = None
+        self.trainer_by_mpirun = False   # an elastic run's mpirun, not srun (trainer_step_command)
         self.checkpoint_requested = False  # passed on to the trainers
         self.answer = None  # the checkpoint the trainers wrote on request, then stopped
 
@@ -424,8 +460,14 @@ class Job:
         wait_ended([self.trainer], settings.get("EDDIS_INTERRUPT_GRACE") + settings.get("EDDIS_STOP_GRACE")
                    + SIGNAL_WAIT_SECONDS)
         if running([self.trainer]):
-            stop_steps(TRAINER_STEP_NAME, [self.trainer])
+            self._stop_trainers("the trainers did not end after the job's SIGINT")
         end_server_steps(self.run_dir, self.servers)
+
+    def _stop_trainers(self, reason):
+        if self.trainer_by_mpirun:
+            stop_mpirun(self.run_dir, self.trainer, reason)
+        else:
+            stop_steps(TRAINER_STEP_NAME, [self.trainer])
 
     def _sruns(self):
         return [p for p in [self.trainer, *self.servers] if p is not None]
@@ -541,10 +583,13 @@ class Job:
         return status
 
     def _train(self):
-        self.trainer = start_step(trainer_step_command(self.components, self.train, self.placement))
-        # srun can miss the end of a step whose ranks have all exited: the guard bounds that wait
+        command = trainer_step_command(self.components, self.train, self.placement)
+        self.trainer_by_mpirun = launched_by_mpirun(command)
+        self.trainer = start_step(command)
+        # srun can miss the end of a step whose ranks have all exited, and mpirun never learns
+        # that the ranks of a lost node ended: the guard bounds that wait
         guard = threading.Thread(target=jobsteps.guard_trainer_step, args=(self.run_dir, self.trainer.pid),
-                                 name="trainer-guard", daemon=True)
+                                 kwargs={"elastic": self.trainer_by_mpirun}, name="trainer-guard", daemon=True)
         guard.start()
         status = self._wait_trainers()
         guard.join(GUARD_JOIN_SECONDS)  # it returns once it finds srun's process gone
@@ -569,7 +614,7 @@ class Job:
             if ended and server_steps_end_training(len(ended), len(self.servers), survivable):
                 say(f"eddis_job: an smb-server step ended (status {exit_status(ended[0].returncode)}) "
                     "during training; stopping the trainers", sys.stderr)
-                stop_steps(TRAINER_STEP_NAME, [self.trainer])
+                self._stop_trainers(f"an smb-server step ended (status {exit_status(ended[0].returncode)})")
                 return 1
             for step in (p for p in ended if p.pid not in noted):
                 noted.add(step.pid)   # a hetjob component's servers, lost with its node(s)
@@ -584,9 +629,12 @@ class Job:
 
         self.checkpoint_requested = True
         request_checkpoint(self.run_dir, "the job's time limit is near (Slurm sent SIGUSR1)")
-        steps = jobsteps.step_ids(TRAINER_STEP_NAME)
-        if steps:
-            scancel([f"--signal={CHECKPOINT_SIGNAL.name.removeprefix('SIG')}", *steps])
+        if self.trainer_by_mpirun:
+            self.trainer.send_signal(CHECKPOINT_SIGNAL)   # mpirun passes SIGUSR1 on to every rank
+        else:
+            steps = jobsteps.step_ids(TRAINER_STEP_NAME)
+            if steps:
+                scancel([f"--signal={CHECKPOINT_SIGNAL.name.removeprefix('SIG')}", *steps])
         say("eddis_job: the time limit is near (SIGUSR1 from Slurm): asking the trainers for a checkpoint")
 
     def _checkpoint_written(self):

@@ -223,8 +223,8 @@ def slurm_lists_step(name, env=None, timeout=10.0):
     return None if steps is None else bool(steps)
 
 
-def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None):
-    """Bound the job's wait for the trainers' srun.
+def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None, elastic=False):
+    """Bound the job's wait for the trainers' srun (or an elastic run's mpirun).
 
     srun can miss the end of a step whose tasks have all exited (seen with
     hetjob steps on a loaded host: every rank gone, srun waiting on). Once every
@@ -233,9 +233,15 @@ def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None):
     more; after that this kills srun, writes the status the exit records stand
     for to ``<run dir>/launch/trainers.status`` and says so. Returns when srun
     has ended either way.
+
+    ``elastic`` (the mpirun of an elastic run): mpirun never learns that the ranks of a lost
+    node ended, and those leave no exit record. Once a rank has recorded that it finished the
+    training, the others get ``grace`` + EDDIS_ELASTIC_LOST_AFTER seconds (a live rank stops
+    at its next step, having found the global counter at the total); then mpirun is ended the
+    same way, and the ranks without an exit record are reported lost.
     """
     grace = settings.get("EDDIS_STEP_END_GRACE") if grace is None else grace
-    all_exited_at = step_gone_at = None
+    all_exited_at = step_gone_at = finished_at = None
     while process_alive(srun_pid):
         newest = launches(path)[-1:] or [None]
         records = newest[0]
@@ -243,29 +249,55 @@ def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None):
             starts = read_records(records.ranks)
             size = max((r.get("size") or 0 for r in starts), default=0)
             exits = read_records(records.exits)
+            now = time.monotonic()
             if size and len(exits) >= size:
-                now = time.monotonic()
                 all_exited_at = all_exited_at or now
-                if step_gone_at is None and slurm_lists_step(TRAINER_STEP_NAME, env) is False:
+                if step_gone_at is None and not elastic and slurm_lists_step(TRAINER_STEP_NAME, env) is False:
                     step_gone_at = now
                 step_gone = step_gone_at is not None and now - step_gone_at >= min(grace, STEP_GONE_GRACE)
                 if step_gone or now - all_exited_at >= grace:
-                    _end_stuck_srun(path, srun_pid, exits, size,
-                                    f"Slurm had ended the step {now - step_gone_at:.0f} s earlier" if step_gone
-                                    else f"still waiting {grace:.0f} s later (EDDIS_STEP_END_GRACE)")
+                    _end_stuck_launcher(path, srun_pid, exits, size,
+                                        f"Slurm had ended the step {now - step_gone_at:.0f} s earlier" if step_gone
+                                        else f"still waiting {grace:.0f} s later (EDDIS_STEP_END_GRACE)")
+                    return 0
+            elif elastic and size and any(e.get("why") == "exited" and e.get("code") == 0 for e in exits):
+                finished_at = finished_at or now
+                wait = grace + settings.get("EDDIS_ELASTIC_LOST_AFTER")
+                if now - finished_at >= wait:
+                    silent = sorted(set(range(size)) - {e.get("rank") for e in exits})
+                    _end_stuck_launcher(path, srun_pid, exits, size,
+                                        f"rank(s) {', '.join(map(str, silent))} recorded no exit {wait:.0f} s after "
+                                        "the first rank finished the training (EDDIS_STEP_END_GRACE + "
+                                        "EDDIS_ELASTIC_LOST_AFTER): lost with their node", ended=len(exits))
                     return 0
         time.sleep(poll)
     return 0
 
 
-def _end_stuck_srun(path, srun_pid, exits, size, why):
+def _end_stuck_launcher(path, pid, exits, size, why, ended=None):
     status = _status_of(exits)
     (Path(path) / "launch" / TRAINERS_STATUS_FILE).write_text(f"{status}\n")
     outcomes = ", ".join(sorted({describe_exit(e.get("code"), e.get("signal")) for e in exits}))
-    print(f"eddis-train: all {size} ranks exited ({outcomes}) but srun (pid {srun_pid}) had not returned: "
+    launcher = process_name(pid) or "the launcher"
+    count = f"all {size}" if ended is None else f"{ended} of {size}"
+    print(f"eddis-train: {count} ranks exited ({outcomes}) but {launcher} (pid {pid}) had not returned: "
           f"{why}; ending it. Job status {status}, from the ranks' exit records.", file=sys.stderr, flush=True)
-    for pid in reversed(_descendants(srun_pid)):
+    kill_tree(pid)
+
+
+def process_name(pid):
+    """The command name of process ``pid`` (/proc), or None."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def kill_tree(pid):
+    """SIGKILL to ``pid`` and every process below it, the deepest first."""
+    for found in reversed(_descendants(pid)):
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(found, signal.SIGKILL)
         except OSError:
             pass

@@ -18,9 +18,10 @@ import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
-from .. import identity
+from .. import identity, settings
 from ..errors import ConfigError
 from .hostlist import expand_hostlist, expand_tasks_per_node
+from .mpirun_step import parse_host_groups
 
 GPU_MODEL_PATTERN = re.compile(r"\b([AHBLTPVK]\d{2,3}[A-Z]?|RTX\s?\d{4}|MI\d{2,3}[A-Z]?)\b", re.I)
 
@@ -271,26 +272,44 @@ def from_slurm(env, gres_lookup=node_gres):
                     bind_gpu(devices, local_rank), "slurm")
 
 
+def _host_group(env, hostname, size):
+    """(group, number of groups, ranks in the group) of a rank on ``hostname``: from
+    EDDIS_HOST_GROUPS (the mpirun of an elastic Slurm job), else one group of every rank."""
+    text = settings.get("EDDIS_HOST_GROUPS", env)
+    if not text:
+        return 0, 1, size
+    table = parse_host_groups(text)
+    if hostname not in table:
+        raise ConfigError(f"this rank's node {hostname} is not among the trainer nodes of EDDIS_HOST_GROUPS="
+                          f"{text!r}: the node name Slurm gives it (SLURMD_NODENAME) differs from the one "
+                          "mpirun was given")
+    group = table[hostname][0]
+    return group, len({g for g, _ in table.values()}), sum(n for g, n in table.values() if g == group)
+
+
 def from_openmpi(env, gres_lookup=None):
-    """RankInfo of a process started by Open MPI's mpirun (eddis-train --local)."""
+    """RankInfo of a process started by Open MPI's mpirun (eddis-train --local, or the elastic
+    trainers of a Slurm job, :mod:`eddis.launch.mpirun_step`)."""
     rank = _int(env, "OMPI_COMM_WORLD_RANK")
     size = _int(env, "OMPI_COMM_WORLD_SIZE")
     local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
     local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
     hostname = identity.node_name(env)
+    group, num_groups, group_size = _host_group(env, hostname, size)
     devices = visible_gpus(env)
-    return RankInfo(rank, size, local_rank, local_size, 0, 1, size, hostname,
-                    resolve_gpu_type(env, hostname, 0, devices, gres_lookup),
+    return RankInfo(rank, size, local_rank, local_size, group, num_groups, group_size, hostname,
+                    resolve_gpu_type(env, hostname, group, devices, gres_lookup),
                     bind_gpu(devices, local_rank), "mpirun")
 
 
 def detect(env=None, gres_lookup=node_gres):
-    """RankInfo from whichever launcher started this process (srun first)."""
+    """RankInfo from whichever launcher started this process: mpirun first, whose ranks
+    inside a Slurm job also see the variables of the step that holds their node's daemon."""
     env = os.environ if env is None else env
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return from_openmpi(env, gres_lookup if "SLURM_JOB_ID" in env else None)
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         return from_slurm(env, gres_lookup)
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return from_openmpi(env)
     hostname = identity.node_name(env)
     devices = visible_gpus(env)
     return RankInfo(0, 1, 0, 1, 0, 1, 1, hostname,

@@ -72,12 +72,14 @@ def stop_requested(run_dir):
 
 def launch_key(env):
     """A name for this launch, shared by all its ranks and distinct between launches."""
-    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
-        return f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
-    # Open MPI gives every process of one mpirun the same job id.
+    # Open MPI gives every process of one mpirun the same job id; first, because the ranks of
+    # an mpirun inside a Slurm job (elastic trainers) each see the step of their node's daemon
     for name in ("OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid"):
         if env.get(name):
-            return f"mpirun-{env[name]}"
+            key = f"mpirun-{env[name]}"
+            return f"{env['SLURM_JOB_ID']}.{key}" if env.get("SLURM_JOB_ID") else key
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
+        return f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
     return f"single-{os.getpid()}"
 
 
