@@ -24,11 +24,12 @@ import json
 import os
 import re
 import signal
+import time
 
 import pytest
 
 from conftest import REPO
-from launch_helpers import environ_of, make_bin, wait_job_end, wait_until
+from launch_helpers import environ_of, make_bin, requeue_hold_seconds, wait_job_end, wait_requeued_job_end, wait_until
 
 import eddis.smb.server  # noqa: F401  (required: missing is a failure, not a skip)
 
@@ -43,7 +44,8 @@ HETJOB = (("a100", 1, 1), ("v100", 1, 1))   # n1 and n2: one smb-server step eac
 TWO_BY_TWO = (("all", 2, 2),)
 
 
-def submit_elastic_job(cluster, tmp_path, *trainer_args, components=ONE_COMPONENT, mode="easgd", **settings):
+def submit_elastic_job(cluster, tmp_path, *trainer_args, components=ONE_COMPONENT, mode="easgd", checkpoint_signal=0,
+                       **settings):
     from eddis.slurm.script import JobComponent, render_job_script
 
     out, log = tmp_path / "out", tmp_path / "job.out"
@@ -55,7 +57,7 @@ def submit_elastic_job(cluster, tmp_path, *trainer_args, components=ONE_COMPONEN
         job_name="eddis-elastic-test",
         command=[str(TRAINER), "--out", str(out), "--mode", mode, "--total", str(TOTAL),
                  *map(str, trainer_args)],
-        time="00:05:00", output=str(log), mode=mode, checkpoint_signal=0,
+        time="00:05:00", output=str(log), mode=mode, checkpoint_signal=checkpoint_signal,
         settings={"EDDIS_ELASTIC": "1", "EDDIS_ELASTIC_LOST_AFTER": str(LOST_AFTER),
                   "EDDIS_COMM_TIMEOUT": "90", **settings}))
     bin_dir = make_bin(tmp_path / "bin")
@@ -110,6 +112,70 @@ def test_easgd_job_trains_on_without_a_killed_rank_that_shares_its_node(slurm_cl
     assert sum(r["steps"] for r in results.values()) == TOTAL - (KILL_STEP + 1), results
     assert (out / "model.pt").exists()
     assert "ROOT CAUSE" not in text and "CANCELLED" not in text, text[-4000:]
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_hybrid_job_trains_on_without_a_group_that_lost_a_member(slurm_cluster, tmp_path):
+    """2 x 2 ranks, a hybrid group per node; rank 3 dies beside rank 2 on n2: group 1 cannot
+    reduce, so rank 2 ends itself (status 69), and group 0 (n1) trains on to the total."""
+    job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--kill-rank", 3, "--kill-step", KILL_STEP,
+                                          components=TWO_BY_TWO, mode="hybrid")
+    state = wait_job_end(slurm_cluster, job_id, 240, log)
+    text = log.read_text(errors="replace")
+    assert state == ("COMPLETED", "0:0"), text[-4000:]
+    assert re.search(r"^eddis-train: finished degraded: rank 3 on host n2 was lost \(was killed by signal 9 "
+                     r"\(SIGKILL\)\) at [\d:]+; rank 2 on host n2 was lost \(exited with code 69\) at [\d:]+; "
+                     r"rank 0, 1 finished the training$", text, re.M), text[-4000:]
+    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(results) == [0, 1], text[-4000:]
+    assert {r["counter"] for r in results.values()} == {TOTAL}, results
+    # group 1 claimed its group steps 0..KILL_STEP, 2 iterations each; group 0 did the rest together
+    assert [results[r]["steps"] for r in (0, 1)] == [(TOTAL - 2 * (KILL_STEP + 1)) // 2] * 2, results
+    assert (out / "model.pt").exists()
+    assert "ROOT CAUSE" not in text and "CANCELLED" not in text, text[-4000:]
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(420)
+def test_elastic_job_warned_of_its_time_limit_checkpoints_requeues_itself_and_resumes(slurm_cluster, tmp_path):
+    """2 x 2 easgd ranks under mpirun: Slurm's warning (SIGUSR1 to the batch shell, as
+    ``--signal=B:USR1@N`` sends it) reaches every rank through mpirun; they write a checkpoint,
+    the job requeues itself, and its next run resumes there and ends the counter at the total."""
+    import h5py
+
+    from eddis.core import checkpoint as layout
+
+    assert requeue_hold_seconds(slurm_cluster) <= 30, "rebuild the dev cluster (scripts/eddis-dev-cluster)"
+    checkpoints = tmp_path / "checkpoints"
+    job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--resume", checkpoints, "--step-seconds",
+                                          STEP_SECONDS, "--say-step", WARN_AT_STEP, components=TWO_BY_TWO,
+                                          checkpoint_signal=60,
+                                          EDDIS_CHECKPOINT_DIR=str(checkpoints))
+    warned = []
+
+    def warn():
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if not warned and re.search(rf"^\[0@n1\] rank 0 reached step {WARN_AT_STEP}$", text, re.M):
+            slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job_id], timeout=30)
+            warned.append(time.time())
+
+    state = wait_requeued_job_end(slurm_cluster, job_id, 300, log, on_poll=warn)
+    text = log.read_text(errors="replace")
+    assert state[:2] == ("COMPLETED", "0:0"), text[-4000:]
+    assert text.count("mpirun: Forwarding signal 10 to job") == 1, text[-4000:]
+    requeued = re.findall(r"eddis_job: wrote checkpoint (\S+) \(step (\d+)\); requeued job", text)
+    assert len(requeued) == 1, text[-4000:]
+    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(results) == [0, 1, 2, 3], text[-4000:]
+    assert {r["counter"] for r in results.values()} == {TOTAL}, results
+    assert {r["start"]["path"] for r in results.values()} == {requeued[0][0]}, results
+    # the second run trained exactly what the first one's checkpoint had left of the total
+    with h5py.File(os.path.join(requeued[0][0], layout.TRAINING_STATE), "r") as h5:
+        consumed = int(h5["progress"].attrs["consumed"])
+    assert WARN_AT_STEP < consumed < TOTAL   # rank 0 alone had passed the warning's step
+    assert consumed + sum(r["steps"] for r in results.values()) == TOTAL, (consumed, results)
+    assert "finished degraded" not in text and "ROOT CAUSE" not in text, text[-4000:]
 
 
 def job_processes_on(node, run_dir):
@@ -186,6 +252,9 @@ def test_elastic_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, case
     assert (out / "model.pt").exists()
     assert "ROOT CAUSE" not in text, text[-4000:]
 
+
+STEP_SECONDS = 0.05   # the requeue test's steps: its 4 ranks take about 75 each
+WARN_AT_STEP = 20     # rank 0's step at which Slurm's warning comes, inside the first run's training
 
 CHECKPOINT_EVERY = 25   # rank 0's steps (of about 290 in the job)
 

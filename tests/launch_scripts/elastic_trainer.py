@@ -11,7 +11,9 @@ reduction pool, and its checkpoint schedule's request counter); the final model 
 to ``<out>/model.pt`` through eddis.save_checkpoint. ``--await-loss``: every other rank sleeps AWAIT_SECONDS a step until it counts rank R (of
 ``--kill-rank``) as lost, so that training goes on after the loss is known, however fast the
 steps and however late rank R reaches step S; it does not stop stepping, since a checkpoint
-that rank R asked for before it died still needs the others at their step boundaries. ``--resume PATH``: eddis.resume(PATH) before
+that rank R asked for before it died still needs the others at their step boundaries.
+``--step-seconds S``: every step sleeps S seconds first; ``--say-step S``: every rank says when it
+reaches its step S. ``--resume PATH``: eddis.resume(PATH) before
 training (a checkpoint, or a folder of them: none there is a fresh start), which also gives the
 periodic checkpoints (EDDIS_CHECKPOINT_INTERVAL) the model to save; the json then has the Start.
 """
@@ -35,6 +37,8 @@ p.add_argument("--pause-step", type=int, default=10)
 p.add_argument("--groups", type=int, default=0)
 p.add_argument("--resume", default=None)
 p.add_argument("--await-loss", action="store_true")
+p.add_argument("--step-seconds", type=float, default=0.0)
+p.add_argument("--say-step", type=int, default=-1)
 args = p.parse_args()
 
 if args.groups:
@@ -73,6 +77,9 @@ while not eddis.should_stop():
     if rank == args.pause_rank and step == args.pause_step:
         open(os.path.join(args.out, f"paused.{rank}"), "w").close()
         time.sleep(PAUSE_SECONDS)
+    time.sleep(args.step_seconds)
+    if step == args.say_step:
+        print(f"rank {rank} reached step {step}", flush=True)
     x = torch.randn(32, 16, generator=generator)
     optimizer.zero_grad()
     F.mse_loss(model(x), x @ truth).backward()
