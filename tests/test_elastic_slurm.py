@@ -312,3 +312,51 @@ def test_easgd_checkpoints_the_live_ranks_after_a_loss_and_a_new_job_resumes_the
         assert result["start"] == {"path": newest, "step": 0}, results
         assert result["counter"] == TOTAL, results
     assert consumed + sum(r["steps"] for r in results.values()) == TOTAL, (consumed, results)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(420)
+def test_hybrid_checkpoints_the_live_group_after_a_loss_and_a_new_job_resumes_it(slurm_cluster, tmp_path):
+    """2 x 2 hybrid ranks, a group per node, with periodic checkpoints; rank 3 kills itself and
+    rank 2 ends with its group: group 0 goes on checkpointing, the checkpoints after the loss
+    name ranks 0 and 1 and the lost ones, and a fresh 2 x 2 job resumes the newest as one of 1
+    group, continuing the global learning counter to the total."""
+    import h5py
+
+    from eddis.core import checkpoint as layout
+
+    checkpoints = tmp_path / "checkpoints"
+    lossy, resumed = tmp_path / "lossy", tmp_path / "resumed"
+    lossy.mkdir()
+    resumed.mkdir()
+    job_id, out, log = submit_elastic_job(
+        slurm_cluster, lossy, "--kill-rank", 3, "--kill-step", KILL_STEP, "--resume", checkpoints,
+        components=TWO_BY_TWO, mode="hybrid", EDDIS_CHECKPOINT_DIR=str(checkpoints),
+        EDDIS_CHECKPOINT_INTERVAL=str(CHECKPOINT_EVERY), EDDIS_CHECKPOINT_KEEP="0")
+    state = wait_job_end(slurm_cluster, job_id, 240, log)
+    text = log.read_text(errors="replace")
+    assert state == ("COMPLETED", "0:0"), text[-4000:]
+    assert "finished degraded: rank 3 on host n2 was lost" in text, text[-4000:]
+    held = [[m["ranks"], m["lost_ranks"]] for m in manifests_in(checkpoints)]
+    # before the loss every rank; after it group 0 (rank 2 may still be counted live once,
+    # between its partner's loss and its own end)
+    assert all(h in ([[0, 1, 2, 3], []], [[0, 1, 2], [3]], [[0, 1], [2, 3]]) for h in held), held
+    assert [[0, 1], [2, 3]] in held, held
+
+    newest = layout.latest(str(checkpoints))
+    assert layout.read_manifest(newest)["lost_ranks"] == [2, 3], held
+    with h5py.File(os.path.join(newest, layout.TRAINING_STATE), "r") as h5:
+        consumed = int(h5["progress"].attrs["consumed"])
+    assert 0 < consumed < TOTAL
+    job_id, out, log = submit_elastic_job(slurm_cluster, resumed, "--resume", newest, components=TWO_BY_TWO,
+                                          mode="hybrid")
+    state = wait_job_end(slurm_cluster, job_id, 240, log)
+    text = log.read_text(errors="replace")
+    assert state == ("COMPLETED", "0:0"), text[-4000:]
+    assert "finished degraded" not in text, text[-4000:]
+    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(results) == [0, 1, 2, 3], text[-4000:]
+    for result in results.values():
+        assert result["start"]["path"] == newest and result["counter"] == TOTAL, results
+    # a hybrid step consumes one iteration per rank of the group: each group's ranks step together
+    assert consumed + sum(r["steps"] for r in results.values()) == TOTAL, (consumed, results)
