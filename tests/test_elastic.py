@@ -375,7 +375,7 @@ def test_an_exchange_part_names_a_rank_that_made_another_call():
         encode_part(1, "too much", "x" * OBJECT_BYTES)
 
 
-def test_elastic_trainers_start_under_mpirun_and_a_lost_server_task_ends_alone(monkeypatch):
+def test_elastic_trainers_sharing_a_node_start_under_mpirun_and_a_lost_server_task_ends_alone(monkeypatch):
     from eddis.launch.jobrun import Component, launched_by_mpirun, server_step_command, trainer_step_command
 
     monkeypatch.setenv("EDDIS_ELASTIC", "1")
@@ -385,6 +385,11 @@ def test_elastic_trainers_start_under_mpirun_and_a_lost_server_task_ends_alone(m
     assert launched_by_mpirun(command) and command[-2:] == ["eddis-train", "t.py"]
     assert command[command.index("--host") + 1] == "n1:4,n2:4"
     assert env["EDDIS_HOST_GROUPS"] == "n1:0:4,n2:1:4"   # what mpirun's ranks inherit
+    # one rank a node: srun, whose ranks checkpoint at a preemption; a lost task ends alone
+    env = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "1(x2)"}
+    assert trainer_step_command([Component(None, 2, 4)], ["t.py"], env=env) == [
+        "srun", "--job-name=eddis-train", "--mpi=pmix", "--kill-on-bad-exit=0", "eddis-train", "t.py"]
+    assert "EDDIS_HOST_GROUPS" not in env
     # the servers' step too: the mirrored state outlives one lost server
     assert "--kill-on-bad-exit=0" in server_step_command(Component(None, 2, 4), 0)
     monkeypatch.setenv("EDDIS_ELASTIC_MIRROR", "0")

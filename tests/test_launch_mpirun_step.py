@@ -4,8 +4,8 @@ is tested on the dev cluster (tests/test_elastic_slurm.py)."""
 import pytest
 
 from eddis.errors import ConfigError
-from eddis.launch.mpirun_step import (TrainerHost, host_groups_text, mpirun_command, parse_host_groups,
-                                      trainer_hosts)
+from eddis.launch.mpirun_step import (TrainerHost, host_groups_text, mpirun_command, needs_mpirun,
+                                      parse_host_groups, trainer_hosts)
 from eddis.launch.orted_agent import srun_command
 from eddis.launch.placement import Placement
 from eddis.launch.rankenv import detect, from_openmpi
@@ -22,6 +22,8 @@ def test_a_plain_jobs_nodes_are_its_groups_in_srun_block_order():
     spares_left_out = Placement(("n1", "n3"), 2, narrowed=True)
     assert trainer_hosts(PLAIN, spares_left_out) == [TrainerHost("n1", 2, 0), TrainerHost("n3", 2, 1)]
     assert trainer_hosts(PLAIN, Placement(("n1", "n2", "n3"), 2, narrowed=False)) == trainer_hosts(PLAIN)
+    assert needs_mpirun(trainer_hosts(PLAIN))
+    assert not needs_mpirun(trainer_hosts(dict(PLAIN, SLURM_TASKS_PER_NODE="1(x3)")))
 
 
 def test_a_hetjobs_components_are_its_groups():

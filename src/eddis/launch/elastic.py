@@ -1,12 +1,14 @@
 """Elastic runs (EDDIS_ELASTIC=1, modes easgd and hybrid) in the launcher.
 
 A lost rank must not end the job: its supervisor records the loss and exits 0
-(so that ``mpirun`` does not take the job for failed and kill it), the other
-supervisors do not stop their trainers, and ``mpirun`` runs with the two ORTE
-parameters that otherwise abort the job when a process exits non-zero or without
-``MPI_Finalize`` (the lost trainer never finalizes). The trainers run under
-``mpirun`` in a Slurm job too (:mod:`.mpirun_step`): Slurm's PMIx plugin cancels
-an ``srun --mpi=pmix`` step when one of two ranks on a node is lost. The survivors train on
+(so that neither ``srun`` nor ``mpirun`` takes the step for failed and kills
+it), the other supervisors do not stop their trainers, ``srun`` runs with
+``--kill-on-bad-exit=0`` and ``mpirun`` with the two ORTE parameters that
+otherwise abort the job when a process exits non-zero or without
+``MPI_Finalize`` (the lost trainer never finalizes). A Slurm job with more than
+one rank on a node starts its trainers under ``mpirun`` (:mod:`.mpirun_step`):
+Slurm's PMIx plugin cancels an ``srun --mpi=pmix`` step when one of two ranks on
+a node is lost. The survivors train on
 (``eddis.core.elastic``); at the end the launcher says the run finished
 degraded and names every lost rank.
 

@@ -13,8 +13,9 @@ script before this starts (exit 2). Then, in order:
    ends first fails the job at once;
 4. the trainers, ``srun --het-group=0,...,K-1 --mpi=pmix --kill-on-bad-exit=1
    eddis-train train.py ...``, under the trainer guard (srun can miss the end of a
-   step, Slurm 22.05); a server step that ends meanwhile stops them. An elastic run's
-   trainers start under ``mpirun`` instead (:mod:`eddis.launch.mpirun_step`);
+   step, Slurm 22.05); a server step that ends meanwhile stops them. The trainers of an
+   elastic run with more than one rank on a node start under ``mpirun`` instead
+   (:mod:`eddis.launch.mpirun_step`);
 5. the servers asked to stop in the run dir, so that their steps end by themselves,
    COMPLETED (``scancel`` after STOP_SECONDS for any that does not), the root-cause
    report when the trainers failed, the run directory retired; the job's status is the
@@ -140,19 +141,24 @@ def trainer_step_command(parts, train, nodes=None, env=None):
     """The launch of the trainers: one rank per task of every component, one MPI world; on the
     nodes of ``nodes`` (a :class:`~eddis.launch.placement.Placement`) when given.
 
-    ``srun --mpi=pmix``, except in an elastic run: there ``mpirun`` inside the allocation
-    (:mod:`eddis.launch.mpirun_step`), since Slurm's PMIx plugin kills the whole step when a
-    rank that shares its node with another is lost. Sets EDDIS_HOST_GROUPS in ``env`` (default:
-    this process's environment, which the launch inherits) for mpirun's ranks."""
-    if elastic_run():
+    ``srun --mpi=pmix``, except in an elastic run with more than one rank on a node: there
+    ``mpirun`` inside the allocation (:mod:`eddis.launch.mpirun_step`), since Slurm's PMIx plugin
+    kills the whole step when a rank that shares its node with another is lost. Sets
+    EDDIS_HOST_GROUPS in ``env`` (default: this process's environment, which the launch
+    inherits) for mpirun's ranks."""
+    elastic = elastic_run()
+    if elastic:
         env = os.environ if env is None else env
         hosts = mpirun_step.trainer_hosts(env, nodes)
-        env["EDDIS_HOST_GROUPS"] = mpirun_step.host_groups_text(hosts)
-        return mpirun_step.mpirun_command(hosts, train)
+        if mpirun_step.needs_mpirun(hosts):
+            env["EDDIS_HOST_GROUPS"] = mpirun_step.host_groups_text(hosts)
+            return mpirun_step.mpirun_command(hosts, train)
     het = [f"--het-group={','.join(str(c.group) for c in parts)}"] if len(parts) > 1 else []
+    # elastic runs: a lost rank's task must not take the survivors' step down with it (said
+    # explicitly: a cluster's KillOnBadExit=1 would otherwise)
+    kill = "--kill-on-bad-exit=0" if elastic else "--kill-on-bad-exit=1"
     where = [] if nodes is None else nodes.step_options()
-    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", "--kill-on-bad-exit=1", *where,
-            "eddis-train", *train]
+    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", kill, *where, "eddis-train", *train]
 
 
 def launched_by_mpirun(argv):

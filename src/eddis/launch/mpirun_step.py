@@ -1,10 +1,14 @@
-"""The trainers of an elastic Slurm job, started by Open MPI's ``mpirun`` inside the allocation.
+"""The trainers of an elastic Slurm job with more than one rank on a node, started by Open MPI's
+``mpirun`` inside the allocation.
 
 Why not ``srun --mpi=pmix`` as for every other job: Slurm's PMIx plugin (22.05, ``mpi/pmix_v4``)
 answers any PMIx error event of a step with ``slurm_kill_job_step(SIGKILL)``, and the PMIx server
 in slurmstepd raises one (``status = -61``, lost connection) when an MPI process ends without
 finalizing while another rank of the step shares its node. A lost rank beside a live one would
-take the whole trainer step down, elastic or not; no setting turns that handler off.
+take the whole trainer step down, elastic or not; no setting turns that handler off. With one
+rank a node the event does not come, and srun stays (:func:`needs_mpirun`): under ``mpirun`` a
+node's ``orted`` ends its ranks at once on the SIGTERM of a preemption, before they can write
+the checkpoint that srun's ranks write then.
 
 Under ``mpirun`` Open MPI's own daemons (``orted``) are the PMIx servers, and the ORTE parameters
 of :data:`eddis.launch.elastic.MPIRUN_OPTIONS` keep the job up when a process ends badly. Each
@@ -80,6 +84,11 @@ def trainer_hosts(env, placement=None):
                           "elastic run (EDDIS_ELASTIC=1) starts its trainers with mpirun, which places ranks by "
                           "node: give each component its own nodes, or unset EDDIS_ELASTIC")
     return hosts
+
+
+def needs_mpirun(hosts):
+    """Whether an elastic job's trainers on ``hosts`` need mpirun: a node holds more than one rank."""
+    return any(h.ranks > 1 for h in hosts)
 
 
 def host_groups_text(hosts):
