@@ -266,6 +266,20 @@ def manifests_in(folder):
     return [layout.read_manifest(path) for _, path in layout.complete_checkpoints(str(folder))]
 
 
+def submit_lossy_checkpointing_job(cluster, tmp_path, kill_rank, **options):
+    """A job that checkpoints every CHECKPOINT_EVERY steps into ``<tmp>/checkpoints`` (resuming
+    from there) and loses ``kill_rank`` at KILL_STEP: (the checkpoints, an empty folder for the
+    job that resumes them, the job's (id, out, log))."""
+    checkpoints = tmp_path / "checkpoints"
+    lossy, resumed = tmp_path / "lossy", tmp_path / "resumed"
+    lossy.mkdir()
+    resumed.mkdir()
+    job = submit_elastic_job(cluster, lossy, "--kill-rank", kill_rank, "--kill-step", KILL_STEP, "--resume",
+                             checkpoints, EDDIS_CHECKPOINT_DIR=str(checkpoints),
+                             EDDIS_CHECKPOINT_INTERVAL=str(CHECKPOINT_EVERY), EDDIS_CHECKPOINT_KEEP="0", **options)
+    return checkpoints, resumed, job
+
+
 @pytest.mark.slurm
 @pytest.mark.timeout(420)
 def test_easgd_checkpoints_the_live_ranks_after_a_loss_and_a_new_job_resumes_them(slurm_cluster, tmp_path):
@@ -277,14 +291,7 @@ def test_easgd_checkpoints_the_live_ranks_after_a_loss_and_a_new_job_resumes_the
 
     from eddis.core import checkpoint as layout
 
-    checkpoints = tmp_path / "checkpoints"
-    lossy, resumed = tmp_path / "lossy", tmp_path / "resumed"
-    lossy.mkdir()
-    resumed.mkdir()
-    job_id, out, log = submit_elastic_job(
-        slurm_cluster, lossy, "--kill-rank", 1, "--kill-step", KILL_STEP, "--resume", checkpoints,
-        EDDIS_CHECKPOINT_DIR=str(checkpoints), EDDIS_CHECKPOINT_INTERVAL=str(CHECKPOINT_EVERY),
-        EDDIS_CHECKPOINT_KEEP="0")
+    checkpoints, resumed, (job_id, out, log) = submit_lossy_checkpointing_job(slurm_cluster, tmp_path, 1)
     text, results = rank_0_finished_without_killed_rank_1(slurm_cluster, job_id, out, log)
     manifests = manifests_in(checkpoints)
     held = [[m["ranks"], m["lost_ranks"]] for m in manifests]
@@ -326,14 +333,8 @@ def test_hybrid_checkpoints_the_live_group_after_a_loss_and_a_new_job_resumes_it
 
     from eddis.core import checkpoint as layout
 
-    checkpoints = tmp_path / "checkpoints"
-    lossy, resumed = tmp_path / "lossy", tmp_path / "resumed"
-    lossy.mkdir()
-    resumed.mkdir()
-    job_id, out, log = submit_elastic_job(
-        slurm_cluster, lossy, "--kill-rank", 3, "--kill-step", KILL_STEP, "--resume", checkpoints,
-        components=TWO_BY_TWO, mode="hybrid", EDDIS_CHECKPOINT_DIR=str(checkpoints),
-        EDDIS_CHECKPOINT_INTERVAL=str(CHECKPOINT_EVERY), EDDIS_CHECKPOINT_KEEP="0")
+    checkpoints, resumed, (job_id, out, log) = submit_lossy_checkpointing_job(
+        slurm_cluster, tmp_path, 3, components=TWO_BY_TWO, mode="hybrid")
     state = wait_job_end(slurm_cluster, job_id, 240, log)
     text = log.read_text(errors="replace")
     assert state == ("COMPLETED", "0:0"), text[-4000:]
