@@ -136,12 +136,23 @@ def test_hybrid_job_trains_on_without_a_group_that_lost_a_member(slurm_cluster, 
     assert "ROOT CAUSE" not in text and "CANCELLED" not in text, text[-4000:]
 
 
+# how the first run of the requeue test is ended, and the line the job says it with
+REQUEUE_CAUSES = {
+    # Slurm's --signal=B:USR1@N warning, which reaches the ranks through mpirun
+    "time-limit warning": r"eddis_job: wrote checkpoint (\S+) \(step (\d+)\); requeued job",
+    # a job of partition urgent preempts it: SIGTERM to every process of the job's steps, the
+    # nodes' daemons too, which ignore it, so that their ranks write the checkpoint
+    "preemption": r"eddis_job: preempted by Slurm: wrote checkpoint (\S+) \(step (\d+)\)",
+}
+
+
 @pytest.mark.slurm
 @pytest.mark.timeout(420)
-def test_elastic_job_warned_of_its_time_limit_checkpoints_requeues_itself_and_resumes(slurm_cluster, tmp_path):
-    """2 x 2 easgd ranks under mpirun: Slurm's warning (SIGUSR1 to the batch shell, as
-    ``--signal=B:USR1@N`` sends it) reaches every rank through mpirun; they write a checkpoint,
-    the job requeues itself, and its next run resumes there and ends the counter at the total."""
+@pytest.mark.parametrize("cause", list(REQUEUE_CAUSES))
+def test_elastic_job_under_mpirun_checkpoints_requeues_itself_and_resumes(slurm_cluster, tmp_path, cause):
+    """2 x 2 easgd ranks under mpirun are told to stop at rank 0's step WARN_AT_STEP; they write
+    a checkpoint, the job is requeued, and its next run resumes there and ends the counter at
+    the total."""
     import h5py
 
     from eddis.core import checkpoint as layout
@@ -150,22 +161,32 @@ def test_elastic_job_warned_of_its_time_limit_checkpoints_requeues_itself_and_re
     checkpoints = tmp_path / "checkpoints"
     job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--resume", checkpoints, "--step-seconds",
                                           STEP_SECONDS, "--say-step", WARN_AT_STEP, components=TWO_BY_TWO,
-                                          checkpoint_signal=60,
-                                          EDDIS_CHECKPOINT_DIR=str(checkpoints))
-    warned = []
+                                          checkpoint_signal=60, EDDIS_CHECKPOINT_DIR=str(checkpoints),
+                                          EDDIS_MAX_REQUEUES="0" if cause == "preemption" else "20")
+    told = []
 
-    def warn():
+    def tell():
         text = log.read_text(errors="replace") if log.exists() else ""
-        if not warned and re.search(rf"^\[0@n1\] rank 0 reached step {WARN_AT_STEP}$", text, re.M):
+        if told or not re.search(rf"^\[0@n1\] rank 0 reached step {WARN_AT_STEP}$", text, re.M):
+            return
+        if cause == "preemption":
+            told.append(slurm_cluster.run(
+                ["sbatch", "--parsable", "--partition=urgent", "--nodes=2", "--exclusive", "--job-name=urgent",
+                 f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 2; echo urgent job ran"],
+                timeout=60).stdout.strip())
+        else:
             slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job_id], timeout=30)
-            warned.append(time.time())
+            told.append(job_id)
 
-    state = wait_requeued_job_end(slurm_cluster, job_id, 300, log, on_poll=warn)
+    state = wait_requeued_job_end(slurm_cluster, job_id, 300, log, on_poll=tell)
     text = log.read_text(errors="replace")
     assert state[:2] == ("COMPLETED", "0:0"), text[-4000:]
-    assert text.count("mpirun: Forwarding signal 10 to job") == 1, text[-4000:]
-    requeued = re.findall(r"eddis_job: wrote checkpoint (\S+) \(step (\d+)\); requeued job", text)
-    assert len(requeued) == 1, text[-4000:]
+    if cause == "preemption":
+        assert (tmp_path / "urgent.out").read_text().strip() == "urgent job ran", text[-4000:]
+    else:
+        assert text.count("mpirun: Forwarding signal 10 to job") == 1, text[-4000:]
+    requeued = re.findall(REQUEUE_CAUSES[cause], text)
+    assert len(requeued) == 1 and text.count("eddis_job: job ") == 2, text[-4000:]
     results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
     assert sorted(results) == [0, 1, 2, 3], text[-4000:]
     assert {r["counter"] for r in results.values()} == {TOTAL}, results
@@ -229,11 +250,10 @@ def test_elastic_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, case
     state = wait_job_end(slurm_cluster, job_id, 240, log)
     text = log.read_text(errors="replace")
     # n2's ranks and its smb-server, each under its supervisor; with 2 ranks a node beside Open
-    # MPI's daemon there and the shell of its step (mpirun: eddis.launch.mpirun_step)
-    eddis = [pid for pid, name in victims if name not in ("orted", "sh")]
+    # MPI's daemon there (mpirun: eddis.launch.mpirun_step)
+    eddis = [pid for pid, name in victims if name != "orted"]
     assert len(eddis) == 2 * (per_node + 1), (victims, text[-4000:])
-    daemons = sorted(name for _, name in victims if name in ("orted", "sh"))
-    assert daemons == (["orted", "sh"] if per_node > 1 else []), victims
+    assert [name for _, name in victims if name == "orted"] == (["orted"] if per_node > 1 else []), victims
     assert state == ("COMPLETED", "0:0"), text[-4000:]
     named = ", ".join(map(str, lost_ranks))
     finished = ", ".join(map(str, survivors))

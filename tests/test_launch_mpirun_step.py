@@ -1,12 +1,16 @@
 """The elastic trainers' mpirun inside a Slurm job (eddis.launch.mpirun_step): where the ranks go,
 how each learns its group, and the srun the remote agent runs on each node. The launch itself
 is tested on the dev cluster (tests/test_elastic_slurm.py)."""
+import shlex
+import subprocess
+import sys
+
 import pytest
 
 from eddis.errors import ConfigError
 from eddis.launch.mpirun_step import (TrainerHost, host_groups_text, mpirun_command, needs_mpirun,
                                       parse_host_groups, trainer_hosts)
-from eddis.launch.orted_agent import srun_command
+from eddis.launch.orted_agent import daemon_argv, srun_command
 from eddis.launch.placement import Placement
 from eddis.launch.rankenv import detect, from_openmpi
 from eddis.launch.report import launch_key
@@ -69,7 +73,7 @@ def test_the_agent_runs_each_nodes_daemon_as_a_trainer_step_there():
     words = ["orted", "-mca", "ess", '"env"']
     assert srun_command("n2", words, PLAIN) == [
         "srun", "--job-name=eddis-train", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=n2", "--mpi=none",
-        "--kill-on-bad-exit=0", "/bin/sh", "-c", 'orted -mca ess "env"']
+        "--kill-on-bad-exit=0", sys.executable, "-m", "eddis.launch.orted_agent", "--daemon", *words]
     het = dict(HETJOB, EDDIS_HOST_GROUPS="a1:0:4,a2:0:4,v1:1:2")
     assert srun_command("v1", words, het)[:2] == ["srun", "--het-group=1"]
     with pytest.raises(SystemExit, match="node x9 is not in EDDIS_HOST_GROUPS"):
@@ -103,3 +107,16 @@ def test_only_an_elastic_rank_under_mpirun_ends_without_mpi_finalize():
     assert not _skips_mpi_finalize(launched)
     assert not _skips_mpi_finalize({"EDDIS_LAUNCHED": "1", "EDDIS_ELASTIC": "1", "SLURM_PROCID": "0"})
     assert not _skips_mpi_finalize({"OMPI_COMM_WORLD_RANK": "0", "EDDIS_ELASTIC": "1"})
+
+
+def test_the_daemon_runs_without_a_shell_and_with_sigterm_blocked():
+    """What the daemon step becomes on the node: the command itself, its quoting undone, with
+    SIGTERM blocked (a preemption's SIGTERM must reach the ranks, not end them through their
+    daemon); a command line that needs a shell keeps one."""
+    assert daemon_argv(["orted", "-mca", "ess", '"env"', "-mca", "orte_hnp_uri", '"1.0;tcp://10.0.0.1:5"']) == \
+        ["orted", "-mca", "ess", "env", "-mca", "orte_hnp_uri", "1.0;tcp://10.0.0.1:5"]
+    assert daemon_argv(["PATH=/opt/ompi/bin:$PATH", ";", "export", "PATH", ";", "orted"]) is None
+    probe = "import signal; print(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))"
+    proc = subprocess.run([sys.executable, "-m", "eddis.launch.orted_agent", "--daemon", sys.executable, "-c",
+                           shlex.quote(probe)], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr

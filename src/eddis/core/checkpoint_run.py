@@ -474,6 +474,7 @@ class Schedule:
         self.timeout = settings.get("EDDIS_COMM_TIMEOUT")
         self.seen = 0            # the request counter as the leader last saw it, or as agreed
         self.agreed = 0          # the request counter as the last save agreed (every rank)
+        self.terminated = False  # whether SIGTERM asked a rank for the last save (agree())
         self.saves_done = 0      # saves this rank took part in
         self.posted = 0          # what the leader posted on the unit's counter: the step, or END + ...
         self.taken = 0           # the post this rank has acted on
@@ -605,12 +606,15 @@ class Schedule:
     def agree(self):
         """Collective (of the live ranks in an elastic run), in every save: the request counter
         as the units' leaders saw it, the largest of them, decides whether the ranks stop after
-        this save, the same on all."""
-        mine = self.requests.read() if self.leader else None
-        seen = [v for v in taking_part().gather(mine, "checkpoint: the requests every unit saw").values()
-                if v is not None]
+        this save, the same on all; :attr:`terminated` whether SIGTERM asked any rank for it
+        (a preemption may signal some ranks only: an elastic job's ranks under mpirun on the
+        batch host get nothing)."""
+        mine = (self.requests.read() if self.leader else None, layout.requested_by_sigterm())
+        every = list(taking_part().gather(mine, "checkpoint: the requests every unit saw").values())
+        seen = [value for value, _ in every if value is not None]
         value = max(seen, default=self.agreed)
         stop = value // STOP > self.agreed // STOP
+        self.terminated = any(sigterm for _, sigterm in every)
         self.agreed = self.seen = value
         self.saves_done += 1
         return stop
@@ -694,7 +698,7 @@ def _scheduled_save(schedule, participant):
     path, committer = _save(schedule.directory, state, participant, None,
                             "requested" if stop else "periodic", None, None, None)
     if stop:
-        terminated = layout.requested_by_sigterm()
+        terminated = schedule.terminated
         layout.clear_request()
         if runtime.rank() == committer:
             layout.answer_request(path, state.step, terminated)

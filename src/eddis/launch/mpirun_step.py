@@ -6,9 +6,8 @@ answers any PMIx error event of a step with ``slurm_kill_job_step(SIGKILL)``, an
 in slurmstepd raises one (``status = -61``, lost connection) when an MPI process ends without
 finalizing while another rank of the step shares its node. A lost rank beside a live one would
 take the whole trainer step down, elastic or not; no setting turns that handler off. With one
-rank a node the event does not come, and srun stays (:func:`needs_mpirun`): under ``mpirun`` a
-node's ``orted`` ends its ranks at once on the SIGTERM of a preemption, before they can write
-the checkpoint that srun's ranks write then.
+rank a node the event does not come, and srun stays (:func:`needs_mpirun`), the launch every
+other job has.
 
 Under ``mpirun`` Open MPI's own daemons (``orted``) are the PMIx servers, and the ORTE parameters
 of :data:`eddis.launch.elastic.MPIRUN_OPTIONS` keep the job up when a process ends badly. Each

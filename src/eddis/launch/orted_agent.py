@@ -7,14 +7,25 @@ bookkeeping finds it), beside the smb-servers (``--overlap``), with the node's G
 the job's GPUs on its node by default) and without Slurm's MPI plugin, which would kill the step
 when a rank is lost (the reason for ``mpirun``). ``--kill-on-bad-exit=0``: the step of a lost
 node must not end the others.
+
+On the node the step runs ``python -m eddis.launch.orted_agent --daemon WORD...``, which blocks
+SIGTERM and becomes the ``orted`` (:func:`exec_daemon`): at a preemption Slurm sends SIGTERM to
+every process of every step, and an ``orted`` that took it would end its ranks at once, before
+they write the checkpoint that SIGTERM asks them for (their own SIGTERM reaches them directly;
+the ranks start with every signal unblocked). The daemon still ends when ``mpirun`` tells it to,
+and with SIGKILL at the end of Slurm's grace time or ``KillWait``.
 """
 import os
+import shlex
+import signal
 import sys
 
 from .jobsteps import TRAINER_STEP_NAME
-from .mpirun_step import parse_host_groups
+from .mpirun_step import AGENT_MODULE, parse_host_groups
 
 USAGE = "usage: python -m eddis.launch.orted_agent NODE COMMAND... (mpirun's plm_rsh_agent in an elastic job)"
+DAEMON_FLAG = "--daemon"
+SHELL_SYNTAX = (";", "&&", "||", "|", "&", "<", ">", "(", ")")
 
 
 def srun_command(node, words, env):
@@ -27,11 +38,31 @@ def srun_command(node, words, env):
                              f"{env.get('EDDIS_HOST_GROUPS')!r}")
         het = [f"--het-group={group}"]
     return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--overlap", "--nodes=1", "--ntasks=1",
-            f"--nodelist={node}", "--mpi=none", "--kill-on-bad-exit=0", "/bin/sh", "-c", " ".join(words)]
+            f"--nodelist={node}", "--mpi=none", "--kill-on-bad-exit=0",
+            sys.executable, "-m", AGENT_MODULE, DAEMON_FLAG, *words]
+
+
+def daemon_argv(words):
+    """The daemon's command line as argv, or None when it needs a shell (``;``, ``&&``,
+    redirections, ``VAR=value`` prefixes: what mpirun writes with --prefix)."""
+    argv = shlex.split(" ".join(words))
+    if not argv or any(w in SHELL_SYNTAX for w in argv) or "=" in argv[0]:
+        return None
+    return argv
+
+
+def exec_daemon(words):
+    """Become the node's daemon with SIGTERM blocked (see the module docstring); a command that
+    needs a shell runs under /bin/sh, which unblocks it again."""
+    argv = daemon_argv(words) or ["/bin/sh", "-c", " ".join(words)]
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    os.execvp(argv[0], argv)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [DAEMON_FLAG] and len(argv) > 1:
+        exec_daemon(argv[1:])
     if len(argv) < 2:
         raise SystemExit(USAGE)
     command = srun_command(argv[0], argv[1:], os.environ)
