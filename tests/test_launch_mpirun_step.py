@@ -76,8 +76,13 @@ def test_the_agent_runs_each_nodes_daemon_as_a_trainer_step_there():
         "--kill-on-bad-exit=0", sys.executable, "-m", "eddis.launch.orted_agent", "--daemon", *words]
     het = dict(HETJOB, EDDIS_HOST_GROUPS="a1:0:4,a2:0:4,v1:1:2")
     assert srun_command("v1", words, het)[:2] == ["srun", "--het-group=1"]
-    with pytest.raises(SystemExit, match="node x9 is not in EDDIS_HOST_GROUPS"):
+    with pytest.raises(ConfigError, match="node x9 is not in EDDIS_HOST_GROUPS"):
         srun_command("x9", words, het)
+    # run as mpirun runs it: the reason and status 2, no traceback
+    proc = subprocess.run([sys.executable, "-m", "eddis.launch.orted_agent", "x9", "orted"], capture_output=True,
+                          text=True, timeout=60, env=dict(het, PATH="/usr/bin:/bin"))
+    assert proc.returncode == 2 and "eddis orted agent: error: node x9" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_an_mpirun_rank_inside_slurm_takes_mpiruns_rank_and_its_nodes_group():

@@ -20,6 +20,7 @@ import shlex
 import signal
 import sys
 
+from ..errors import ConfigError
 from .jobsteps import TRAINER_STEP_NAME
 from .mpirun_step import AGENT_MODULE, parse_host_groups
 
@@ -34,8 +35,8 @@ def srun_command(node, words, env):
     if int(env.get("SLURM_HET_SIZE") or 1) > 1:
         group, _ = parse_host_groups(env.get("EDDIS_HOST_GROUPS")).get(node, (None, 0))
         if group is None:
-            raise SystemExit(f"eddis orted agent: node {node} is not in EDDIS_HOST_GROUPS="
-                             f"{env.get('EDDIS_HOST_GROUPS')!r}")
+            raise ConfigError(f"node {node} is not in EDDIS_HOST_GROUPS={env.get('EDDIS_HOST_GROUPS')!r}: "
+                              "mpirun was given a host the job did not place")
         het = [f"--het-group={group}"]
     return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--overlap", "--nodes=1", "--ntasks=1",
             f"--nodelist={node}", "--mpi=none", "--kill-on-bad-exit=0",
@@ -60,14 +61,19 @@ def exec_daemon(words):
 
 
 def main(argv=None):
+    """Exec the srun (or, with --daemon, the daemon); status 2 and the reason when it cannot."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == [DAEMON_FLAG] and len(argv) > 1:
-        exec_daemon(argv[1:])
-    if len(argv) < 2:
-        raise SystemExit(USAGE)
-    command = srun_command(argv[0], argv[1:], os.environ)
-    os.execvp(command[0], command)
+    try:
+        if argv[:1] == [DAEMON_FLAG] and len(argv) > 1:
+            exec_daemon(argv[1:])
+        if len(argv) < 2:
+            raise ConfigError(USAGE)
+        command = srun_command(argv[0], argv[1:], os.environ)
+        os.execvp(command[0], command)
+    except (ConfigError, OSError) as exc:
+        print(f"eddis orted agent: error: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
