@@ -36,7 +36,8 @@ from pathlib import Path
 
 from .. import settings
 from ..errors import ConfigError
-from .report import LAUNCH_DIR, describe_exit, launches, read_records, root_cause, server_records, who
+from .report import (LAUNCH_DIR, describe_exit, finished_ranks, launches, read_records, root_cause,
+                     server_records, who)
 
 ELASTIC_MODES = ("easgd", "hybrid")
 # The ORTE parameters of Open MPI 4 that stop a job when one process ends badly.
@@ -107,7 +108,7 @@ def degraded_report(failures, exits, vanished_ranks=(), vanished_servers=()):
     ``failures``: the failure records of the launch (every one a lost rank, elastic);
     ``exits``: its exit records; ``vanished_*``: the start records of the ranks and servers
     that left no record of their end (:func:`vanished`)."""
-    finished = sorted(e["rank"] for e in exits if e.get("why") == "exited" and e.get("code") == 0)
+    finished = finished_ranks(exits)
     ranks = [f for f in failures if "server" not in f]
     if not finished or len(ranks) != len(failures) or not (ranks or vanished_ranks or vanished_servers):
         return None

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from .. import settings
 from ..errors import SMBServerError, SMBTimeoutError
-from .report import (LAUNCH_DIR, describe_exit, exit_status, format_report, launches, read_records,
-                     root_cause)
+from .report import (LAUNCH_DIR, describe_exit, exit_status, finished_ranks, format_report, launches,
+                     read_records, root_cause)
 
 # what eddis-train and the job say when the trainers refused a checkpoint request (rank 0's
 # answer in the run dir) because it came after training had ended on some rank
@@ -260,7 +260,7 @@ def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None, elastic=F
                                         f"Slurm had ended the step {now - step_gone_at:.0f} s earlier" if step_gone
                                         else f"still waiting {grace:.0f} s later (EDDIS_STEP_END_GRACE)")
                     return 0
-            elif elastic and size and any(e.get("why") == "exited" and e.get("code") == 0 for e in exits):
+            elif elastic and size and finished_ranks(exits):
                 finished_at = finished_at or now
                 wait = grace + settings.get("EDDIS_ELASTIC_LOST_AFTER")
                 if now - finished_at >= wait:

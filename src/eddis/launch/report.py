@@ -119,6 +119,11 @@ def describe_exit(code, sig):
     return f"exited with code {code}"
 
 
+def finished_ranks(exits):
+    """The ranks of these exit records that finished the training: exited on their own, status 0."""
+    return sorted(e["rank"] for e in exits if e.get("why") == "exited" and e.get("code") == 0)
+
+
 def who(record):
     """'rank 3 on host n2' or 'smb-server 1 on host n2 (pid 4711)'."""
     if "server" in record:
