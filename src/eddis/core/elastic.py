@@ -215,7 +215,6 @@ class Membership:
                     "EDDIS_COMM_TIMEOUT if they are only slow.")
             time.sleep(POLL_SECONDS)
 
-
     def exchange(self, obj, what, sources=None):
         """A :meth:`barrier` that also passes objects: every rank gives ``obj`` (picklable, at
         most OBJECT_BYTES pickled) and gets ``{rank: obj}`` of the ranks that reached this

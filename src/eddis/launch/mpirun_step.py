@@ -28,6 +28,7 @@ guard (:func:`eddis.launch.jobsteps.guard_trainer_step`) ends it once the surviv
 import os
 import shutil
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -77,7 +78,7 @@ def trainer_hosts(env, placement=None):
         nodes = expand_hostlist(env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}", ""))
         name = f"SLURM_TASKS_PER_NODE_HET_GROUP_{g}"
         hosts.extend(TrainerHost(n, c, g, g) for n, c in zip(nodes, _tasks_on(nodes, env.get(name), name)))
-    shared = sorted({h.name for h in hosts if sum(o.name == h.name for o in hosts) > 1})
+    shared = sorted(name for name, count in Counter(h.name for h in hosts).items() if count > 1)
     if shared:
         raise ConfigError(f"node(s) {','.join(shared)} belong to more than one component of this hetjob; an "
                           "elastic run (EDDIS_ELASTIC=1) starts its trainers with mpirun, which places ranks by "
