@@ -67,6 +67,11 @@ def submit_elastic_job(cluster, tmp_path, *trainer_args, components=ONE_COMPONEN
     return job_id, out, log
 
 
+def rank_results(out):
+    """``{rank: the json elastic_trainer.py wrote}`` of the ranks that finished."""
+    return {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
 def rank_0_finished_without_killed_rank_1(cluster, job_id, out, log):
     """The job that killed rank 1 at KILL_STEP ended COMPLETED, degraded, with rank 0 ending the
     counter at exactly the total; its output and rank 0's results."""
@@ -75,7 +80,7 @@ def rank_0_finished_without_killed_rank_1(cluster, job_id, out, log):
     assert state == ("COMPLETED", "0:0"), text[-4000:]
     assert re.search(r"^eddis-train: finished degraded: rank 1 on host n2 was lost \(was killed by signal 9 "
                      r"\(SIGKILL\)\) at \d\d:\d\d:\d\d; rank 0 finished the training$", text, re.M), text[-4000:]
-    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    results = rank_results(out)
     assert sorted(results) == [0], text[-4000:]
     assert results[0]["counter"] == TOTAL, results
     # rank 1 claimed its steps 0..KILL_STEP and completed KILL_STEP of them
@@ -105,7 +110,7 @@ def test_easgd_job_trains_on_without_a_killed_rank_that_shares_its_node(slurm_cl
     assert re.search(r"^eddis-train: finished degraded: rank 1 on host n1 was lost \(was killed by signal 9 "
                      r"\(SIGKILL\)\) at \d\d:\d\d:\d\d; rank 0, 2, 3 finished the training$", text, re.M), \
         text[-4000:]
-    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    results = rank_results(out)
     assert sorted(results) == [0, 2, 3], text[-4000:]
     assert {r["counter"] for r in results.values()} == {TOTAL}, results
     # rank 1 claimed its steps 0..KILL_STEP and completed KILL_STEP of them
@@ -127,7 +132,7 @@ def test_hybrid_job_trains_on_without_a_group_that_lost_a_member(slurm_cluster, 
     assert re.search(r"^eddis-train: finished degraded: rank 3 on host n2 was lost \(was killed by signal 9 "
                      r"\(SIGKILL\)\) at [\d:]+; rank 2 on host n2 was lost \(exited with code 69\) at [\d:]+; "
                      r"rank 0, 1 finished the training$", text, re.M), text[-4000:]
-    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    results = rank_results(out)
     assert sorted(results) == [0, 1], text[-4000:]
     assert {r["counter"] for r in results.values()} == {TOTAL}, results
     # group 1 claimed its group steps 0..KILL_STEP, 2 iterations each; group 0 did the rest together
@@ -187,7 +192,7 @@ def test_elastic_job_under_mpirun_checkpoints_requeues_itself_and_resumes(slurm_
         assert text.count("mpirun: Forwarding signal 10 to job") == 1, text[-4000:]
     requeued = re.findall(REQUEUE_CAUSES[cause], text)
     assert len(requeued) == 1 and text.count("eddis_job: job ") == 2, text[-4000:]
-    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    results = rank_results(out)
     assert sorted(results) == [0, 1, 2, 3], text[-4000:]
     assert {r["counter"] for r in results.values()} == {TOTAL}, results
     assert {r["start"]["path"] for r in results.values()} == {requeued[0][0]}, results
@@ -259,7 +264,7 @@ def test_elastic_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, case
     finished = ", ".join(map(str, survivors))
     assert re.search(rf"^eddis-train: finished degraded: node n2 was lost: rank {named} and its smb-server 1; "
                      rf"rank {finished} finished the training$", text, re.M), text[-4000:]
-    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    results = rank_results(out)
     assert sorted(results) == survivors, text[-4000:]
     for result in results.values():
         assert result["lost_servers"] == [1], results
@@ -333,7 +338,7 @@ def test_easgd_checkpoints_the_live_ranks_after_a_loss_and_a_new_job_resumes_the
     text = log.read_text(errors="replace")
     assert state == ("COMPLETED", "0:0"), text[-4000:]
     assert "finished degraded" not in text, text[-4000:]
-    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    results = rank_results(out)
     assert sorted(results) == [0, 1], text[-4000:]
     for result in results.values():
         # the same number of ranks, but a checkpoint of one worker: both start from the centre
@@ -376,7 +381,7 @@ def test_hybrid_checkpoints_the_live_group_after_a_loss_and_a_new_job_resumes_it
     text = log.read_text(errors="replace")
     assert state == ("COMPLETED", "0:0"), text[-4000:]
     assert "finished degraded" not in text, text[-4000:]
-    results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    results = rank_results(out)
     assert sorted(results) == [0, 1, 2, 3], text[-4000:]
     for result in results.values():
         assert result["start"]["path"] == newest and result["counter"] == TOTAL, results
