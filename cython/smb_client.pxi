@@ -793,6 +793,12 @@ cdef class ClientCore:
                 self._check_open()
                 self._sock_transfer(pending, ci, kind, local, nbytes, rid, offset)
             return 0
+        if smb_load_int(&self.conns[ci].failed):
+            # a failed connection's endpoint may be closed already (fail_conn): never touch it
+            if pending.error_status == 0:
+                pending.error_status = self.conns[ci].status or ucp.UCS_ERR_CONNECTION_RESET
+                pending.error_conn = ci
+            return 0
         self._enter()
         ep = self.conns[ci].ep
         param.op_attr_mask = 0

@@ -146,6 +146,34 @@ def test_server_sigkill_gives_errors_not_hangs(transport):
     assert not servers.hung and not servers.unpublished  # the survivor stopped cleanly
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["socket", "ucx-tcp"], indirect=True)
+def test_a_server_given_up_after_a_timeout_gives_errors_on_every_later_use(transport):
+    """A transfer left unanswered gives its server up (its endpoint is closed); later
+    transfers to it must fail with the loss, never use the closed endpoint. (Between fake
+    nodes only: on the same node a stopped server's memory is still mapped, and copies work.)"""
+    env, hostnames = transport
+    with LocalServers(2, memory="8M", env=env, hostnames=hostnames) as servers:
+        client = Client(servers.run_dir, expected_servers=2, timeout=2)
+        try:
+            pool = client.pool("p", 1000, slots=1)
+            pool.write(np.ones(1000, np.float32))
+            servers.procs[1].send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises((SMBTimeoutError, SMBConnectionError)):
+                    pool.read()
+                for _ in range(2):
+                    with pytest.raises((SMBConnectionError, SMBTimeoutError)):
+                        pool.write(np.zeros(1000, np.float32))
+                    with pytest.raises((SMBConnectionError, SMBTimeoutError)):
+                        pool.read()
+                np.testing.assert_array_equal(pool.read(count=500), np.zeros(500, np.float32))
+            finally:
+                servers.procs[1].send_signal(signal.SIGCONT)
+        finally:
+            client.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigterm_stops_cleanly_every_time(transport):
