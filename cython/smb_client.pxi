@@ -620,8 +620,10 @@ cdef class ClientCore:
     def conn_status(self, int ci):
         return ucp.UCS_ERR_NOT_CONNECTED if self.conns == NULL else self.conns[ci].status
 
-    def fail_conn(self, int ci):
-        """Give up on a server (a transfer to it timed out): purge its requests."""
+    def fail_conn(self, int ci, int status=ucp.UCS_ERR_TIMED_OUT):
+        """Give up on a server (a transfer to it timed out, or a request on it failed with
+        ``status`` before the transport reported the peer lost): purge its requests. The
+        first status a connection failed with is the one it keeps."""
         cdef ucp.ucp_request_param_t param
         if self.conns == NULL or self.conns[ci].closed:
             return
@@ -629,12 +631,13 @@ cdef class ClientCore:
             self._enter()
             with nogil:
                 sk.pthread_mutex_lock(&self.cl.io_lock)
-                client_sock_fail(&self.conns[ci], ucp.UCS_ERR_TIMED_OUT)
+                client_sock_fail(&self.conns[ci], status)
                 sk.pthread_mutex_unlock(&self.cl.io_lock)
             self._leave()
             return
         self.conns[ci].closed = 1
-        self.conns[ci].status = ucp.UCS_ERR_TIMED_OUT
+        if not smb_load_int(&self.conns[ci].failed):
+            self.conns[ci].status = status
         smb_store_int(&self.conns[ci].failed, 1)
         param.op_attr_mask = ucp.UCP_OP_ATTR_FIELD_FLAGS
         param.flags = ucp.UCP_EP_CLOSE_FLAG_FORCE

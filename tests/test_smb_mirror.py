@@ -86,6 +86,38 @@ def test_a_mirrored_counters_compare_swap_keeps_both_copies_alike():
             client.close()
 
 
+@pytest.mark.parametrize("lost", ["primary", "mirror"])
+def test_a_mirrored_counter_first_reached_after_a_server_died_uses_its_live_copy(lost):
+    """The checkpoint schedule's counters are set up at a rank's first step boundary, which a
+    slow rank may reach after a node died: a client that has not yet seen the loss attaches
+    to the live copy, with the value the other clients left there."""
+    with LocalServers(3, memory="16M", hostnames=["f0", "f1", "f2"]) as servers:
+        first = Client(servers.run_dir, expected_servers=3, timeout=20)
+        late = Client(servers.run_dir, expected_servers=3, timeout=20)
+        try:
+            requests = first.counter("requests", initial=0, server=1, mirrored=True)
+            assert requests.fetch_add(4) == 0
+            dead = 1 if lost == "primary" else 2
+            servers.kill(dead)
+            again = late.counter("requests", initial=0, server=1, mirrored=True)
+            assert late.lost_servers == {dead}
+            assert again.read() == 4
+            assert again.fetch_add(1) == 4
+            assert requests.fetch_add(0) == 5 and first.lost_servers == {dead}
+            # a counter no client had: set up on its live server alone
+            fresh = late.counter("saves", initial=7, server=dead, mirrored=True)
+            assert fresh.fetch_add(1) == 7 and fresh.read() == 8
+            # both of a counter's servers lost: a clear error at setup
+            servers.kill(0)
+            home = 0 if lost == "primary" else 2
+            with pytest.raises(SMBConnectionError, match=rf"counter 'target' setup: both copies are lost "
+                                                         rf"\(smb-servers {home} and {(home + 1) % 3}\)"):
+                late.counter("target", server=home, mirrored=True)
+        finally:
+            late.close()
+            first.close()
+
+
 def test_a_stopped_server_is_given_up_after_the_timeout():
     with LocalServers(2, memory="16M", hostnames=["s0", "s1"]) as servers:
         client = Client(servers.run_dir, expected_servers=2, timeout=2)
@@ -101,6 +133,9 @@ def test_a_stopped_server_is_given_up_after_the_timeout():
                 want = 2 * np.arange(LENGTH, dtype=np.float32) + 1000
                 np.testing.assert_array_equal(pool.read(slot=0), want)
                 assert counter.fetch_add(2) == 0 and counter.read() == 2
+                # a counter first reached now: its copy on server 1 is not waited for again
+                late = client.counter("late", initial=3, server=1, mirrored=True)
+                assert late.fetch_add(1) == 3 and late.read() == 4
             finally:
                 servers.procs[1].send_signal(signal.SIGCONT)
         finally:

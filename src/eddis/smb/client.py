@@ -58,6 +58,10 @@ class Request:
         if status != 0:
             conn = self._pending.error_conn
             code = client._core.conn_status(conn) or status
+            # A send can fail on a reset connection before the transport's error callback has
+            # marked it failed; mark it now, so that whoever asks which servers are lost
+            # (note_lost, check_alive) sees the loss this error reports.
+            client._core.fail_conn(conn, code)
             raise SMBConnectionError(
                 f"{self._description}: lost SMB server {conn} ({client.address(conn)}): "
                 f"{client._status_text(code)}; the server died or the network failed", code)
@@ -383,11 +387,7 @@ class Counter:
 
         self._client = client
         self.name = name
-        if server is None:
-            server = client.server_for("counter:" + name)
-        elif not 0 <= int(server) < client.num_servers:
-            raise SMBValueError(f"counter {name!r}: server={server} outside 0..{client.num_servers - 1}")
-        self.server = int(server)
+        self.server = self.home(client, name, server)
         info, _ = client._control(self.server, {
             "op": "region_create", "name": "counter:" + name, "slots": 1, "length": 1,
             "dtype": "int64", "meta": {"kind": "counter"},
@@ -396,6 +396,16 @@ class Counter:
         base = client.servers[self.server]["base"]
         self._local = base + info["offset"] if base else 0
         self._core = _core
+
+    @staticmethod
+    def home(client, name, server=None):
+        """The index of the server that holds counter ``name``: ``server``, checked, or by
+        the name's hash."""
+        if server is None:
+            return client.server_for("counter:" + name)
+        if not 0 <= int(server) < client.num_servers:
+            raise SMBValueError(f"counter {name!r}: server={server} outside 0..{client.num_servers - 1}")
+        return int(server)
 
     def _remote(self, kind, a=0, b=0):
         client = self._client

@@ -207,10 +207,35 @@ class MirroredPool:
         self.axpy_nb(y_slot, x_slot, alpha, start, count).wait(timeout)
 
 
+class _LostCopy:
+    """The copy of a counter on a server that was lost before this client reached it; skipped,
+    as every copy on a lost server is."""
+
+    def __init__(self, server):
+        self.server = server
+
+
+def _counter_copy(client, name, initial, server):
+    """The copy of counter ``name`` on ``server``, or a _LostCopy where that server is lost
+    (known, or found as the copy is set up)."""
+    if server not in client.lost_servers:
+        try:
+            return Counter(client, name, initial, server)
+        except (SMBConnectionError, SMBTimeoutError) as exc:
+            client.note_lost([server] if isinstance(exc, SMBTimeoutError) else ())
+            if server not in client.lost_servers:
+                raise
+    return _LostCopy(server)
+
+
 class MirroredCounter:
     """A counter on its server (by name, or ``server``) and on the next one (see the module
     docstring). Updates go to the primary copy first, so that a value read from it never
-    runs ahead of the mirror by more than the operations in flight."""
+    runs ahead of the mirror by more than the operations in flight.
+
+    A client may first reach a counter after one of its servers is lost (the checkpoint
+    schedule's counters are set up at a rank's first step boundary, which a slow rank may
+    reach after a node died): it then uses the live copy alone."""
 
     def __init__(self, client, name, initial=0, server=None):
         if client.num_servers < 2:
@@ -218,9 +243,16 @@ class MirroredCounter:
                                 f"has {client.num_servers}")
         self._client = client
         self.name = name
-        primary = Counter(client, name, initial, server)
-        self._copies = [primary, Counter(client, name, initial, (primary.server + 1) % client.num_servers)]
-        self.server = primary.server
+        self.server = Counter.home(client, name, server)
+        self._copies = [_counter_copy(client, name, initial, s)
+                        for s in (self.server, (self.server + 1) % client.num_servers)]
+        if all(copy.server in client.lost_servers for copy in self._copies):
+            raise self._both_lost("setup")
+
+    def _both_lost(self, what):
+        servers = " and ".join(str(c.server) for c in self._copies)
+        return SMBConnectionError(f"counter {self.name!r} {what}: both copies are lost (smb-servers {servers}); "
+                                  "a mirrored counter survives the loss of one server", -25)
 
     def _apply(self, operation, what, every=True):
         """``operation(copy)`` on every live copy (``every``, else the first that answers),
@@ -238,9 +270,7 @@ class MirroredCounter:
             if results and not every:
                 break
         if not results:
-            servers = " and ".join(str(c.server) for c in self._copies)
-            raise SMBConnectionError(f"counter {self.name!r} {what}: both copies are lost (smb-servers "
-                                     f"{servers}); a mirrored counter survives the loss of one server", -25)
+            raise self._both_lost(what)
         return results[0]
 
     def fetch_add(self, n=1):
