@@ -23,19 +23,21 @@ from eddis.errors import ConfigError
 from eddis.launch.elastic import degraded_report, elastic_run
 
 TRAINER = REPO / "tests" / "launch_scripts" / "elastic_trainer.py"
+TF_TRAINER = REPO / "tests" / "launch_scripts" / "elastic_tf_trainer.py"
 TOTAL = 400
 KILL_STEP = 10
 LOST_AFTER = 5   # seconds: short for the test, long enough for 2 busy cores
 
 
-def elastic_train(tmp_path, mode, *args, timeout=300, total=TOTAL, **env):
+def elastic_train(tmp_path, mode, *args, timeout=300, total=TOTAL, ranks=4, trainer=TRAINER, **env):
     out = tmp_path / "out"
     out.mkdir()
     environ = local_env(tmp_path)
     environ.update({"EDDIS_ELASTIC": "1", "EDDIS_MODE": mode, "EDDIS_ELASTIC_LOST_AFTER": str(LOST_AFTER),
                     "EDDIS_COMM_TIMEOUT": "90", "OMP_NUM_THREADS": "1", **env})
-    proc = run_process_group(["eddis-train", "--local", "-n", "4", str(TRAINER), "--out", str(out),
-                              "--mode", mode, "--total", str(total), *map(str, args)],
+    mode_args = ["--mode", mode] if trainer == TRAINER else []   # the TensorFlow trainer is easgd only
+    proc = run_process_group(["eddis-train", "--local", "-n", str(ranks), str(trainer), "--out", str(out),
+                              *mode_args, "--total", str(total), *map(str, args)],
                              environ, timeout, cwd=str(REPO))
     results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
     return proc, results, out
@@ -101,6 +103,45 @@ def test_easgd_checkpoints_go_on_without_rank_0_and_resume_on_as_many_ranks(tmp_
     assert sorted(results) == [0, 1, 2, 3], text
     for result in results.values():
         assert result["start"] == {"path": newest, "step": 0} and result["counter"] == total, results
+    assert consumed + sum(r["steps"] for r in results.values()) == total, (consumed, results)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(360)
+def test_tensorflow_easgd_checkpoints_go_on_without_rank_0_and_resume_on_fewer_ranks(tmp_path):
+    """The run above with Keras and eddis.tensorflow: rank 0, the committer, is lost; the
+    periodic checkpoints go on with ranks 1-3 and say so; a job of 2 ranks resumes the
+    newest (easgd redistributes) and trains the counter exactly to the total."""
+    from eddis.core import checkpoint as layout
+
+    total, checkpoints = 240, tmp_path / "checkpoints"
+    lossy, resumed = tmp_path / "lossy", tmp_path / "resumed"
+    lossy.mkdir()
+    resumed.mkdir()
+    proc, results, _ = elastic_train(lossy, "easgd", "--kill-rank", 0, "--kill-step", KILL_STEP,
+                                     "--await-loss", "--resume", checkpoints, total=total, trainer=TF_TRAINER,
+                                     EDDIS_CHECKPOINT_DIR=str(checkpoints), EDDIS_CHECKPOINT_INTERVAL="8",
+                                     EDDIS_CHECKPOINT_KEEP="0")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    assert "finished degraded: rank 0 on host" in proc.stderr, text[-6000:]
+    assert sorted(results) == [1, 2, 3] and all(r["counter"] == total for r in results.values()), results
+    found = [layout.read_manifest(path) for _, path in layout.complete_checkpoints(str(checkpoints))]
+    after = [m for m in found if m["lost_ranks"] == [0]]
+    assert after and all(m["ranks"] == [1, 2, 3] and m["framework"] == "tensorflow" for m in after), found
+    newest = layout.latest(str(checkpoints))
+    assert layout.read_manifest(newest)["lost_ranks"] == [0]
+    with h5py.File(os.path.join(newest, layout.TRAINING_STATE), "r") as h5:
+        consumed = int(h5["progress"].attrs["consumed"])
+
+    proc, results, _ = elastic_train(resumed, "easgd", "--resume", newest, total=total, ranks=2,
+                                     trainer=TF_TRAINER)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "finished degraded" not in proc.stderr, text[-6000:]
+    assert sorted(results) == [0, 1], text[-6000:]
+    for result in results.values():
+        assert result["start"] == {"path": newest, "step": 0} and result["counter"] == total, results
+        assert result["error"] < 0.5, results    # the resumed centre goes on converging
     assert consumed + sum(r["steps"] for r in results.values()) == total, (consumed, results)
 
 
