@@ -102,11 +102,13 @@ hugepages:
 	  echo "hugetlb pages free for the tests: $$(awk '/^HugePages_Free/ {print $$2}' /proc/meminfo)"; \
 	fi
 
+# The 25 slowest tests are listed at the end, so that a CI log shows where the
+# suite's time goes (keep it well under 30 minutes).
 # make turns every failing status into 2; pytest's own status is kept in
 # .eddis-dev/pytest.rc so .ci/run can tell "no tests collected" (5) from failures.
 test: setup hugepages
 	@rm -f $(STAMPS)/pytest.rc
-	cd $(REPO) && OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) || { rc=$$?; echo $$rc > $(STAMPS)/pytest.rc; exit $$rc; }
+	cd $(REPO) && OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS) || { rc=$$?; echo $$rc > $(STAMPS)/pytest.rc; exit $$rc; }
 
 # The quick tier for the edit-test loop: pure functions and single-process tests (no
 # Slurm, no MPI ranks, no netns cluster, no GPU, nothing slow); make test runs everything.
