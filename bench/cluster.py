@@ -169,6 +169,13 @@ def pause(marker_dir, label, comm, rank):
     comm.Barrier()
 
 
+def model_config(model, local_batch=0):
+    """The model's settings, with ``local_batch`` samples per rank and step where it is not 0."""
+    if local_batch < 0:
+        sys.exit(f"bench/cluster.py: --local-batch must be at least 1 (0: the model's own), got {local_batch}")
+    return dict(MODELS[model], **({"batch": local_batch} if local_batch else {}))
+
+
 def worker(args):
     import torch
     import eddis.torch as eddis
@@ -181,7 +188,7 @@ def worker(args):
     rank, size = eddis.rank(), eddis.size()
     factors = [float(c) for c in args.slowdowns]
     factor = factors[rank % len(factors)]
-    cfg = MODELS[args.model]
+    cfg = model_config(args.model, args.local_batch)
     data = Data(args.model)
     hosts = eddis.allgather_object(runtime.hostname())
     for contender in args.contenders.split(","):
@@ -361,7 +368,8 @@ def run_configuration(args, env, config, contenders):
     os.chmod(work, 0o755)
     output = work / "job.out"
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", config["model"],
-               "--steps", str(args.steps), "--solo-seconds", str(args.solo_seconds), "--slowdowns",
+               "--steps", str(args.steps), "--local-batch", str(args.local_batch),
+               "--solo-seconds", str(args.solo_seconds), "--slowdowns",
                config["slowdowns"], "--device-ms", str(args.device_ms), "--contenders", ",".join(contenders),
                "--marker-dir", str(work), "--port", str(29500 + os.getpid() % 1000)]
     script = work / "job.sh"
@@ -402,7 +410,8 @@ def run_configuration(args, env, config, contenders):
         tx = [per_node[n]["tx"] / steps for n in used]
         rx = [per_node[n]["rx"] / steps for n in used]
         records.append({
-            "config": {k: config[k] for k in ("link", "nodes", "ranks_per_node", "slowdowns", "model")},
+            "config": {**{k: config[k] for k in ("link", "nodes", "ranks_per_node", "slowdowns", "model")},
+                       "local_batch": model_config(config["model"], args.local_batch)["batch"]},
             "contender": c, "samples_per_s": r["samples_per_s"], "time_to_target_s": r["time_to_target_s"],
             "target_loss": MODELS[config["model"]]["target"], "final_loss_ema": r["final_loss_ema"],
             # each way: the mean over nodes of (out + in) / 2, the measure of 2(k-1)/k S
@@ -434,6 +443,7 @@ def print_table(records):
         ideal = next((r for r in rows if r["contender"] == "solo"), None)
         print(f"\n{config['link']}, {config['nodes']} nodes x {config['ranks_per_node']} ranks, slowdowns "
               f"{config['slowdowns']}, model {config['model']} (S = {rows[0]['gradient_bytes'] / 1e6:.1f} MB, "
+              f"local batch {config.get('local_batch', MODELS[config['model']]['batch'])}, "
               f"target loss {rows[0]['target_loss']})")
         print(f"{'contender':18s} {'samples/s':>10s} {'x DDP':>6s} {'to target s':>12s} {'x DDP':>6s} "
               f"{'bytes/step/node/way':>20s} {'/ S':>6s} {'x ideal':>8s}")
@@ -473,6 +483,9 @@ def main(argv=None):
     p.add_argument("--models", default="comm,compute,lstm")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--steps", type=int, default=80, help="global batches each contender trains on (measured)")
+    p.add_argument("--local-batch", type=int, default=0,
+                   help="samples per rank and step (0: the model's own, 8); smaller makes each step's "
+                        "compute small beside its transfer, as a GPU's is")
     p.add_argument("--solo-seconds", type=float, default=30.0,
                    help="how long the ranks of the solo contender (the ideal) train alone")
     p.add_argument("--device-ms", type=float, default=0.0,
