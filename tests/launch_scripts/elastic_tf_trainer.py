@@ -1,30 +1,24 @@
 """The TensorFlow easgd trainer of the elastic tests (EDDIS_ELASTIC=1 under eddis-train --local):
 tests/launch_scripts/elastic_trainer.py's loop with a Keras model and eddis.tensorflow.
 
-``--kill-rank R --kill-step S``: rank R sends itself SIGKILL before its step S. ``--await-loss``:
-every other rank sleeps a little each step until it counts rank R as lost, so that training
-goes on after the loss is known. ``--resume PATH``: eddis.resume(PATH) before training (a
-checkpoint, or a folder of them), which also gives the periodic checkpoints
-(EDDIS_CHECKPOINT_INTERVAL) the model to save. Every survivor writes ``<out>/<rank>.json``:
+``--kill-rank R --kill-step S`` and ``--await-loss``: see elastic_steps.py. ``--resume PATH``:
+eddis.resume(PATH) before training (a checkpoint, or a folder of them), which also gives the
+periodic checkpoints (EDDIS_CHECKPOINT_INTERVAL) the model to save. Every survivor writes ``<out>/<rank>.json``:
 its steps, the global learning counter at the end, its Start and its distance to the truth.
 """
 import argparse
 import json
 import os
-import signal
-import time
+
+import elastic_steps
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-AWAIT_SECONDS = 0.3
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--total", type=int, default=300)
-p.add_argument("--kill-rank", type=int, default=-1)
-p.add_argument("--kill-step", type=int, default=10)
+elastic_steps.add_arguments(p)
 p.add_argument("--resume", default=None)
-p.add_argument("--await-loss", action="store_true")
 args = p.parse_args()
 
 import keras  # noqa: E402
@@ -32,7 +26,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import eddis.tensorflow as eddis  # noqa: E402
-from eddis.core import elastic  # noqa: E402
 
 eddis.init()
 rank = eddis.rank()
@@ -46,14 +39,7 @@ ctl = eddis.configure_progress(total=args.total)
 rng = np.random.default_rng(100 + rank)
 step = 0
 while not eddis.should_stop():
-    if rank == args.kill_rank and step == args.kill_step:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if args.await_loss and rank != args.kill_rank:
-        members = elastic.current()   # set up at the first step
-        if members is not None and args.kill_rank in members.lost():
-            args.await_loss = False
-        else:
-            time.sleep(AWAIT_SECONDS)
+    elastic_steps.before_step(args, rank, step)
     x = rng.normal(size=(32, 16)).astype("float32")
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean((model(x, training=True) - x @ truth) ** 2)

@@ -1,18 +1,13 @@
 """An easgd/hybrid trainer for the elastic tests (EDDIS_ELASTIC=1 under eddis-train --local).
 
-``--kill-rank R --kill-step S``: rank R sends itself SIGKILL before its step S, as a
-crashed node would end it. ``--pause-rank R --pause-step S``: rank R writes
+``--kill-rank R --kill-step S`` and ``--await-loss``: see elastic_steps.py. ``--pause-rank R --pause-step S``: rank R writes
 ``<out>/paused.R`` before its step S and waits there (at most PAUSE_SECONDS) for the test
 to kill its node. ``--groups G`` (hybrid): G groups of consecutive ranks, set
 as EDDIS_GROUP/EDDIS_NUM_GROUPS before eddis.init(), as the launcher does for the
 components of a Slurm hetjob. Every survivor writes ``<out>/<rank>.json`` (its
 steps, the global learning counter at the end, the servers of its hybrid group's
 reduction pool, and its checkpoint schedule's request counter); the final model (the centre) goes
-to ``<out>/model.pt`` through eddis.save_checkpoint. ``--await-loss``: every other rank sleeps AWAIT_SECONDS a step until it counts rank R (of
-``--kill-rank``) as lost, so that training goes on after the loss is known, however fast the
-steps and however late rank R reaches step S; it does not stop stepping, since a checkpoint
-that rank R asked for before it died still needs the others at their step boundaries.
-``--step-seconds S``: every step sleeps S seconds first; ``--say-step S``: every rank says when it
+to ``<out>/model.pt`` through eddis.save_checkpoint. ``--step-seconds S``: every step sleeps S seconds first; ``--say-step S``: every rank says when it
 reaches its step S. ``--resume PATH``: eddis.resume(PATH) before
 training (a checkpoint, or a folder of them: none there is a fresh start), which also gives the
 periodic checkpoints (EDDIS_CHECKPOINT_INTERVAL) the model to save; the json then has the Start.
@@ -20,23 +15,21 @@ periodic checkpoints (EDDIS_CHECKPOINT_INTERVAL) the model to save; the json the
 import argparse
 import json
 import os
-import signal
 import time
 
+import elastic_steps
+
 PAUSE_SECONDS = 120
-AWAIT_SECONDS = 0.3
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--mode", default="easgd", choices=["easgd", "hybrid", "sync"])
 p.add_argument("--total", type=int, default=400)
-p.add_argument("--kill-rank", type=int, default=-1)
-p.add_argument("--kill-step", type=int, default=10)
+elastic_steps.add_arguments(p)
 p.add_argument("--pause-rank", type=int, default=-1)
 p.add_argument("--pause-step", type=int, default=10)
 p.add_argument("--groups", type=int, default=0)
 p.add_argument("--resume", default=None)
-p.add_argument("--await-loss", action="store_true")
 p.add_argument("--step-seconds", type=float, default=0.0)
 p.add_argument("--say-step", type=int, default=-1)
 args = p.parse_args()
@@ -50,7 +43,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import eddis.torch as eddis  # noqa: E402
-from eddis.core import checkpoint_run, elastic, runtime  # noqa: E402
+from eddis.core import checkpoint_run, runtime  # noqa: E402
 from eddis.smb.mirror import MirroredCounter  # noqa: E402
 
 eddis.init()
@@ -66,14 +59,7 @@ ctl = eddis.configure_progress(total=args.total)
 generator = torch.Generator().manual_seed(100 + rank)
 step = 0
 while not eddis.should_stop():
-    if rank == args.kill_rank and step == args.kill_step:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if args.await_loss and rank != args.kill_rank:
-        members = elastic.current()   # set up at the first step
-        if members is not None and args.kill_rank in members.lost():
-            args.await_loss = False
-        else:
-            time.sleep(AWAIT_SECONDS)
+    elastic_steps.before_step(args, rank, step)
     if rank == args.pause_rank and step == args.pause_step:
         open(os.path.join(args.out, f"paused.{rank}"), "w").close()
         time.sleep(PAUSE_SECONDS)

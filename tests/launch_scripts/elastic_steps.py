@@ -1,0 +1,32 @@
+"""What the elastic trainers (elastic_trainer.py, elastic_tf_trainer.py) do before each step.
+
+``--kill-rank R --kill-step S``: rank R sends itself SIGKILL before its step S, as a crashed
+node would end it. ``--await-loss``: every other rank sleeps AWAIT_SECONDS a step until it
+counts rank R as lost, so that training goes on after the loss is known, however fast the
+steps and however late rank R reaches step S; it does not stop stepping, since a checkpoint
+that rank R asked for before it died still needs the others at their step boundaries.
+"""
+import os
+import signal
+import time
+
+AWAIT_SECONDS = 0.3
+
+
+def add_arguments(parser):
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-step", type=int, default=10)
+    parser.add_argument("--await-loss", action="store_true")
+
+
+def before_step(args, rank, step):
+    from eddis.core import elastic
+
+    if rank == args.kill_rank and step == args.kill_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.await_loss and rank != args.kill_rank:
+        members = elastic.current()   # set up at the first step
+        if members is not None and args.kill_rank in members.lost():
+            args.await_loss = False
+        else:
+            time.sleep(AWAIT_SECONDS)
