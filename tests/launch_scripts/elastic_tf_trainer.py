@@ -4,7 +4,8 @@ tests/launch_scripts/elastic_trainer.py's loop with a Keras model and eddis.tens
 ``--kill-rank R --kill-step S`` and ``--await-loss``: see elastic_steps.py. ``--resume PATH``:
 eddis.resume(PATH) before training (a checkpoint, or a folder of them), which also gives the
 periodic checkpoints (EDDIS_CHECKPOINT_INTERVAL) the model to save. Every survivor writes ``<out>/<rank>.json``:
-its steps, the global learning counter at the end, its Start and its distance to the truth.
+its steps, the global learning counter at the end, its Start and its distance to the truth; the
+final model (the centre) goes to ``<out>/model.keras`` through eddis.save_model.
 """
 import argparse
 import json
@@ -46,6 +47,9 @@ while not eddis.should_stop():
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     step += 1
+# collective: every live rank has stopped claiming, so the counter reads the total (a rank that
+# reads it alone may see another's claim that crossed the total before its surplus goes back)
+eddis.save_model(os.path.join(args.out, "model.keras"), model, optimizer)
 with open(os.path.join(args.out, f"{rank}.json"), "w") as f:
     json.dump({"rank": rank, "steps": ctl.steps_done, "counter": ctl.counter.read(),
                "start": None if start is None else {"path": start.path, "step": start.step},
