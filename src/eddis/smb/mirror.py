@@ -215,6 +215,12 @@ class _LostCopy:
         self.server = server
 
 
+def _note_lost_copy(client, server, error):
+    """After ``error`` from the copy on ``server``: a timeout gives that server up, a
+    connection error has already marked its connection failed; both become lost servers."""
+    client.note_lost([server] if isinstance(error, SMBTimeoutError) else ())
+
+
 def _counter_copy(client, name, initial, server):
     """The copy of counter ``name`` on ``server``, or a _LostCopy where that server is lost
     (known, or found as the copy is set up)."""
@@ -222,7 +228,7 @@ def _counter_copy(client, name, initial, server):
         try:
             return Counter(client, name, initial, server)
         except (SMBConnectionError, SMBTimeoutError) as exc:
-            client.note_lost([server] if isinstance(exc, SMBTimeoutError) else ())
+            _note_lost_copy(client, server, exc)
             if server not in client.lost_servers:
                 raise
     return _LostCopy(server)
@@ -263,10 +269,8 @@ class MirroredCounter:
                 continue
             try:
                 results.append(operation(copy))
-            except SMBConnectionError:
-                self._client.note_lost()
-            except SMBTimeoutError:
-                self._client.note_lost([copy.server])
+            except (SMBConnectionError, SMBTimeoutError) as exc:
+                _note_lost_copy(self._client, copy.server, exc)
             if results and not every:
                 break
         if not results:
