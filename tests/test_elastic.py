@@ -63,6 +63,30 @@ def test_easgd_trains_on_without_a_lost_rank(tmp_path):
     saved = torch.load(out / "model.pt", weights_only=False)
     assert saved["mode"] == "easgd" and set(saved["model"]) == {"weight", "bias"}
     assert "ROOT CAUSE" not in proc.stderr
+    # every rank said its training started (rank 0 before it was lost): what made rank 0's loss
+    # one the others train on
+    assert sorted(p.name for p in (tmp_path / "run" / "launch").glob("*/training/*.json")) == \
+        ["0.json", "1.json", "2.json", "3.json"], text
+    assert_clean(tmp_path)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_a_rank_lost_before_training_started_fails_the_start(tmp_path):
+    # rank 1 dies before eddis.init(): the others would wait for it in MPI_Init, which has no
+    # timeout, so the run cannot go on without it; it fails at once and names rank 1
+    proc, results, out = elastic_train(tmp_path, "easgd", "--kill-rank", 1, "--kill-step", -1, timeout=150)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + 9, text
+    assert re.search(r"^\[1@\S+\] eddis-train: rank 1 on \S+ was killed by signal 9 \(SIGKILL\) before its "
+                     r"training started \(an elastic run goes on without a lost rank only after that\); "
+                     r"stopping the other ranks$", proc.stderr, re.M), text
+    assert re.search(r"^eddis-train: ROOT CAUSE: rank 1 on host \S+ was killed by signal 9 \(SIGKILL\)", proc.stderr,
+                     re.M), text
+    assert re.search(r"^  stopped by the launcher: rank 0, 2, 3$", proc.stderr, re.M), text
+    assert "finished degraded" not in text and "hung" not in text, text
+    assert results == {}, text
+    assert not list((tmp_path / "run" / "launch").glob("*/training/*.json")), text
     assert_clean(tmp_path)
 
 

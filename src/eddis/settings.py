@@ -331,6 +331,10 @@ register("EDDIS_HOST_GROUPS", "str", None, "The trainer nodes of an elastic Slur
 register("EDDIS_HOSTNAME", "str", None, "The node this rank is on (eddis.identity.node_name).",
          internal=True)
 register("EDDIS_LAUNCHED", "bool", False, "Set for processes eddis-train started.", internal=True)
+register("EDDIS_STARTED_FILE", "path", None,
+         "Elastic runs: where this rank notes that its training started (it passed the set-up every "
+         "rank takes part in; eddis.smb.rundir.note_training_started). A rank lost before then fails "
+         "the start, since the others may wait for it in a start-up collective.", internal=True)
 register("EDDIS_STOP_GRACE", "float", 5.0,
          "Seconds a trainer gets after SIGTERM (a peer failed, or the job was cancelled) "
          "before eddis-train kills it with SIGKILL.")

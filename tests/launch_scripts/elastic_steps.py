@@ -1,7 +1,8 @@
 """What the elastic trainers (elastic_trainer.py, elastic_tf_trainer.py) do before each step.
 
 ``--kill-rank R --kill-step S``: rank R sends itself SIGKILL before its step S, as a crashed
-node would end it. ``--await-loss``: every other rank sleeps AWAIT_SECONDS a step until it
+node would end it; ``--kill-step -1``: before ``eddis.init()`` (:func:`before_init`), while the
+others start up. ``--await-loss``: every other rank sleeps AWAIT_SECONDS a step until it
 counts rank R as lost, so that training goes on after the loss is known, however fast the
 steps and however late rank R reaches step S; it does not stop stepping, since a checkpoint
 that rank R asked for before it died still needs the others at their step boundaries.
@@ -17,6 +18,12 @@ def add_arguments(parser):
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=10)
     parser.add_argument("--await-loss", action="store_true")
+
+
+def before_init(args):
+    """Before eddis.init(): the launcher's rank is all there is to go by."""
+    if args.kill_step < 0 and int(os.environ["EDDIS_RANK"]) == args.kill_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def before_step(args, rank, step):

@@ -46,6 +46,7 @@ import eddis.torch as eddis  # noqa: E402
 from eddis.core import checkpoint_run, runtime  # noqa: E402
 from eddis.smb.mirror import MirroredCounter  # noqa: E402
 
+elastic_steps.before_init(args)
 eddis.init()
 rank = eddis.rank()
 torch.manual_seed(0)

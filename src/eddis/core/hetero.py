@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import settings
 from ..errors import ConfigError, FinalModelWarning, UsageError
+from ..smb import rundir
 from . import balance as _balance
 from . import collectives, easgd, elastic, hybrid, join, progress, runtime, simulate
 
@@ -239,6 +240,10 @@ class HeteroStep:
             self.averager.initialize(self.gather() if flat is None else flat)
         self._barrier(f"{self.mode}: centre variable initialization")
         self._centre_ready = True
+        if self.members is not None:
+            # every live rank is past the collectives of the set-up: from now on a lost rank
+            # leaves the others training (eddis.launch.supervisor)
+            rundir.note_training_started()
 
     @property
     def needs_centre(self):

@@ -6,6 +6,7 @@ Layout under the run directory, one folder per launch (a Slurm step or one
     launch/<key>/ranks/<rank>.json     written at start: host, pids, command
     launch/<key>/exits/<rank>.json     written at the end: code, signal, why
     launch/<key>/failures/<rank>.json  only for a rank whose trainer failed on its own (or hung)
+    launch/<key>/training/<rank>.json  elastic runs: written by the trainer once its set-up is over
     launch/smb-servers/started|exits|failures/<index>.json   the same for the smb-servers
     launch/stop                        written by a launcher that wants every rank to stop
 
@@ -159,6 +160,7 @@ class LaunchRecords:
         self.ranks = self.root / "ranks"
         self.exits = self.root / "exits"
         self.failures = self.root / "failures"
+        self.training = self.root / "training"
 
     def start(self, rank, record):
         write_json_atomic(self.ranks / f"{rank}.json", record)
@@ -169,14 +171,24 @@ class LaunchRecords:
     def fail(self, rank, record):
         write_json_atomic(self.failures / f"{rank}.json", record)
 
+    def started_file(self, rank):
+        """Where the trainer of ``rank`` notes that its training started (EDDIS_STARTED_FILE)."""
+        return self.training / f"{rank}.json"
+
+    def has_started(self, rank):
+        return self.started_file(rank).exists()
+
     def failure_names(self):
         try:
             return [n for n in os.listdir(self.failures) if n.endswith(".json") and not n.startswith(".")]
         except OSError:
             return []
 
-    def first_failure(self, exclude_rank=None):
-        failures = [r for r in read_records(self.failures) if r.get("rank") != exclude_rank]
+    def first_failure(self, exclude_rank=None, lost=None):
+        """The first failure record, not of ``exclude_rank``; with ``lost``, only those whose
+        ``lost`` (an elastic run's rank lost after its training started) is that."""
+        failures = [r for r in read_records(self.failures) if r.get("rank") != exclude_rank
+                    and (lost is None or bool(r.get("lost")) == lost)]
         return min(failures, key=lambda r: r.get("time", 0.0)) if failures else None
 
     def exited_ranks(self):

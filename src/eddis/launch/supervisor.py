@@ -211,17 +211,22 @@ class Supervisor:
         if self.checkpoint_on_term:
             env["EDDIS_CHECKPOINT_ON_SIGTERM"] = "1"
         env.setdefault("OMP_NUM_THREADS", default_threads(self.env, self.info.local_size))
+        if self.elastic:
+            env["EDDIS_STARTED_FILE"] = str(self.records.started_file(self.info.rank))
         shm.prepare(env)
         return env
 
     def _peer_failure(self):
-        if self.elastic:
-            return None
+        """The first failure of another rank that stops this one: any, unless the run is elastic;
+        then only that of a rank lost before its training started (the others may wait for it
+        in a start-up collective that has no timeout, e.g. MPI_Init's)."""
         names = self.records.failure_names()
         mine = f"{self.info.rank}.json"
-        if any(n != mine for n in names):
+        if not any(n != mine for n in names):
+            return None
+        if not self.elastic:
             return self.records.first_failure(exclude_rank=self.info.rank)
-        return None
+        return self.records.first_failure(exclude_rank=self.info.rank, lost=False)
 
     def _wait_for_peers(self, timeout, signalled=False):
         """After a failure (or an interrupt: ``signalled``): give the other ranks time to stop
@@ -343,17 +348,20 @@ class Supervisor:
             record = self._record(code, sig, ended, why, catcher.result(), list(catcher.tail))
             if why == "hung":
                 record.update(hung=hung, stack=stack)
-            record["lost"] = self.elastic
+            # elastic: lost, and the others train on, once its training started; before, the start failed
+            record["lost"] = lost = self.elastic and self.records.has_started(self.info.rank)
             self.records.fail(self.info.rank, record)
             self.records.finish(self.info.rank, self._record(code, sig, ended, why, None, []))
-            if self.elastic:
+            if lost:
                 # recorded; exit 0, so that neither srun nor mpirun ends the survivors' step
                 self.say(f"eddis-train: rank {self.info.rank} on {self.info.hostname} is lost "
                          f"({'hung' if why == 'hung' else describe_exit(code, sig)}); elastic run: "
                          "the other ranks train on")
                 return 0
+            early = (" before its training started (an elastic run goes on without a lost rank only "
+                     "after that)") if self.elastic else ""
             self.say(f"eddis-train: rank {self.info.rank} on {self.info.hostname} "
-                     f"{'hung and was killed' if why == 'hung' else describe_exit(code, sig)}; "
+                     f"{'hung and was killed' if why == 'hung' else describe_exit(code, sig)}{early}; "
                      "stopping the other ranks")
             self._wait_for_peers(self.stop_grace + 10)
         else:

@@ -28,6 +28,20 @@ CHECKPOINT_ANSWER_FILE = "checkpoint-written"
 ELASTIC_COMMITS_DIR = "elastic-commits"
 
 
+def note_training_started():
+    """Elastic runs: say to this rank's eddis-train supervisor (EDDIS_STARTED_FILE) that the
+    set-up every rank takes part in is over, so that from now on its loss leaves the others
+    training; nothing outside eddis-train."""
+    path = settings.get("EDDIS_STARTED_FILE")
+    if not path:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+    os.replace(tmp, path)
+
+
 def remove_elastic_commits(path):
     """After a run that finished its training: the commits a sync Horovod elastic script left
     in the run directory (eddis.core.elastic_state) have no reader any more, and a large
