@@ -37,9 +37,16 @@ def note_training_started():
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
-    os.replace(tmp, path)
+    _write_json_atomic(path, {"pid": os.getpid(), "time": time.time()})
+
+
+def _write_json_atomic(target, record):
+    """``record`` as JSON into ``target``: a file of this process first, then renamed, so that
+    a reader (another node's, through a shared file system) sees all of it or nothing."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, target)
+    return target
 
 
 def remove_elastic_commits(path):
@@ -99,11 +106,7 @@ def checkpoint_request(path):
 
 
 def _write_answer(path, answer):
-    target = Path(path) / CHECKPOINT_ANSWER_FILE
-    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")   # a rank's own, then atomic
-    tmp.write_text(json.dumps(answer) + "\n")
-    os.replace(tmp, target)
-    return target
+    return _write_json_atomic(Path(path) / CHECKPOINT_ANSWER_FILE, answer)
 
 
 def answer_checkpoint_request(path, checkpoint, step, terminated=False):
@@ -184,11 +187,7 @@ def publish_server(path, index, info):
     """Atomically write servers/<index>.json (write a temporary file, then rename)."""
     target = server_file(path, index)
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(info, fh)
-    os.replace(tmp, target)
-    return target
+    return _write_json_atomic(target, info)
 
 
 def unpublish_server(path, index):
