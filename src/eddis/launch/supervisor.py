@@ -126,6 +126,7 @@ class Supervisor:
         self.child = None
         self.liveness = None
         self._sent = set()  # signals the trainer got: a second SIGINT would break into its handler
+        self._lost_peers = set()  # failure records (names) of elastic peers lost after they started
 
     # ------------------------------------------------------------------ output
     def say(self, text, stream="err"):
@@ -220,13 +221,16 @@ class Supervisor:
         """The first failure of another rank that stops this one: any, unless the run is elastic;
         then only that of a rank lost before its training started (the others may wait for it
         in a start-up collective that has no timeout, e.g. MPI_Init's)."""
-        names = self.records.failure_names()
-        mine = f"{self.info.rank}.json"
-        if not any(n != mine for n in names):
+        # records of ranks already read as lost are not read again at every look
+        names = set(self.records.failure_names()) - {f"{self.info.rank}.json"} - self._lost_peers
+        if not names:
             return None
         if not self.elastic:
             return self.records.first_failure(exclude_rank=self.info.rank)
-        return self.records.first_failure(exclude_rank=self.info.rank, lost=False)
+        failure = self.records.first_failure(exclude_rank=self.info.rank, lost=False)
+        if failure is None:
+            self._lost_peers |= names
+        return failure
 
     def _wait_for_peers(self, timeout, signalled=False):
         """After a failure (or an interrupt: ``signalled``): give the other ranks time to stop
