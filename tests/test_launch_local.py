@@ -92,6 +92,23 @@ def test_local_rank_exception_fails_fast_with_report(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_a_rank_killed_by_sigsegv_is_reported_with_its_python_stack(tmp_path):
+    proc = eddis_train(tmp_path, "--local", "-n", "2", TRAINER, "--steps", "500", "--step-seconds", "0.1",
+                       "--fail-rank", "1", "--fail-step", "2", "--how", "segfault")
+    assert proc.returncode == 128 + signal.SIGSEGV, proc.stdout + proc.stderr
+    report = proc.stderr[proc.stderr.index("ROOT CAUSE"):]
+    assert re.search(r"ROOT CAUSE: rank 1 on host \S+ was killed by signal 11 \(SIGSEGV\)", report), report
+    stack = report[report.index("its Python stack at the fatal signal (rank 1):"):]
+    assert re.search(r"^    Fatal Python error: Segmentation fault\n    Current thread 0x[0-9a-f]+ \(most recent "
+                     r"call first\):\n      File \"\S+mpi_trainer\.py\", line \d+ in fail\n", stack, re.M), report
+    # then the native handler's backtrace, not the stacks again
+    tail = stack[stack.index("last lines of rank 1's stderr:"):]
+    assert "Caught signal 11" in tail and "Current thread" not in tail, report
+    assert "stopped by the launcher: rank 0" in report
+    assert_clean(tmp_path)
+
+
+@pytest.mark.timeout(180)
 def test_local_sys_exit_code_is_the_jobs_code(tmp_path):
     proc = eddis_train(tmp_path, "--local", "-n", "2", TRAINER, "--steps", "500", "--step-seconds", "0.1",
                        "--fail-rank", "0", "--fail-step", "2", "--how", "exit")

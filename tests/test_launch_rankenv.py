@@ -117,6 +117,26 @@ def test_traceback_catcher_keeps_the_first_traceback_only():
                                              '  File "t.py", line 1, in <module>', "    f()", "ValueError: first"]
 
 
+def test_traceback_catcher_keeps_the_crashed_threads_stack_from_faulthandler():
+    text = ("Fatal Python error: Segmentation fault\n\nThread 0x01 (most recent call first):\n"
+            '  File "liveness.py", line 103 in beat\n\nCurrent thread 0x02 (most recent call first):\n'
+            '  File "t.py", line 5 in step\n  File "t.py", line 9 in <module>\n\n'
+            "Extension modules: torch._C (total: 1)\n[n1:1:0:1] Caught signal 11\n"
+            "Traceback (most recent call last):\nValueError: later\n")
+    catcher = TracebackCatcher()
+    for line in text.splitlines(keepends=True):
+        catcher.feed(line.encode())
+    assert catcher.result().splitlines() == ["Fatal Python error: Segmentation fault",
+                                             "Current thread 0x02 (most recent call first):",
+                                             '  File "t.py", line 5 in step', '  File "t.py", line 9 in <module>']
+    # a crash on a native thread: no "Current thread", every stack is kept; cut off, what came
+    cut = TracebackCatcher()
+    for line in text.splitlines(keepends=True)[:4]:
+        cut.feed(line.encode())
+    assert cut.result().splitlines() == ["Fatal Python error: Segmentation fault", "",
+                                         "Thread 0x01 (most recent call first):", '  File "liveness.py", line 103 in beat']
+
+
 def test_line_pump_prefixes_every_line_and_keeps_an_unterminated_last_line():
     source, sink = io.BytesIO(b"one\ntwo\nlast without newline"), io.BytesIO()
     pump = LinePump(source, sink, "[3@n2] ", threading.Lock())

@@ -1,7 +1,7 @@
 """A small real MPI trainer for the launcher tests (no SMB needed).
 
 Prints its rank environment, does an allreduce per step and can be told to
-fail: ``--fail-rank R --fail-step S --how raise|exit`` (``--fail-rank -2``: every rank
+fail: ``--fail-rank R --fail-step S --how raise|exit|segfault`` (``--fail-rank -2``: every rank
 fails alike at that step).
 """
 import argparse
@@ -16,7 +16,7 @@ p.add_argument("--steps", type=int, default=5)
 p.add_argument("--step-seconds", type=float, default=0.2)
 p.add_argument("--fail-rank", type=int, default=-1)
 p.add_argument("--fail-step", type=int, default=2)
-p.add_argument("--how", default="raise", choices=["raise", "exit"])
+p.add_argument("--how", default="raise", choices=["raise", "exit", "segfault"])
 p.add_argument("--no-newline-at-end", action="store_true")
 args = p.parse_args()
 
@@ -32,6 +32,10 @@ print(f"warning line from rank {rank}", file=sys.stderr)
 def fail():
     if args.how == "exit":
         sys.exit(3)
+    if args.how == "segfault":
+        import ctypes
+
+        ctypes.CFUNCTYPE(None)(0)()   # a call through a null function pointer
     raise RuntimeError(f"injected failure on rank {rank} at step {step}")
 
 

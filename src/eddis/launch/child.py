@@ -8,7 +8,11 @@ peers wait in a collective for this rank: the job would hang instead of failing.
 (``python -m mpi4py`` solves the same problem with ``MPI_Abort``; we exit instead,
 so the supervisor records this rank as the root cause rather than the abort.)
 Before the script runs, the process starts beating to its supervisor
-(:mod:`.liveness`), which names it when it stops making progress.
+(:mod:`.liveness`), which names it when it stops making progress, and enables
+:mod:`faulthandler`: a rank that dies of SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT
+prints every thread's Python stack, which the launcher's report quotes with the
+lines of the native backtrace (UCX's handler, installed when the SMB core loads,
+prints its own and then passes the signal on to this one).
 
 One interrupt is one KeyboardInterrupt: Slurm delivers a step's signal to every
 process of the step (``scancel --signal=INT``; proctrack), so the trainer gets SIGINT
@@ -18,6 +22,7 @@ so that it cannot break into the script's own ``except KeyboardInterrupt``; a la
 interrupts again, as in plain Python. A script that installs its own SIGINT handler
 replaces this one.
 """
+import faulthandler
 import os
 import runpy
 import signal
@@ -61,7 +66,18 @@ def _user_frames(tb):
     return tb
 
 
+def _enable_faulthandler():
+    """Python's stacks on a fatal signal, then UCX's native backtrace: UCX installs its own
+    handler when the SMB core loads and passes nothing on, so the core loads first and
+    faulthandler, which calls the handler it replaced once it has written, goes over it."""
+    faulthandler.disable()  # (PYTHONFAULTHANDLER, which the supervisor sets, enabled it)
+    import eddis.smb._core  # noqa: F401
+
+    faulthandler.enable(all_threads=True)
+
+
 def main():
+    _enable_faulthandler()
     start_in_child()
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt_once)

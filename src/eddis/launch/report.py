@@ -261,12 +261,17 @@ def format_report(first, failures, exits, run_dir=None, job_code=None):
         lines.extend("    " + t for t in first["stack"].splitlines())
     elif first.get("why") == "hung":
         lines.append(f"  no Python stack could be had from {name} (not a Python process, or it never started)")
+    fatal = (first.get("traceback") or "").startswith("Fatal Python error:")
     if first.get("traceback"):
-        lines.append(f"  first traceback ({name}):")
+        lines.append(f"  {'its Python stack at the fatal signal' if fatal else 'first traceback'} ({name}):")
         lines.extend("    " + t for t in first["traceback"].splitlines())
-    elif first.get("tail"):
+    tail = first.get("tail") or []
+    if fatal:  # what the native handler wrote after faulthandler: the stacks are above
+        ends = [i for i, t in enumerate(tail) if t.startswith("Extension modules:")]
+        tail = tail[ends[-1] + 1:] if ends else tail
+    if tail and (fatal or not first.get("traceback")):
         lines.append(f"  last lines of {name}'s stderr:")
-        lines.extend("    " + t for t in first["tail"])
+        lines.extend("    " + t for t in tail)
     later = [f for f in failures if f is not first]
     if later:
         lines.append("  failed after it (probably as a consequence): " + ", ".join(map(_short, later)))

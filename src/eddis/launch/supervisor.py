@@ -209,6 +209,8 @@ class Supervisor:
         env = dict(self.env)
         env.update(self.info.environ(self.run_dir))
         env["PYTHONUNBUFFERED"] = "1"
+        # a Python trainer that dies of SIGSEGV/SIGABRT prints its stacks, which the report quotes
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         if self.checkpoint_on_term:
             env["EDDIS_CHECKPOINT_ON_SIGTERM"] = "1"
         env.setdefault("OMP_NUM_THREADS", default_threads(self.env, self.info.local_size))
