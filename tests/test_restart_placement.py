@@ -180,6 +180,27 @@ def test_an_interrupt_is_read_from_every_ranks_exit_record(tmp_path):
     assert jobsteps.every_rank_interrupted(tmp_path)
 
 
+def test_srun_dying_after_every_rank_finished_is_told_from_a_failed_training(tmp_path):
+    """Slurm 22.05's srun can abort at the end of a hetjob step whose ranks all finished: the
+    job reads its ranks' records, and only a training every rank finished outlives srun's signal."""
+    from eddis.launch import jobsteps
+    from eddis.launch.report import LaunchRecords
+
+    assert not jobsteps.every_rank_finished(tmp_path)  # no launch at all
+    records = LaunchRecords(tmp_path, "52.1")
+    for rank in range(4):
+        records.start(rank, {"rank": rank, "size": 4, "host": "n1"})
+    for rank in range(3):
+        records.finish(rank, {"rank": rank, "code": 0, "why": "exited"})
+    assert not jobsteps.every_rank_finished(tmp_path)  # rank 3 recorded nothing
+    records.finish(3, {"rank": 3, "code": 0, "why": "stopped", "stop_signal": 15})
+    assert not jobsteps.every_rank_finished(tmp_path)  # stopped by its supervisor: not finished
+    records.finish(3, {"rank": 3, "code": 0, "why": "exited"})
+    assert jobsteps.every_rank_finished(tmp_path)
+    records.fail(2, {"rank": 2, "code": 1, "why": "exited", "time": 1.0})
+    assert not jobsteps.every_rank_finished(tmp_path)  # a failure record outweighs its exit
+
+
 def test_eddis_submit_spare_nodes_reach_the_script():
     import argparse
 

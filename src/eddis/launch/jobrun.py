@@ -600,6 +600,11 @@ class Job:
         status = self._wait_trainers()
         guard.join(GUARD_JOIN_SECONDS)  # it returns once it finds srun's process gone
         status = trainers_status(self.run_dir, status)
+        if status > 128 and jobsteps.every_rank_finished(self.run_dir):
+            say(f"eddis_job: srun {jobsteps.describe_exit(None, status - 128)} "
+                "after every rank had finished the training: srun failed at the step's end, not the "
+                "training; the job goes on as finished", sys.stderr)
+            return 0
         missing = jobsteps.ranks_without_exit(self.run_dir) if status == 0 and not elastic_run() else []
         if missing:
             say(f"eddis_job: srun ended with status 0, but rank(s) {', '.join(map(str, missing))} recorded no "

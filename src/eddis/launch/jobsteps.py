@@ -128,6 +128,17 @@ def ranks_without_exit(path):
     return [rank for rank in range(size) if rank not in exited]
 
 
+def every_rank_finished(path):
+    """Whether every rank of the newest launch finished the training (exited on its own with
+    status 0) and none recorded a failure: then a signal that ended srun afterwards is srun's
+    own failure at the step's end (Slurm 22.05's srun can abort there, "double free or
+    corruption"), not the training's."""
+    newest, size = _newest_launch(path)
+    if newest is None or size == 0 or newest.failure_names():
+        return False
+    return finished_ranks(read_records(newest.exits)) == list(range(size))
+
+
 def _newest_launch(path):
     """The newest launch's records and its world size (from its start records); (None, 0)."""
     newest = launches(path)[-1:]
