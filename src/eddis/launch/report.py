@@ -22,6 +22,8 @@ import signal
 import time
 from pathlib import Path
 
+from ..smb.rundir import write_json_atomic as _write_json_atomic
+
 LAUNCH_DIR = "launch"
 STOP_FILE = "stop"  # <run dir>/launch/stop: every supervisor of the run dir stops its trainer
 # <run dir>/launch/smb-servers-stop: every smb-server's supervisor stops its server and ends its
@@ -85,12 +87,8 @@ def launch_key(env):
 
 
 def write_json_atomic(path, record):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
+    """A launch record, indented for the people who read them (``launch/`` of the run dir)."""
+    return _write_json_atomic(path, record, indent=1)
 
 
 def read_records(folder):

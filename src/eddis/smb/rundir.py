@@ -35,16 +35,17 @@ def note_training_started():
     path = settings.get("EDDIS_STARTED_FILE")
     if not path:
         return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(path, {"pid": os.getpid(), "time": time.time()})
+    write_json_atomic(path, {"pid": os.getpid(), "time": time.time()})
 
 
-def _write_json_atomic(target, record):
-    """``record`` as JSON into ``target``: a file of this process first, then renamed, so that
-    a reader (another node's, through a shared file system) sees all of it or nothing."""
+def write_json_atomic(target, record, indent=None):
+    """``record`` as JSON into ``target`` (its folders made if missing): a file of this process
+    first, then renamed, so that a reader (another node's, through a shared file system) sees
+    all of it or nothing. The run directory's records and the launch records both use it."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
+    tmp.write_text(json.dumps(record, indent=indent) + "\n")
     os.replace(tmp, target)
     return target
 
@@ -106,7 +107,7 @@ def checkpoint_request(path):
 
 
 def _write_answer(path, answer):
-    return _write_json_atomic(Path(path) / CHECKPOINT_ANSWER_FILE, answer)
+    return write_json_atomic(Path(path) / CHECKPOINT_ANSWER_FILE, answer)
 
 
 def answer_checkpoint_request(path, checkpoint, step, terminated=False):
@@ -187,7 +188,7 @@ def publish_server(path, index, info):
     """Atomically write servers/<index>.json (write a temporary file, then rename)."""
     target = server_file(path, index)
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return _write_json_atomic(target, info)
+    return write_json_atomic(target, info)
 
 
 def unpublish_server(path, index):
