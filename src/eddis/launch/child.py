@@ -11,8 +11,8 @@ Before the script runs, the process starts beating to its supervisor
 (:mod:`.liveness`), which names it when it stops making progress, and enables
 :mod:`faulthandler`: a rank that dies of SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT
 prints every thread's Python stack, which the launcher's report quotes with the
-lines of the native backtrace (UCX's handler, installed when the SMB core loads,
-prints its own and then passes the signal on to this one).
+lines of the native backtrace (faulthandler goes over UCX's handler, installed when
+the SMB core loads, and passes the signal on to it once it has written).
 
 One interrupt is one KeyboardInterrupt: Slurm delivers a step's signal to every
 process of the step (``scancel --signal=INT``; proctrack), so the trainer gets SIGINT

@@ -11,7 +11,7 @@ import collections
 import threading
 
 TRACEBACK_START = b"Traceback (most recent call last):"
-FATAL_START = b"Fatal Python error:"       # faulthandler, on SIGSEGV, SIGABRT, ...
+FATAL_START = "Fatal Python error:"        # faulthandler, on SIGSEGV, SIGABRT, ...
 FATAL_END = "Extension modules:"           # the line after its stacks
 MAX_TRACEBACK_LINES = 80
 
@@ -43,9 +43,9 @@ class TracebackCatcher:
         if self.first is not None:
             return
         if self._current is None:
-            if line.startswith(TRACEBACK_START) or line.startswith(FATAL_START):
+            self._fatal = text.startswith(FATAL_START)
+            if self._fatal or line.startswith(TRACEBACK_START):
                 self._current = [text]
-                self._fatal = line.startswith(FATAL_START)
             return
         if self._fatal:
             if text.startswith(FATAL_END) or len(self._current) >= 4 * MAX_TRACEBACK_LINES:

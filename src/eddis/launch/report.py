@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from ..smb.rundir import write_json_atomic as _write_json_atomic
+from .output import FATAL_END, FATAL_START
 
 LAUNCH_DIR = "launch"
 STOP_FILE = "stop"  # <run dir>/launch/stop: every supervisor of the run dir stops its trainer
@@ -259,13 +260,13 @@ def format_report(first, failures, exits, run_dir=None, job_code=None):
         lines.extend("    " + t for t in first["stack"].splitlines())
     elif first.get("why") == "hung":
         lines.append(f"  no Python stack could be had from {name} (not a Python process, or it never started)")
-    fatal = (first.get("traceback") or "").startswith("Fatal Python error:")
+    fatal = (first.get("traceback") or "").startswith(FATAL_START)
     if first.get("traceback"):
         lines.append(f"  {'its Python stack at the fatal signal' if fatal else 'first traceback'} ({name}):")
         lines.extend("    " + t for t in first["traceback"].splitlines())
     tail = first.get("tail") or []
     if fatal:  # what the native handler wrote after faulthandler: the stacks are above
-        ends = [i for i, t in enumerate(tail) if t.startswith("Extension modules:")]
+        ends = [i for i, t in enumerate(tail) if t.startswith(FATAL_END)]
         tail = tail[ends[-1] + 1:] if ends else tail
     if tail and (fatal or not first.get("traceback")):
         lines.append(f"  last lines of {name}'s stderr:")
