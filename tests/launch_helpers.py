@@ -66,6 +66,22 @@ def wait_until(predicate, timeout, interval=0.2, what="condition"):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def stop_every_thread(pid, timeout=10.0):
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: kill() only queues the
+    signal, and a server thread still running for a moment answers one more request."""
+    import signal
+
+    from eddis.launch.liveness import process_state
+
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped():
+        tids = os.listdir(f"/proc/{pid}/task")
+        return all(process_state(pid, tid) in ("T", None) for tid in tids)
+
+    wait_until(stopped, timeout, interval=0.01, what=f"every thread of process {pid} to stop")
+
+
 def job_state(cluster, job_id):
     """(state, exit code) of a job from scontrol (no accounting on the dev cluster); None once forgotten."""
     proc = cluster.run(["scontrol", "show", "job", "-o", str(job_id)], timeout=30, check=False)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import python_env
+from launch_helpers import stop_every_thread
 
 from eddis.errors import (SMBBoundsError, SMBConnectionError, SMBError, SMBKeyError, SMBMemoryError,
                           SMBPermissionError, SMBTimeoutError, SMBValueError, UsageError)
@@ -158,7 +159,7 @@ def test_a_server_given_up_after_a_timeout_gives_errors_on_every_later_use(trans
         try:
             pool = client.pool("p", 1000, slots=1)
             pool.write(np.ones(1000, np.float32))
-            servers.procs[1].send_signal(signal.SIGSTOP)
+            stop_every_thread(servers.procs[1].pid)
             try:
                 with pytest.raises((SMBTimeoutError, SMBConnectionError)):
                     pool.read()

@@ -10,18 +10,13 @@ import signal
 import numpy as np
 import pytest
 
-from launch_helpers import wait_until
+from launch_helpers import stop_every_thread
 
 from eddis.errors import SMBConnectionError, SMBValueError
 from eddis.smb import Client
 from eddis.smb.testing import LocalServers
 
 LENGTH = 1000   # 333 / 333 / 334 elements per server of 3
-
-
-def process_state(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def fill(pool, slots):
@@ -125,8 +120,7 @@ def test_a_stopped_server_is_given_up_after_the_timeout():
             pool = client.pool("centre", LENGTH, slots=2, mirrored=True)
             counter = client.counter("steps", server=1, mirrored=True)
             fill(pool, 2)
-            servers.procs[1].send_signal(signal.SIGSTOP)
-            wait_until(lambda: process_state(servers.procs[1].pid) == "T", 10, what="server 1 to stop")
+            stop_every_thread(servers.procs[1].pid)
             try:
                 pool.axpy(0, 1, 1.0)          # server 1 never answers: given up, server 0 has a copy
                 assert client.lost_servers == {1}

@@ -52,10 +52,12 @@ def beat_interval(timeout):
     return max(0.1, min(1.0, timeout / 5.0))
 
 
-def process_state(pid):
-    """The kernel's one-letter state of ``pid`` (R, S, D, T, ...), or None once it is gone."""
+def process_state(pid, tid=None):
+    """The kernel's one-letter state of ``pid`` (R, S, D, T, ...), or of its thread ``tid``;
+    None once it is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
