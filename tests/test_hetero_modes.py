@@ -144,12 +144,34 @@ def train(mode, balance=False, total=TOTAL, staleness=None, record=False, lr=Non
     result = {"mode": mode, "balance": balance, "accuracy": accuracy(model, xte, yte), "counts": counts,
               "counter": counter, "total": total, "wall": wall, "spread": spread, "shares": shares,
               "params": params, "history": history, "checkpoint": checkpoint, "masses": masses}
+    group_pool = getattr(optimizer.reducer, "pool", None) if mode == "hybrid" else None
     optimizer.close()
+    result["leaked_pools"] = leaked_pools(eddis.rank(), state.averager, group_pool)
     if launch_slowdown is None:
         os.environ.pop("EDDIS_SIMULATE_SLOWDOWN", None)
     else:
         os.environ["EDDIS_SIMULATE_SLOWDOWN"] = launch_slowdown
     return result
+
+
+def leaked_pools(rank, averager, group_pool):
+    """The easgd/hybrid pools that optimizer.close() left on the servers. Rank 0 frees the
+    centre and its group's pool itself, after the other ranks' arrival, so it can look."""
+    from eddis.core import runtime
+    from eddis.errors import SMBKeyError
+
+    pools = [p for p in (averager.pool if averager is not None else None, group_pool) if p is not None]
+    if rank != 0:
+        return []
+    leaked = []
+    for pool in pools:
+        try:
+            runtime.smb_client().pool(pool.name, pool.length, dtype=pool.dtype, slots=pool.slots,
+                                      create=False, servers=pool.servers)
+        except SMBKeyError:
+            continue
+        leaked.append(pool.name)
+    return leaked
 
 
 def run_all(out_dir):
@@ -238,6 +260,13 @@ if __name__ != "__main__":
         assert r["spread"] == 0.0, "every rank must end with the same final model"
         assert r["counter"] == r["total"]
         assert sum(r["counts"]) == r["total"]
+
+    @pytest.mark.timeout(450)
+    @pytest.mark.parametrize("name", ["easgd", "hybrid"])
+    def test_close_gives_the_pools_back(modes, name):
+        # each optimizer's centre (and hybrid group pool) would otherwise stay on the servers,
+        # and a job that builds several optimizers runs out of SMB memory
+        assert modes[RUNS[name]]["leaked_pools"] == []
 
     @pytest.mark.timeout(450)
     def test_sync_ranks_step_together(modes):

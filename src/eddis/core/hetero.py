@@ -24,6 +24,7 @@ The algorithms themselves are the core's: :mod:`eddis.core.easgd`
 loop's waiting ended, so that waiting is not measured as compute.
 """
 import itertools
+import logging
 import threading
 import time
 import warnings
@@ -35,6 +36,9 @@ from ..errors import ConfigError, FinalModelWarning, UsageError
 from ..smb import rundir
 from . import balance as _balance
 from . import collectives, easgd, elastic, hybrid, join, progress, runtime, simulate
+
+log = logging.getLogger("eddis.core.hetero")
+CLOSE_TIMEOUT_S = 60.0   # how long close() waits for the other ranks before leaving the centre
 
 _current = [None]   # the newest HeteroStep (for module-level helpers)
 _loop_mark = [0.0]  # when should_stop() last returned
@@ -108,6 +112,7 @@ class HeteroStep:
         self._final_model_step = None   # self.step at the last final_model()
         self.stopped_for_checkpoint = None   # the checkpoint a requested stop wrote: not the end
         self._final_model_check = None
+        self._centre_freed = False
         self.flat = None
         self._when_attached = []   # e.g. a resumed centre variable, once its pool exists
         progress.set_mode_hint(self.mode)
@@ -306,6 +311,10 @@ class HeteroStep:
         (easgd/hybrid: the centre variable; otherwise nothing to do)."""
         if self.averager is None:
             return
+        if self._centre_freed:
+            raise UsageError(f"mode {self.mode}: the optimizer was closed, which released the centre "
+                             "variable; call eddis.final_model() (or save the checkpoint) before "
+                             "optimizer.close()")
         if not self._centre_ready:
             raise UsageError(f"mode {self.mode}: no training step was taken, so there is no centre "
                              "variable yet; ask for the final model after training")
@@ -316,6 +325,24 @@ class HeteroStep:
         self.scatter(self.averager.read_center(out=self.flat))
         self._barrier(f"{self.mode}: final model (centre read)")
         self._final_model_step = self.step
+
+    def close(self):
+        """The optimizer's close, on every rank: free the centre variable's SMB memory once
+        every rank has arrived (an SMB barrier, bounded by CLOSE_TIMEOUT_S, so a missing rank
+        costs a wait and a warning, never a hang). Each optimizer has a centre of its own, so
+        a job that builds several would otherwise fill the servers. Elastic runs keep it: a
+        lost rank never arrives, and the servers free it when the job ends."""
+        averager = self.averager
+        if averager is None or self._centre_freed or self.members is not None:
+            return
+        self._centre_freed = True
+        try:
+            averager.finish()
+            runtime.smb_client().barrier(averager.name + ".close", self.size).wait(timeout=CLOSE_TIMEOUT_S)
+            if self.rank == 0:
+                averager.free()
+        except Exception as exc:  # the servers free everything when they stop anyway
+            log.warning("could not free the %s centre variable %s: %s", self.mode, averager.name, exc)
 
     def _barrier(self, what):
         """Every rank waits for every other; in elastic runs for the live ones only."""

@@ -117,7 +117,7 @@ class GroupSyncReducer(Reducer):
         instance = collectives.broadcast_object(next(_pool_ids), root=0, comm=comm,
                                                 what="hybrid reducer set-up")
         self.alone = self.group_size == 1   # nothing to average: the gradients stay as they are
-        client = runtime.smb_client()
+        client = self.client = runtime.smb_client()
         self.servers = None if self.alone else self._group_servers(client, comm)
         self.pool = None if self.alone else client.pool(
             f"eddis.hybrid.{name}.{instance}.g{self.group}", plan.total,
@@ -172,8 +172,20 @@ class GroupSyncReducer(Reducer):
         if self._wire is not None:
             self.codec.decompress(wire, self.plan.bucket_view(k))
 
-    # The pool is not freed on close: another member may still be reading its last
-    # result; the job's servers release all memory when the job ends.
+    def _release(self):
+        """Free the group's pool once every member is done with it (an SMB barrier over the
+        group: a member may still be reading its last result). Each optimizer has a pool
+        of its own, so a job that builds several would otherwise fill the servers. Elastic
+        runs keep it: a lost member never arrives, and the servers free it at the job's end."""
+        if self.pool is None or elastic.requested("hybrid"):
+            return
+        try:
+            self.client.barrier(self.pool.name + ".close", self.group_size).wait(
+                timeout=min(self.timeout, 60.0))
+            if self.group_rank == 0:
+                self.pool.free()
+        except Exception as exc:  # the server frees everything when it stops anyway
+            log.warning("could not free the hybrid group pool %s: %s", self.pool.name, exc)
 
 
 def servers_on_hosts(server_hosts, hosts):

@@ -168,9 +168,12 @@ class _DistributedOptimizer:
         return None if r is None else r.reducer
 
     def close(self):
-        """Stop the communication threads (eddis.shutdown() does it too)."""
+        """Stop the communication threads (eddis.shutdown() does it too) and, in easgd and
+        hybrid, release the centre variable (call final_model() first; every rank)."""
         if self._eddis.reducer is not None:
             self._eddis.reducer.close()
+        if self._eddis.hetero is not None:
+            self._eddis.hetero.close()
 
 
 def _gatherer(plan, variables):

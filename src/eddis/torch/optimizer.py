@@ -271,12 +271,14 @@ class _DistributedOptimizer:
         return super(_DistributedOptimizer, self).zero_grad(set_to_none=set_to_none)
 
     def close(self):
-        """Remove the hooks and stop the communication threads."""
+        """Remove the hooks and stop the communication threads; in easgd and hybrid, also
+        release the centre variable (call eddis.final_model() first; every rank)."""
         for h in self._eddis_hooks:
             h.remove()
         self._eddis_hooks = []
         self._eddis_samples.close()
         self.reducer.close()
+        self._eddis_hetero.close()   # easgd/hybrid: the centre variable's memory
 
 
 _instances = [0]
