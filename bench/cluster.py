@@ -17,7 +17,9 @@ contender in turn on the same data:
 - ``eddis-allreduce`` (MPI), ``eddis-sync`` (hierarchical across nodes), ``-fp16``,
   ``-bf16``, ``eddis-sync-flat`` (``EDDIS_SYNC_REDUCE=server``: every rank's slot to
   the servers, the path before the hierarchy), ``eddis-balanced``, ``eddis-easgd``,
-  ``eddis-hybrid`` (a group per node);
+  ``eddis-hybrid`` (a group per node); ``eddis-easgd-locallr`` and
+  ``eddis-hybrid-locallr`` (not in the default list): the same with every worker
+  (group) stepping at the learning rate of its own batch rather than of the global one;
 - ``solo``, the ideal: every rank trains a model of its own at the same time, with no
   communication, for ``--solo-seconds``; its samples/s is the sum of the ranks' own
   rates, so it carries the same CPU contention and slowdowns as the others, and the
@@ -64,6 +66,9 @@ CONTENDERS = ["ddp", "ddp-fp16", "horovod", "eddis-allreduce", "eddis-sync", "ed
               "eddis-sync-bf16", "eddis-sync-flat", "eddis-balanced", "eddis-easgd", "eddis-hybrid", "solo"]
 QUICK = {"links": ["1gbit"], "layouts": ["2x2"], "slowdowns": ["1111"], "models": ["comm"],
          "contenders": ["ddp", "eddis-sync", "eddis-hybrid"]}
+# model averaging whose workers step at the learning rate of their own batch (the rule before
+# 2026-12-04; docs/benchmarks-cluster.md has both side by side)
+LOCAL_LR_VARIANTS = ["eddis-easgd-locallr", "eddis-hybrid-locallr"]
 PAUSE_TIMEOUT_S = 300
 JOB_TIMEOUT_S = 1800
 
@@ -250,7 +255,11 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
                       "hybrid": "hybrid"}[parts[0]]
         compression = parts[1] if len(parts) > 1 and parts[1] in ("fp16", "bf16") else "none"
         os.environ["EDDIS_SYNC_REDUCE"] = "server" if parts[-1] == "flat" else "auto"
-        batch_for_lr = {"easgd": local_batch, "hybrid": local_batch * group_size}.get(eddis_mode, global_batch)
+        # every contender at the global batch's rate: the average of the workers' (groups')
+        # steps then moves as far per sample as one synchronous step of the global batch
+        batch_for_lr = global_batch
+        if parts[-1] == "locallr":
+            batch_for_lr = {"easgd": local_batch, "hybrid": local_batch * group_size}[eddis_mode]
         opt = eddis.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=cfg["lr"] * batch_for_lr / 32, momentum=0.9),
             named_parameters=model.named_parameters(), mode=eddis_mode,
@@ -516,8 +525,9 @@ def main(argv=None):
     args.slowdowns = args.slowdowns.split(",")
     args.models = args.models.split(",")
     for c in args.contenders.split(","):
-        if c not in CONTENDERS:
-            sys.exit(f"bench/cluster.py: unknown contender {c!r}; choose from {', '.join(CONTENDERS)}")
+        if c not in CONTENDERS + LOCAL_LR_VARIANTS:
+            sys.exit(f"bench/cluster.py: unknown contender {c!r}; choose from "
+                     f"{', '.join(CONTENDERS + LOCAL_LR_VARIANTS)}")
     for m in args.models:
         if m not in MODELS:
             sys.exit(f"bench/cluster.py: unknown model {m!r}; choose from {', '.join(MODELS)}")
