@@ -146,11 +146,6 @@ class AdasumSyncReducer(Reducer):
     def _release(self):
         # Free the pools once every rank is done with them (an SMB barrier, so a
         # missing rank costs a bounded wait and never poisons MPI).
-        try:
-            self.client.barrier(self.pool_name + ".close", self.size).wait(timeout=min(self.timeout, 60.0))
-            if self.rank == 0:
-                for pool in (self.slots_pool, self.tree_pool, self.result_pool):
-                    if pool is not None:
-                        pool.free()
-        except Exception as exc:  # the server frees everything when it stops anyway
-            log.warning("could not free the Adasum pools %s: %s", self.pool_name, exc)
+        pools = [self.slots_pool, self.tree_pool, self.result_pool] if self.rank == 0 else []
+        self.client.free_when_all_arrive(self.pool_name + ".close", self.size, pools,
+                                         min(self.timeout, 60.0), f"the Adasum pools {self.pool_name}")

@@ -91,7 +91,6 @@ class ElasticAverager:
         self.iterations_per_step = int(iterations_per_step)
         self.timeout = timeout
         self.name = name
-        self.mirrored = bool(mirrored)
         self.pool = client.pool(name, self.length, dtype="float32", slots=1 + self.workers, mirrored=mirrored)
         # the exchange's bytes as the timeline counts them; a mirrored pool takes the move twice
         self.exchange_bytes = (4 if mirrored else 3) * self.length * 4
@@ -172,15 +171,6 @@ class ElasticAverager:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait(self.timeout)
-
-    def free(self):
-        """Release the centre's and the throughputs' SMB memory (one worker, once every
-        worker is done with them); the averager is unusable afterwards."""
-        if self.mirrored:
-            raise ConfigError("a mirrored centre (elastic run) lives until the job's servers stop")
-        self.pool.free()
-        if self.rates is not None:
-            self.rates.free()
 
     def read_center(self, out=None):
         """The centre variable now (flat float32)."""

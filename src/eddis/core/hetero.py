@@ -336,13 +336,15 @@ class HeteroStep:
         if averager is None or self._centre_freed or self.members is not None:
             return
         self._centre_freed = True
+        what = f"the {self.mode} centre variable {averager.name}"
         try:
             averager.finish()
-            runtime.smb_client().barrier(averager.name + ".close", self.size).wait(timeout=CLOSE_TIMEOUT_S)
-            if self.rank == 0:
-                averager.free()
         except Exception as exc:  # the servers free everything when they stop anyway
-            log.warning("could not free the %s centre variable %s: %s", self.mode, averager.name, exc)
+            log.warning("could not free %s: %s", what, exc)
+            return
+        runtime.smb_client().free_when_all_arrive(
+            averager.name + ".close", self.size, [averager.pool, averager.rates] if self.rank == 0 else [],
+            CLOSE_TIMEOUT_S, what)
 
     def _barrier(self, what):
         """Every rank waits for every other; in elastic runs for the live ones only."""

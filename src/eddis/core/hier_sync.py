@@ -265,15 +265,9 @@ class HierarchicalSyncReducer(Reducer):
         if self._in_slot:
             self.plan.use_buffer(self.plan.buffer.copy(), movable=True)
             self._in_slot = False
-        try:
-            self.client.barrier(f"eddis.{self.name}.close", self.size).wait(timeout=min(self.timeout, 60.0))
-            if self.local == 0:
-                for pool in (self.node_slots, self._weights_pool, self.node_result):
-                    if pool is not None:
-                        pool.free()
-            if self.rank == 0:
-                for pool in self.inter + self.inter_result:
-                    pool.free()
-        except Exception as exc:  # the servers free everything when they stop anyway
-            log.warning("could not free the hierarchical sync pools eddis.%s: %s", self.name, exc)
+        pools = [self.node_slots, self._weights_pool, self.node_result] if self.local == 0 else []
+        if self.rank == 0:
+            pools += self.inter + self.inter_result
+        self.client.free_when_all_arrive(f"eddis.{self.name}.close", self.size, pools, min(self.timeout, 60.0),
+                                         f"the hierarchical sync pools eddis.{self.name}")
 

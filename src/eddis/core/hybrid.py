@@ -179,13 +179,9 @@ class GroupSyncReducer(Reducer):
         runs keep it: a lost member never arrives, and the servers free it at the job's end."""
         if self.pool is None or elastic.requested("hybrid"):
             return
-        try:
-            self.client.barrier(self.pool.name + ".close", self.group_size).wait(
-                timeout=min(self.timeout, 60.0))
-            if self.group_rank == 0:
-                self.pool.free()
-        except Exception as exc:  # the server frees everything when it stops anyway
-            log.warning("could not free the hybrid group pool %s: %s", self.pool.name, exc)
+        self.client.free_when_all_arrive(self.pool.name + ".close", self.group_size,
+                                         [self.pool] if self.group_rank == 0 else [],
+                                         min(self.timeout, 60.0), f"the hybrid group pool {self.pool.name}")
 
 
 def servers_on_hosts(server_hosts, hosts):

@@ -227,16 +227,10 @@ class SyncReducer(Reducer):
             self._in_slot = False
         # Free the pools once every rank is done with them (an SMB barrier, so a
         # missing rank costs a bounded wait and never poisons MPI).
-        try:
-            self.client.barrier(self.pool_name + ".close", self.size).wait(timeout=min(self.timeout, 60.0))
-            if self.rank == 0:
-                self.slots_pool.free()
-                if self.result_pool is not None:
-                    self.result_pool.free()
-                if self._by_ranks is not None:
-                    self._weights_pool.free()
-        except Exception as exc:  # the server frees everything when it stops anyway
-            log.warning("could not free the sync pools %s: %s", self.pool_name, exc)
+        pools = [self.slots_pool, self.result_pool,
+                 self._weights_pool if self._by_ranks is not None else None] if self.rank == 0 else []
+        self.client.free_when_all_arrive(self.pool_name + ".close", self.size, pools,
+                                         min(self.timeout, 60.0), f"the sync pools {self.pool_name}")
 
 
 def server_name(client, index):

@@ -350,6 +350,20 @@ class Client:
     def barrier(self, name, parties):
         return Barrier(self, name, parties)
 
+    def free_when_all_arrive(self, barrier_name, parties, pools, timeout, what):
+        """Free ``pools`` (those this caller frees; the other parties pass none) once
+        ``parties`` callers have reached the SMB barrier ``barrier_name``, so memory that
+        another party may still be reading goes only when every one is done. Never raises:
+        a missing party costs ``timeout`` and a warning naming ``what``, and the servers
+        free everything when they stop anyway."""
+        try:
+            self.barrier(barrier_name, parties).wait(timeout=timeout)
+            for pool in pools:
+                if pool is not None:
+                    pool.free()
+        except Exception as exc:
+            log.warning("could not free %s: %s", what, exc)
+
     def event(self, name):
         return Event(self, name)
 
