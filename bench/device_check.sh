@@ -53,26 +53,59 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
     | sed 's/^/device_check: gpu: /' | tee -a "$summary"
 
 # --- prerequisites: packages carried in .devbundle (see bench/device_bundle.sh)
-if compgen -G ".devbundle/*.deb" >/dev/null && ! { command -v mpirun && pkg-config --exists ucx; } >/dev/null 2>&1; then
+# DEVICE_CHECK_BUNDLE: auto (use the bundle where mpirun or UCX's headers are missing),
+# always, or never. The bundle is taken whole (its MPI, UCX and mpi4py together), since
+# an mpi4py built against another MPI cannot be mixed with the bundle's libmpi.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+use_bundle=${DEVICE_CHECK_BUNDLE:-auto}
+case $use_bundle in
+auto) use_bundle=0
+      compgen -G ".devbundle/*.deb" >/dev/null && ! { command -v mpirun && pkg-config --exists ucx; } >/dev/null 2>&1 \
+          && use_bundle=1 ;;
+always) use_bundle=1 ;;
+never) use_bundle=0 ;;
+*) echo "device_check: DEVICE_CHECK_BUNDLE=$use_bundle: say auto, always or never" >&2; exit 2 ;;
+esac
+if [ $use_bundle = 1 ]; then
+    compgen -G ".devbundle/*.deb" >/dev/null || { say "no .devbundle/*.deb: run bench/device_bundle.sh here and carry .devbundle"; exit 2; }
     root=/tmp/eddis-devroot
     mkdir -p "$root"
     for deb in .devbundle/*.deb; do dpkg -x "$deb" "$root"; done
+    # dpkg -x leaves out Debian's alternatives: mpirun, mpicc and the rest exist only
+    # as NAME.openmpi until a link gives them their plain names
+    for tool in "$root"/usr/bin/*.openmpi; do ln -sfn "$(basename "$tool")" "${tool%.openmpi}"; done
     arch=x86_64-linux-gnu
     export PATH=$root/usr/bin:$PATH
     export LD_LIBRARY_PATH=$root/usr/lib/$arch:$root/usr/lib/$arch/openmpi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export CPATH=$root/usr/include:$root/usr/lib/$arch/openmpi/include${CPATH:+:$CPATH}
     export LIBRARY_PATH=$LD_LIBRARY_PATH
+    # first on the link line too, ahead of any UCX or MPI in the system's library folders
+    export LDFLAGS="-L$root/usr/lib/$arch -L$root/usr/lib/$arch/openmpi/lib${LDFLAGS:+ $LDFLAGS}"
     export PKG_CONFIG_PATH=$root/usr/lib/$arch/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
     export OPAL_PREFIX=$root/usr UCX_MODULE_DIR=$root/usr/lib/$arch/ucx
-    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    # PMIx looks for its plugins where Debian put them: on a machine with another PMIx
+    # there, it loads theirs ("undefined symbol: pmix_output_info")
+    export PMIX_MCA_mca_base_component_path=$root/usr/lib/$arch/pmix2/lib/pmix
     say "prerequisites: $(ls .devbundle/*.deb | wc -l) packages from .devbundle unpacked into $root"
 fi
 if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=$(command -v python3); fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-if compgen -G ".devbundle/mpi4py-*.tar.gz" >/dev/null && ! "$PY" -c "import mpi4py" 2>/dev/null; then
-    run mpi4py 240 "$PY" -m pip install -q --no-index --no-build-isolation --target /tmp/eddis-site \
-        .devbundle/mpi4py-*.tar.gz && export PYTHONPATH=$PYTHONPATH:/tmp/eddis-site
+if [ $use_bundle = 1 ]; then
+    # built against the same Open MPI by bench/device_bundle.sh for the GPU machine's Python,
+    # which saves minutes of device time; built here from the source otherwise
+    prebuilt=.devbundle/site-py$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    if [ -d "$prebuilt/mpi4py" ]; then
+        export PYTHONPATH=$PWD/$prebuilt:$PYTHONPATH
+        say "mpi4py: the one prebuilt in $prebuilt"
+    else
+        compgen -G ".devbundle/mpi4py-*.tar.gz" >/dev/null || { say "no mpi4py source in .devbundle"; exit 2; }
+        run mpi4py 240 "$PY" -m pip install -q --no-index --no-build-isolation --no-deps --target /tmp/eddis-site \
+            .devbundle/mpi4py-*.tar.gz || { say "mpi4py did not build against the bundle's MPI: see $out/mpi4py.log"; exit 1; }
+        export PYTHONPATH=/tmp/eddis-site:$PYTHONPATH
+    fi
 fi
+say "mpi: $(mpirun --version 2>&1 | head -n 1); ucx: $(ucx_info -v 2>&1 | grep -m1 -i 'version' | tr -d '#'); mpi4py: $("$PY" -c \
+    'import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(mpi4py.__version__, mpi4py.__file__, MPI.Get_library_version().splitlines()[0])' 2>&1 | tr -d '\0' | tail -n 1)"
 say "python: $("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)' 2>&1)"
 
 # --- build: a missing extension is a failure of the check, never a skip
