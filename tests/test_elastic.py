@@ -10,6 +10,7 @@ lost rank still stops the job (tests/test_launch_local.py). Sync refuses elastic
 import json
 import os
 import re
+import sys
 
 import h5py
 import numpy as np
@@ -39,6 +40,10 @@ def elastic_train(tmp_path, mode, *args, timeout=300, total=TOTAL, ranks=4, trai
     proc = run_process_group(["eddis-train", "--local", "-n", str(ranks), str(trainer), "--out", str(out),
                               *mode_args, "--total", str(total), *map(str, args)],
                              environ, timeout, cwd=str(REPO))
+    # whole, for a failure's report: an assertion's message is cut short, and the warnings
+    # of a run that went wrong say which rank took over what, and when
+    print(f"--- {tmp_path.name}: eddis-train exited {proc.returncode}\n{proc.stdout}")
+    print(proc.stderr, file=sys.stderr)
     results = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
     return proc, results, out
 
