@@ -159,7 +159,8 @@ class _DistributedOptimizer:
     def _eddis_mark(self, bucket):
         self._eddis_hetero.before_push()  # simulated slowdown: before gradients leave
         fence = None
-        if self._eddis_stream is not None:
+        # passthrough stages nothing on the side stream: an event there would guard nothing
+        if self._eddis_stream is not None and not self._eddis_passthrough:
             event = torch.cuda.Event()
             event.record(self._eddis_stream)
             fence = _CudaFence(event)
