@@ -1,6 +1,6 @@
 """EDDIS vs torch DDP (and Horovod where installed) on the same models, side by side.
 
-    python bench/compare_torch.py [--ranks 2] [--rounds 2] [--models compute,comm]
+    python bench/compare_torch.py [--ranks 2] [--rounds 2] [--models compute,comm[,resnet18]]
 
 Launches ``mpirun -n RANKS`` once; inside, every contender trains the same
 model on the same per-rank batch, in interleaved rounds (so load from other
@@ -28,7 +28,10 @@ the step: what is left is EDDIS's own cost).
 
 Models: ``compute`` (a small CNN, 2.2 M parameters, 32 samples per rank:
 compute-bound) and ``comm`` (wide fully-connected layers, 25 M parameters =
-100 MB of fp32 gradients, 8 samples per rank: communication-bound).
+100 MB of fp32 gradients, 8 samples per rank: communication-bound), and for the
+single-rank run on a GPU ``resnet18`` (torchvision's, 64 images of 224 x 224): on a
+GPU the two small models step in 1-2 ms, where a fixed host-side cost per step
+weighs far more than in real training.
 
 EDDIS sync talks to an ``smb-server`` process started here (as ``eddis-train
 --local`` and the Slurm job script run it); ``--server embedded`` uses the
@@ -49,7 +52,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {"compute": {"batch": 32, "warmup": 3, "steps": 20},
-          "comm": {"batch": 8, "warmup": 2, "steps": 10}}
+          "comm": {"batch": 8, "warmup": 2, "steps": 10},
+          # torchvision's, on ImageNet-sized images: a GPU step of real size for the
+          # single-rank overhead (--device cuda); far too slow for the ranks' CPU run
+          "resnet18": {"batch": 64, "warmup": 3, "steps": 20}}
 CONTENDERS = ["ddp", "ddp-fp16", "ddp-bf16", "eddis-sync", "eddis-sync-fp16", "eddis-sync-bf16",
               "eddis-allreduce", "horovod", "horovod-fp16"]
 
@@ -65,10 +71,17 @@ def build_model(name):
             nn.MaxPool2d(2), nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Flatten(), nn.Linear(128 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10))
         shape = (3, 32, 32)
-    else:
+    elif name == "comm":
         model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
                               nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
         shape = (1024,)
+    else:
+        try:
+            import torchvision
+        except ImportError as exc:
+            raise SystemExit(f"--models {name} needs torchvision: pip install torchvision") from exc
+        model = torchvision.models.resnet18(num_classes=10)
+        shape = (3, 224, 224)
     return model, shape
 
 
@@ -337,6 +350,9 @@ def main():
     if args.worker:
         return worker(args)
     models = args.models.split(",")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        p.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     if args.ranks > 1:
         print(f"== {args.ranks} ranks ==", flush=True)
         best = launch(args.ranks, args)

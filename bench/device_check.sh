@@ -15,6 +15,8 @@
 #      models as the noise floor) and the timeline overhead on a ResNet-18;
 #   4. bench/compare_torch.py with 4 ranks on the host's cores;
 #   5. summary.txt: each step's status, the test counts and every figure.
+# DEVICE_CHECK_STEPS (comma-separated, default all: tests,overhead-gpu,timeline-gpu,
+# compare-4-ranks) runs only those steps, for a rerun of what failed or changed.
 # Where no GPU is visible the CUDA steps say so in one line and are counted as
 # skipped, never as passed. The script's status is 0 only if no step failed.
 set -u -o pipefail
@@ -28,6 +30,12 @@ start=$SECONDS
 failed=0
 cpus=$(getconf _NPROCESSORS_ONLN)   # before OMP_NUM_THREADS=1, which nproc would obey
 say() { echo "device_check: $*" | tee -a "$summary"; }
+all_steps=tests,overhead-gpu,timeline-gpu,compare-4-ranks
+steps=${DEVICE_CHECK_STEPS:-$all_steps}
+for step in ${steps//,/ }; do
+    [[ ",$all_steps," == *",$step,"* ]] || { echo "device_check: DEVICE_CHECK_STEPS: no step $step (steps: $all_steps)" >&2; exit 2; }
+done
+wanted() { [[ ",$steps," == *",$1,"* ]]; }
 left() { echo $((budget - (SECONDS - start))); }
 # run NAME SECONDS CMD...: one step, bounded, its output in $out/NAME.log
 run() {
@@ -119,32 +127,45 @@ gpu=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null
 [ "$gpu" = 1 ] || say "no CUDA GPU visible to torch: the CUDA steps below are SKIPPED, not passed"
 
 # --- 1 and 2: the CUDA tests and the timeline/overlap tests
-run tests 270 "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
-    tests/test_torch_cuda.py tests/test_torch_overlap.py tests/test_timeline_runtime.py
-tail -n 15 "$out/tests.log" | grep -E "passed|failed|skipped|error|SKIPPED" | sed 's/^/device_check: tests: /' \
-    | tee -a "$summary"
+if wanted tests; then
+    run tests 270 "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
+        tests/test_torch_cuda.py tests/test_torch_overlap.py tests/test_timeline_runtime.py
+    tail -n 15 "$out/tests.log" | grep -E "passed|failed|skipped|error|SKIPPED" | sed 's/^/device_check: tests: /' \
+        | tee -a "$summary"
+fi
 
-# --- 3: overhead on the GPU (single rank)
+# --- 3: overhead on the GPU (single rank): the small models step in 1-2 ms there, so
+# ResNet-18 on 224 x 224 images gives the figure of a step of real size beside them
 if [ "$gpu" = 1 ]; then
-    run overhead-gpu 120 "$PY" bench/compare_torch.py --ranks 1 --models compute,comm --device cuda \
-        --single-rounds 30 --single-launches 1
-    grep -E "^\| (compute|comm)," "$out/overhead-gpu.log" | sed 's/^/device_check: overhead-gpu: /' | tee -a "$summary"
-    run timeline-gpu 90 "$PY" bench/timeline_overhead.py --device cuda --model resnet18 --steps 200
-    tail -n 6 "$out/timeline-gpu.log" | sed 's/^/device_check: timeline-gpu: /' | tee -a "$summary"
+    if wanted overhead-gpu; then
+        models=compute,comm
+        if "$PY" -c "import torchvision" 2>/dev/null; then models=resnet18,$models
+        else say "overhead-gpu: no torchvision, so no ResNet-18 (compute and comm only)"; fi
+        run overhead-gpu 180 "$PY" bench/compare_torch.py --ranks 1 --models "$models" --device cuda \
+            --single-rounds 30 --single-launches 1
+        grep -E "^\| (resnet18|compute|comm)," "$out/overhead-gpu.log" | sed 's/^/device_check: overhead-gpu: /' \
+            | tee -a "$summary"
+    fi
+    if wanted timeline-gpu; then
+        run timeline-gpu 90 "$PY" bench/timeline_overhead.py --device cuda --model resnet18 --steps 200
+        tail -n 6 "$out/timeline-gpu.log" | sed 's/^/device_check: timeline-gpu: /' | tee -a "$summary"
+    fi
 else
-    say "overhead-gpu: SKIPPED (no GPU)"
-    say "timeline-gpu: SKIPPED (no GPU)"
+    wanted overhead-gpu && say "overhead-gpu: SKIPPED (no GPU)"
+    wanted timeline-gpu && say "timeline-gpu: SKIPPED (no GPU)"
 fi
 
 # --- 4: the many-core figure: 4 ranks on the host's CPUs
 # the contenders of the old 0.82x figure: DDP and EDDIS sync, plain and fp16 on the wire
 compare=(--ranks 4 --rounds 2 --models compute,comm --contenders ddp,ddp-fp16,eddis-sync,eddis-sync-fp16)
-if [ "$cpus" -lt 8 ]; then
+if [ "$cpus" -lt 8 ] && wanted compare-4-ranks; then
     say "compare-4-ranks: only $cpus CPUs here, so one round of the comm model: the figure means something on the 16-core host only"
     compare=(--ranks 4 --rounds 1 --models comm --contenders ddp,eddis-sync)
 fi
-run compare-4-ranks 150 "$PY" bench/compare_torch.py "${compare[@]}" --skip-single
-grep -E "^\|" "$out/compare-4-ranks.log" | sed 's/^/device_check: compare-4-ranks: /' | tee -a "$summary"
+if wanted compare-4-ranks; then
+    run compare-4-ranks 150 "$PY" bench/compare_torch.py "${compare[@]}" --skip-single
+    grep -E "^\|" "$out/compare-4-ranks.log" | sed 's/^/device_check: compare-4-ranks: /' | tee -a "$summary"
+fi
 
 say "done in $((SECONDS - start))s, $([ $failed = 0 ] && echo 'no step failed' || echo 'SOME STEPS FAILED')"
 exit $failed
