@@ -335,6 +335,16 @@ register("EDDIS_STARTED_FILE", "path", None,
          "Elastic runs: where this rank notes that its training started (it passed the set-up every "
          "rank takes part in; eddis.smb.rundir.note_training_started). A rank lost before then fails "
          "the start, since the others may wait for it in a start-up collective.", internal=True)
+register("EDDIS_INIT_FILE", "path", None,
+         "Where this rank notes that eddis.init() returned (MPI's start-up is over; "
+         "eddis.smb.rundir.note_initialized). A rank that crashed before then is a start-up crash "
+         "(EDDIS_START_RETRIES).", internal=True)
+register("EDDIS_START_RETRIES", "int", 1,
+         "How many times a Slurm job starts its smb-servers and trainers again when the root cause "
+         "of their failure is a rank that crashed (SIGSEGV, SIGBUS, SIGABRT, SIGILL, SIGFPE) before "
+         "eddis.init() returned. Open MPI 4.1 under Slurm's PMIx rarely crashes inside MPI_Init "
+         "(about one start in 250 on a loaded node, docs/reliability.md). Counted apart from "
+         "EDDIS_MAX_RESTARTS; 0: never.")
 register("EDDIS_STOP_GRACE", "float", 5.0,
          "Seconds a trainer gets after SIGTERM (a peer failed, or the job was cancelled) "
          "before eddis-train kills it with SIGKILL.")
@@ -379,7 +389,7 @@ register("EDDIS_SPARE_NODES", "int", 0,
          "of one hetjob component only.")
 register("EDDIS_RESTART_COUNT", "int", 0,
          "How many times the launcher has restarted the trainers in this allocation "
-         "(EDDIS_MAX_RESTARTS).", internal=True)
+         "(EDDIS_MAX_RESTARTS and EDDIS_START_RETRIES together).", internal=True)
 register("EDDIS_LIVENESS_TIMEOUT", "float", 30.0,
          "Seconds a trainer or smb-server may go without a heartbeat to its eddis-train supervisor "
          "(or stay stopped, e.g. by SIGSTOP) before it counts as hung: its Python stack is dumped, it "

@@ -3,7 +3,9 @@ run interrupted and resumed any number of times must end with the parameters of 
 uninterrupted run. Usage: resumable_sync.py STEPS OUT.npz [SECONDS_PER_STEP]
 
 ``TEST_CRASH_AFTER_STEP=N``: rank 1 kills itself after step N on the launcher's first attempt
-(EDDIS_RESTART_COUNT 0), as a node that fails mid-run would."""
+(EDDIS_RESTART_COUNT 0), as a node that fails mid-run would. 
+``TEST_CRASH_BEFORE_INIT=first`` (``always``): rank 1 dies of SIGSEGV before eddis.init() on the
+launcher's first attempt (on every attempt), as a rank that Open MPI crashes in MPI_Init does."""
 import os
 import signal
 import sys
@@ -17,6 +19,11 @@ import eddis.torch as eddis
 steps, out = int(sys.argv[1]), sys.argv[2]
 pause = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
 crash_at = int(os.environ.get("TEST_CRASH_AFTER_STEP", "-1"))
+crash_before_init = os.environ.get("TEST_CRASH_BEFORE_INIT")
+if crash_before_init and os.environ["EDDIS_RANK"] == "1" and (
+        crash_before_init == "always" or os.environ.get("EDDIS_RESTART_COUNT", "0") == "0"):
+    # os.kill, not a real fault: the supervisor sees the same death by SIGSEGV
+    os.kill(os.getpid(), signal.SIGSEGV)
 eddis.init()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))

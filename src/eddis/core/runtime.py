@@ -128,6 +128,9 @@ def init():
                 checkpoint.install_signal_handler(signal.SIGTERM)   # Slurm's preemption notice
             checkpoint.request_from_run_dir()     # a request sent before the handler was in place
         atexit.register(_exit_hook)
+        from ..smb import rundir
+
+        rundir.note_initialized()
         if sys.excepthook is _previous_excepthook:
             sys.excepthook = _excepthook
 

@@ -59,7 +59,7 @@ from ..errors import ConfigError, JobSignalled, NodeFailureError
 from . import jobsteps, mpirun_step, placement, preemption
 from .hostlist import expand_hostlist
 from .elastic import elastic_run, elastic_status, survives_server_loss
-from .report import LAUNCH_DIR, request_servers_stop, request_stop, root_cause
+from .report import LAUNCH_DIR, describe_failure, request_servers_stop, request_stop, root_cause, start_up_crash
 
 SERVER_STEP_NAME = "smb-server"
 TRAINER_STEP_NAME = jobsteps.TRAINER_STEP_NAME
@@ -497,14 +497,40 @@ class Job:
             warning = placement.spares_without_no_kill(spares, job_no_kill(self.job_id))
             if warning is not None:
                 say(f"eddis_job: {warning}", sys.stderr)
-        restarts = 0
+        restarts = retries = 0
         while True:
             status = self._attempt()
-            if not self._restart_after(status, restarts):
+            if self._retry_start_up(status, retries):
+                retries += 1
+            elif self._restart_after(status, restarts):
+                restarts += 1
+            else:
                 return status
-            restarts += 1
-            os.environ["EDDIS_RESTART_COUNT"] = str(restarts)
+            os.environ["EDDIS_RESTART_COUNT"] = str(restarts + retries)
             self.run_dir = jobsteps.create_run_dir(self.run_dir)  # the failed attempt's records are reported
+
+    def _retry_start_up(self, status, retries):
+        """Whether to run the steps again after a rank crashed before its eddis.init() returned
+        (EDDIS_START_RETRIES): Open MPI 4.1 under Slurm's PMIx crashes inside MPI_Init about
+        once in 250 starts on a loaded node, and a second start does not meet the same race."""
+        from .. import settings
+
+        if status in (0, INTERRUPTED_STATUS, SIGNALLED_STATUS) or self.signals.stopping is not None:
+            return False
+        crash = start_up_crash(self.run_dir)
+        if crash is None:
+            return False
+        limit = settings.get("EDDIS_START_RETRIES")
+        what = f"{describe_failure(crash)} before eddis.init() returned"
+        if retries >= limit:
+            if limit > 0:
+                say(f"eddis_job: {what}, again after {retries} start retry(ies) (EDDIS_START_RETRIES={limit})",
+                    sys.stderr)
+            return False
+        say(f"eddis_job: {what}: a crash in the start-up (Open MPI 4.1 under Slurm's PMIx crashes inside "
+            f"MPI_Init about once in 250 starts); starting the smb-servers and trainers again (start retry "
+            f"{retries + 1} of {limit}, EDDIS_START_RETRIES)", sys.stderr)
+        return True
 
     def _restart_after(self, status, restarts):
         """Whether to run the steps again after they ended with ``status`` (EDDIS_MAX_RESTARTS)."""

@@ -7,6 +7,7 @@ Layout under the run directory, one folder per launch (a Slurm step or one
     launch/<key>/exits/<rank>.json     written at the end: code, signal, why
     launch/<key>/failures/<rank>.json  only for a rank whose trainer failed on its own (or hung)
     launch/<key>/training/<rank>.json  elastic runs: written by the trainer once its set-up is over
+    launch/<key>/initialized/<rank>.json  written by the trainer once eddis.init() returned
     launch/smb-servers/started|exits|failures/<index>.json   the same for the smb-servers
     launch/stop                        written by a launcher that wants every rank to stop
 
@@ -35,6 +36,9 @@ SERVERS_KEY = "smb-servers"  # launch/smb-servers/: the records of the smb-serve
 # error of a dead server's connection reaches a rank about as fast as the exit reaches the
 # server's supervisor, and a hung server is found only after EDDIS_LIVENESS_TIMEOUT anyway.
 SERVER_FAILURE_SLACK = 5.0
+# what a process dies of when it crashes (rather than being stopped): before eddis.init()
+# returned, the start-up crash of EDDIS_START_RETRIES
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
 
 
 def request_stop(run_dir, reason, signum=signal.SIGTERM):
@@ -160,6 +164,7 @@ class LaunchRecords:
         self.exits = self.root / "exits"
         self.failures = self.root / "failures"
         self.training = self.root / "training"
+        self.initialized = self.root / "initialized"
 
     def start(self, rank, record):
         write_json_atomic(self.ranks / f"{rank}.json", record)
@@ -176,6 +181,13 @@ class LaunchRecords:
 
     def has_started(self, rank):
         return self.started_file(rank).exists()
+
+    def init_file(self, rank):
+        """Where the trainer of ``rank`` notes that eddis.init() returned (EDDIS_INIT_FILE)."""
+        return self.initialized / f"{rank}.json"
+
+    def has_initialized(self, rank):
+        return self.init_file(rank).exists()
 
     def failure_names(self):
         try:
@@ -238,6 +250,19 @@ def root_cause(run_dir):
         if server["time"] - first.get("time", 0.0) <= SERVER_FAILURE_SLACK:
             first = server
     return first, [first] + [f for f in failures if f is not first], exits
+
+
+def start_up_crash(run_dir):
+    """The root cause of the latest failed launch when it is a rank that crashed (a signal of
+    CRASH_SIGNALS) before its eddis.init() returned, else None."""
+    first, _, _ = root_cause(run_dir)
+    if first is None or "server" in first or first.get("why") == "hung" \
+            or first.get("signal") not in CRASH_SIGNALS:
+        return None
+    for records in reversed(launches(run_dir)):
+        if records.failure_names():
+            return None if records.has_initialized(first.get("rank")) else first
+    return None
 
 
 def format_report(first, failures, exits, run_dir=None, job_code=None):

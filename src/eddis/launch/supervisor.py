@@ -216,6 +216,7 @@ class Supervisor:
         env.setdefault("OMP_NUM_THREADS", default_threads(self.env, self.info.local_size))
         if self.elastic:
             env["EDDIS_STARTED_FILE"] = str(self.records.started_file(self.info.rank))
+        env["EDDIS_INIT_FILE"] = str(self.records.init_file(self.info.rank))
         shm.prepare(env)
         return env
 

@@ -38,6 +38,15 @@ def note_training_started():
     write_json_atomic(path, {"pid": os.getpid(), "time": time.time()})
 
 
+def note_initialized():
+    """Say to this rank's eddis-train supervisor (EDDIS_INIT_FILE) that eddis.init() returned:
+    a crash after it is no start-up crash (EDDIS_START_RETRIES); nothing outside eddis-train."""
+    path = settings.get("EDDIS_INIT_FILE")
+    if not path:
+        return
+    write_json_atomic(path, {"pid": os.getpid(), "time": time.time()})
+
+
 def write_json_atomic(target, record, indent=None):
     """``record`` as JSON into ``target`` (its folders made if missing): a file of this process
     first, then renamed, so that a reader (another node's, through a shared file system) sees
