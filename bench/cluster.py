@@ -322,6 +322,11 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
     pause(args.marker_dir, f"{contender}-2", comm, rank)
     if hasattr(opt, "close"):
         opt.close()
+    if contender == "horovod":
+        import horovod.torch as hvd
+
+        # its background thread would go on polling beside every later contender of the job
+        hvd.shutdown()
     if ddp:
         del net
     return {"contender": contender, "samples": total_samples, "wall_s": max(walls),
