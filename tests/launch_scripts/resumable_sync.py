@@ -3,7 +3,7 @@ run interrupted and resumed any number of times must end with the parameters of 
 uninterrupted run. Usage: resumable_sync.py STEPS OUT.npz [SECONDS_PER_STEP]
 
 ``TEST_CRASH_AFTER_STEP=N``: rank 1 kills itself after step N on the launcher's first attempt
-(EDDIS_RESTART_COUNT 0), as a node that fails mid-run would. 
+(EDDIS_RESTART_COUNT 0), as a node that fails mid-run would.
 ``TEST_CRASH_BEFORE_INIT=first`` (``always``): rank 1 dies of SIGSEGV before eddis.init() on the
 launcher's first attempt (on every attempt), as a rank that Open MPI crashes in MPI_Init does."""
 import os

@@ -500,23 +500,23 @@ class Job:
         restarts = retries = 0
         while True:
             status = self._attempt()
-            if self._retry_start_up(status, retries):
+            if status in (0, INTERRUPTED_STATUS, SIGNALLED_STATUS) or self.signals.stopping is not None:
+                return status  # done, or stopped on purpose (Ctrl-C, scancel): nothing to run again
+            if self._retry_start_up(retries):
                 retries += 1
-            elif self._restart_after(status, restarts):
+            elif self._restart_after(restarts):
                 restarts += 1
             else:
                 return status
             os.environ["EDDIS_RESTART_COUNT"] = str(restarts + retries)
             self.run_dir = jobsteps.create_run_dir(self.run_dir)  # the failed attempt's records are reported
 
-    def _retry_start_up(self, status, retries):
+    def _retry_start_up(self, retries):
         """Whether to run the steps again after a rank crashed before its eddis.init() returned
         (EDDIS_START_RETRIES): Open MPI 4.1 under Slurm's PMIx crashes inside MPI_Init about
         once in 250 starts on a loaded node, and a second start does not meet the same race."""
         from .. import settings
 
-        if status in (0, INTERRUPTED_STATUS, SIGNALLED_STATUS) or self.signals.stopping is not None:
-            return False
         crash = start_up_crash(self.run_dir)
         if crash is None:
             return False
@@ -532,13 +532,13 @@ class Job:
             f"{retries + 1} of {limit}, EDDIS_START_RETRIES)", sys.stderr)
         return True
 
-    def _restart_after(self, status, restarts):
-        """Whether to run the steps again after they ended with ``status`` (EDDIS_MAX_RESTARTS)."""
+    def _restart_after(self, restarts):
+        """Whether to run the steps again after the trainers failed (EDDIS_MAX_RESTARTS)."""
         from .. import settings
 
         limit = settings.get("EDDIS_MAX_RESTARTS")
-        if status in (0, INTERRUPTED_STATUS, SIGNALLED_STATUS) or self.signals.stopping is not None or limit <= 0:
-            return False  # done, or stopped on purpose (Ctrl-C, scancel): nothing to restart
+        if limit <= 0:
+            return False
         if restarts >= limit:
             say(f"eddis_job: the trainers failed again after {restarts} restart(s) (EDDIS_MAX_RESTARTS={limit}); "
                 "the job ends", sys.stderr)

@@ -228,6 +228,16 @@ def server_records(run_dir):
     return ServerRecords(run_dir)
 
 
+def _latest_failed(every):
+    """(records, failure records) of the newest of the launches ``every`` with a failure,
+    else (None, [])."""
+    for records in reversed(every):
+        failed = read_records(records.failures)
+        if failed:
+            return records, failed
+    return None, []
+
+
 def root_cause(run_dir):
     """(root-cause record, all failure records, exit records) of the latest failed launch.
 
@@ -235,12 +245,8 @@ def root_cause(run_dir):
     failed more than SERVER_FAILURE_SLACK s before it."""
     servers = read_records(server_records(run_dir).failures)
     every = launches(run_dir)
-    ranks, exits = [], read_records(every[-1].exits) if every else []
-    for records in reversed(every):
-        failed = read_records(records.failures)
-        if failed:
-            ranks, exits = failed, read_records(records.exits)
-            break
+    latest, ranks = _latest_failed(every)
+    exits = read_records((latest or every[-1]).exits) if every else []
     failures = sorted(servers + ranks, key=lambda r: r.get("time", 0.0))
     if not failures:
         return None, [], exits
@@ -259,10 +265,8 @@ def start_up_crash(run_dir):
     if first is None or "server" in first or first.get("why") == "hung" \
             or first.get("signal") not in CRASH_SIGNALS:
         return None
-    for records in reversed(launches(run_dir)):
-        if records.failure_names():
-            return None if records.has_initialized(first.get("rank")) else first
-    return None
+    latest, _ = _latest_failed(launches(run_dir))   # the root cause's launch
+    return None if latest.has_initialized(first.get("rank")) else first
 
 
 def format_report(first, failures, exits, run_dir=None, job_code=None):

@@ -32,19 +32,19 @@ def note_training_started():
     """Elastic runs: say to this rank's eddis-train supervisor (EDDIS_STARTED_FILE) that the
     set-up every rank takes part in is over, so that from now on its loss leaves the others
     training; nothing outside eddis-train."""
-    path = settings.get("EDDIS_STARTED_FILE")
-    if not path:
-        return
-    write_json_atomic(path, {"pid": os.getpid(), "time": time.time()})
+    _note_to_supervisor("EDDIS_STARTED_FILE")
 
 
 def note_initialized():
     """Say to this rank's eddis-train supervisor (EDDIS_INIT_FILE) that eddis.init() returned:
     a crash after it is no start-up crash (EDDIS_START_RETRIES); nothing outside eddis-train."""
-    path = settings.get("EDDIS_INIT_FILE")
-    if not path:
-        return
-    write_json_atomic(path, {"pid": os.getpid(), "time": time.time()})
+    _note_to_supervisor("EDDIS_INIT_FILE")
+
+
+def _note_to_supervisor(setting):
+    path = settings.get(setting)
+    if path:
+        write_json_atomic(path, {"pid": os.getpid(), "time": time.time()})
 
 
 def write_json_atomic(target, record, indent=None):
