@@ -52,11 +52,20 @@ def current():
 
 
 def should_stop():
-    """progress.should_stop(), noting when the loop's wait ended (not compute time)."""
+    """progress.should_stop(), noting when the loop's wait ended (not compute time).
+
+    A rank that stops before its first step (the others claimed every iteration left, as
+    after a resume near the total) still passes the centre variable's initialization, where
+    the others wait for it at their first step; its end-of-training collectives then meet
+    theirs."""
     try:
-        return progress.should_stop()
+        stop = progress.should_stop()
     finally:
         _loop_mark[0] = time.perf_counter()
+    state = _current[0]
+    if stop and state is not None and state.needs_centre:
+        state.init_centre()
+    return stop
 
 
 class HeteroStep:
@@ -309,6 +318,12 @@ class HeteroStep:
     def final_model(self):
         """Collective: make every rank's parameters the job's final model
         (easgd/hybrid: the centre variable; otherwise nothing to do)."""
+        if self.plan is None and self.mode in ("easgd", "hybrid") and self.size > 1:
+            raise UsageError(
+                f"mode {self.mode}: this rank's DistributedOptimizer never saw the parameters (it "
+                "took no training step, and nothing built it), so it cannot meet the others' "
+                "centre variable set-up; build the optimizer on every rank before training "
+                "(Keras: optimizer.build(model.trainable_variables), or eddis.resume(...))")
         if self.averager is None:
             return
         if self._centre_freed:

@@ -90,6 +90,11 @@ def _bind(model, optimizer):
     participant = KerasParticipant(model, optimizer)
     if isinstance(optimizer, _DistributedOptimizer):
         optimizer._eddis.checkpointing = participant   # its periodic checkpoints
+        if not optimizer.built:
+            # collective, as resume and checkpoint are: the reduction and the centre variable
+            # are set up (and a resumed centre restored) now, not at a first step that a rank
+            # may never take when the others claim the iterations left
+            optimizer.build(model.trainable_variables)
         return optimizer.hetero, participant
     # a plain optimizer steps with no EDDIS code in its step: explicit checkpoints and commits only
     run = PlainOptimizerRun(settings.get("EDDIS_MODE"), lambda: optimizer.iterations.numpy(),

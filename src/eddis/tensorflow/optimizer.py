@@ -68,6 +68,12 @@ class _DistributedOptimizer:
     def variables(self):
         return _VariableList(super(_DistributedOptimizer, self).variables)
 
+    def build(self, variables):
+        """Keras's build, and the reduction of ``variables`` set up with it (collective): a
+        rank that ends up taking no step has then still met the others' set-up collectives."""
+        super(_DistributedOptimizer, self).build(variables)
+        self._eddis_reducer_for(list(variables))
+
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         if trainable_variables is None:
