@@ -174,10 +174,11 @@ def run_eddis(args, name, rank, size, global_batch, total_iterations, xtr, ytr, 
     model = make_model()
     mode = {"sync": "sync", "balanced": "sync", "easgd": "easgd", "hybrid": "hybrid"}[name]
     sync_like = mode == "sync"
-    # The linear scaling rule: 0.2 for the global batch of 4 x 64 in sync, 0.05 per rank's 64
-    # in easgd, and in hybrid 0.05 x the group's ranks, whose gradients it averages.
+    # 0.2, the rate of the global batch of 4 x 64, in every mode (docs/heterogeneous.md: the
+    # exchanges average the workers' moves); --local-lr: each worker's own batch's rate, 0.05 per
+    # rank's 64 in easgd and 0.05 x the group's ranks in hybrid
     group_size = [float(c) for c in args.factors].count(float(args.factors[rank]))
-    lr = {"sync": 0.2, "easgd": 0.05, "hybrid": 0.05 * group_size}[mode]
+    lr = {"sync": 0.2, "easgd": 0.05, "hybrid": 0.05 * group_size}[mode] if args.local_lr else 0.2
     opt = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
                                      named_parameters=model.named_parameters(), mode=mode,
                                      balance=name == "balanced")
@@ -287,7 +288,7 @@ def launch(config, args, tmp):
                 sys.executable, __file__, "--worker", "--factors", config, "--out", str(out),
                 "--samples", str(args.samples), "--target-loss", str(args.target_loss),
                 "--solo-steps", str(args.solo_steps), "--port", str(port), "--device-ms", str(args.device_ms),
-                "--contenders", ",".join(args.contenders)]
+                "--contenders", ",".join(args.contenders)] + (["--local-lr"] if args.local_lr else [])
     server = None
     if args.server == "external":
         sys.path.insert(0, str(REPO / "src"))
@@ -340,6 +341,9 @@ def main(argv=None):
                    help="simulated GPU time per sample at factor 1, in ms (0: stretch the CPU compute "
                         "with EDDIS_SIMULATE_SLOWDOWN instead)")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--local-lr", action="store_true",
+                   help="easgd/hybrid step at their worker's own batch's learning rate (the rule "
+                        "before 2026-12-04), not the global batch's")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", default=None, help="also write all figures to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -45,7 +45,9 @@ def main():
     p.add_argument("--iterations", type=int, default=1600,
                    help="total iterations of --batch samples, all ranks together")
     p.add_argument("--batch", type=int, default=32, help="samples per rank and iteration")
-    p.add_argument("--lr", type=float, default=None, help="default: 0.2 for sync, 0.05 otherwise")
+    p.add_argument("--lr", type=float, default=0.2,
+                   help="the rate of synchronous training at the global batch, in every mode: easgd's "
+                        "and hybrid's exchanges average the workers' moves (docs/heterogeneous.md)")
     p.add_argument("--checkpoint", default="hetero_model.pt")
     args = p.parse_args()
 
@@ -54,8 +56,7 @@ def main():
     xtr, ytr, xte, yte = load_digits()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-    lr = args.lr if args.lr is not None else (0.2 if args.mode == "sync" else 0.05)
-    optimizer = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+    optimizer = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
                                            named_parameters=model.named_parameters(),
                                            mode=args.mode, balance=args.balance)
     eddis.broadcast_parameters(model.state_dict(), root_rank=0)
