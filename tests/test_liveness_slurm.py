@@ -105,12 +105,17 @@ def test_a_stopped_or_killed_server_is_the_root_cause(slurm_cluster, job_env, tm
 
 
 @pytest.mark.timeout(240)
-def test_every_rank_failing_at_once_reports_and_keeps_their_status(slurm_cluster, job_env, tmp_path):
+@pytest.mark.parametrize("trainer", [[TRAINER, "--steps", "50", "--fail-rank", "-2", "--fail-step", "2"],
+                                     [SMB_TRAINER, "--steps", "50", "--fail-all"]], ids=["mpi", "eddis"])
+def test_every_rank_failing_at_once_reports_and_keeps_their_status(slurm_cluster, job_env, tmp_path, trainer):
+    """Plain MPI ranks, and ranks of the EDDIS runtime on the job's smb-servers (whose exit
+    would abort the MPI job, which under srun ends the supervisors too, if the trainer's
+    runner did not end the process first)."""
     out = tmp_path / "job.out"
     # The old wait for the peers' exit records: EDDIS_STOP_GRACE + 10 s = 70 s, then PMIx killed them.
     env = dict(job_env, EDDIS_STOP_GRACE="60")
     began = time.monotonic()
-    job_id = sbatch(slurm_cluster, env, out, TRAINER, "--steps", "50", "--fail-rank", "-2", "--fail-step", "2")
+    job_id = sbatch(slurm_cluster, env, out, *trainer)
     state, code = wait_job_end(slurm_cluster, job_id, BOUND, out)
     took = time.monotonic() - began
     text = out.read_text()

@@ -12,6 +12,7 @@ import eddis.core as core
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=5)
 p.add_argument("--step-seconds", type=float, default=0.1)
+p.add_argument("--fail-all", action="store_true")
 args = p.parse_args()
 
 core.init()
@@ -19,6 +20,8 @@ client = core.smb_client()
 rank, size = core.rank(), core.size()
 counters = [client.counter(f"test.steps.{s}", server=s) for s in range(client.num_servers)]
 for step in range(args.steps):
+    if args.fail_all and step == 2:
+        raise RuntimeError(f"injected failure on every rank (rank {rank}) at step {step}")
     for counter in counters:
         counter.fetch_add(1)
     client.barrier(f"test.step.{step}", size).wait()
