@@ -177,8 +177,10 @@ def run_eddis(args, name, rank, size, global_batch, total_iterations, xtr, ytr, 
     # 0.2, the rate of the global batch of 4 x 64, in every mode (docs/heterogeneous.md: the
     # exchanges average the workers' moves); --local-lr: each worker's own batch's rate, 0.05 per
     # rank's 64 in easgd and 0.05 x the group's ranks in hybrid
-    group_size = [float(c) for c in args.factors].count(float(args.factors[rank]))
-    lr = {"sync": 0.2, "easgd": 0.05, "hybrid": 0.05 * group_size}[mode] if args.local_lr else 0.2
+    lr = 0.2
+    if args.local_lr:
+        group_size = [float(c) for c in args.factors].count(float(args.factors[rank]))
+        lr = {"sync": 0.2, "easgd": 0.05, "hybrid": 0.05 * group_size}[mode]
     opt = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
                                      named_parameters=model.named_parameters(), mode=mode,
                                      balance=name == "balanced")

@@ -141,7 +141,7 @@ class HeteroStep:
         self.flat = np.empty(plan.total, dtype=np.float32)
         self.averager = None
         self._centre_ready = False
-        if self.mode in ("easgd", "hybrid") and self.size > 1:
+        if self.averages:
             self._setup_averaging()
         if self.global_batch is not None:
             self._set_weight(self.step)
@@ -260,6 +260,11 @@ class HeteroStep:
             rundir.note_training_started()
 
     @property
+    def averages(self):
+        """easgd/hybrid on several ranks: a centre variable, set up when the parameters attach."""
+        return self.mode in ("easgd", "hybrid") and self.size > 1
+
+    @property
     def needs_centre(self):
         return self.averager is not None and not self._centre_ready
 
@@ -318,7 +323,7 @@ class HeteroStep:
     def final_model(self):
         """Collective: make every rank's parameters the job's final model
         (easgd/hybrid: the centre variable; otherwise nothing to do)."""
-        if self.plan is None and self.mode in ("easgd", "hybrid") and self.size > 1:
+        if self.plan is None and self.averages:
             raise UsageError(
                 f"mode {self.mode}: this rank's DistributedOptimizer never saw the parameters (it "
                 "took no training step, and nothing built it), so it cannot meet the others' "

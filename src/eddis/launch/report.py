@@ -243,29 +243,34 @@ def root_cause(run_dir):
 
     Failed smb-servers take part: a server failure is the root cause unless a rank
     failed more than SERVER_FAILURE_SLACK s before it."""
+    return _root_cause_and_launch(run_dir)[:3]
+
+
+def _root_cause_and_launch(run_dir):
+    """root_cause's three, and the LaunchRecords of the latest launch with a rank's failure
+    (None when no rank failed)."""
     servers = read_records(server_records(run_dir).failures)
     every = launches(run_dir)
     latest, ranks = _latest_failed(every)
     exits = read_records((latest or every[-1]).exits) if every else []
     failures = sorted(servers + ranks, key=lambda r: r.get("time", 0.0))
     if not failures:
-        return None, [], exits
+        return None, [], exits, latest
     first = failures[0]
     if servers and "server" not in first:
         server = min(servers, key=lambda r: r.get("time", 0.0))
         if server["time"] - first.get("time", 0.0) <= SERVER_FAILURE_SLACK:
             first = server
-    return first, [first] + [f for f in failures if f is not first], exits
+    return first, [first] + [f for f in failures if f is not first], exits, latest
 
 
 def start_up_crash(run_dir):
     """The root cause of the latest failed launch when it is a rank that crashed (a signal of
     CRASH_SIGNALS) before its eddis.init() returned, else None."""
-    first, _, _ = root_cause(run_dir)
+    first, _, _, latest = _root_cause_and_launch(run_dir)   # latest: the root cause's launch
     if first is None or "server" in first or first.get("why") == "hung" \
             or first.get("signal") not in CRASH_SIGNALS:
         return None
-    latest, _ = _latest_failed(launches(run_dir))   # the root cause's launch
     return None if latest.has_initialized(first.get("rank")) else first
 
 

@@ -45,9 +45,13 @@ class KerasParticipant:
         self.model = model
         self.optimizer = optimizer
 
-    def _optimizer_variables(self):
+    def build_optimizer(self):
+        """Build the optimizer for the model's trainable variables, unless it is built."""
         if not self.optimizer.built:
             self.optimizer.build(self.model.trainable_variables)
+
+    def _optimizer_variables(self):
+        self.build_optimizer()
         return list(self.optimizer.variables)
 
     def write(self, path, include_model):
@@ -90,11 +94,10 @@ def _bind(model, optimizer):
     participant = KerasParticipant(model, optimizer)
     if isinstance(optimizer, _DistributedOptimizer):
         optimizer._eddis.checkpointing = participant   # its periodic checkpoints
-        if not optimizer.built:
-            # collective, as resume and checkpoint are: the reduction and the centre variable
-            # are set up (and a resumed centre restored) now, not at a first step that a rank
-            # may never take when the others claim the iterations left
-            optimizer.build(model.trainable_variables)
+        # collective, as resume and checkpoint are: the reduction and the centre variable are
+        # set up (and a resumed centre restored) now, not at a first step that a rank may never
+        # take when the others claim the iterations left
+        participant.build_optimizer()
         return optimizer.hetero, participant
     # a plain optimizer steps with no EDDIS code in its step: explicit checkpoints and commits only
     run = PlainOptimizerRun(settings.get("EDDIS_MODE"), lambda: optimizer.iterations.numpy(),
