@@ -12,6 +12,10 @@ eddis.launch.mpirun_step), one group per node in hybrid
   n2's server held (eddis.smb.mirror). The hybrid job runs with SMB_LOCAL_MAP=0, where a
   group's reduction pool once spread over every server: now on its own node's server only.
 
+- A node lost before its ranks' training started (the first rank on n2 waits before
+  eddis.init(); the test kills n2 as above): the others wait in MPI_Init or their first
+  collective, so the start fails, naming n2's ranks, once their supervisors' beats stand still.
+
 Stated: the survivors train until the global learning counter reaches exactly the total,
 the job ends COMPLETED 0:0, and its output says it finished degraded, naming the lost rank
 and host, or the lost node with its ranks and smb-server.
@@ -224,6 +228,19 @@ def job_processes_on(node, run_dir):
     return sorted(found)   # parents first: a supervisor must not see its child die and record it
 
 
+def kill_n2_once_paused(out, rank, run_dir):
+    """Once ``rank`` (the first on n2) paused: SIGKILL every process of the job on n2 at once,
+    as a node that dies takes them; the (PID, name) of those killed."""
+    wait_until(lambda: (out / f"paused.{rank}").exists(), 180, what="the first rank on n2 to pause")
+    victims = job_processes_on("n2", run_dir)
+    for pid, _ in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return victims
+
+
 # (components, mode, extra settings); the first rank on n2 pauses, and the test kills n2
 NODE_LOSS = {
     "one-component": (ONE_COMPONENT, "easgd", {}),
@@ -245,13 +262,7 @@ def test_elastic_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, case
     job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--pause-rank", lost_ranks[0],
                                           "--pause-step", KILL_STEP, components=components, mode=mode,
                                           EDDIS_CHECKPOINT_DIR=str(tmp_path / "checkpoints"), **settings)
-    wait_until(lambda: (out / f"paused.{lost_ranks[0]}").exists(), 180, what="the first rank on n2 to pause")
-    victims = job_processes_on("n2", tmp_path / "run")
-    for pid, _ in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    victims = kill_n2_once_paused(out, lost_ranks[0], tmp_path / "run")
     state = wait_job_end(slurm_cluster, job_id, 240, log)
     text = log.read_text(errors="replace")
     # n2's ranks and its smb-server, each under its supervisor; with 2 ranks a node beside Open
@@ -277,6 +288,37 @@ def test_elastic_job_trains_on_without_a_lost_node(slurm_cluster, tmp_path, case
             assert result["group_servers"] == [0], results   # n1's server, though not mapped
     assert (out / "model.pt").exists()
     assert "ROOT CAUSE" not in text, text[-4000:]
+
+
+# the first rank on n2 pauses before eddis.init(); the test kills n2 while rank 0 waits for it
+# in MPI_Init (srun) or in its first collective (mpirun)
+EARLY_NODE_LOSS = {"srun": ONE_COMPONENT, "mpirun": TWO_BY_TWO}
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(EARLY_NODE_LOSS))
+def test_elastic_job_fails_at_once_when_a_node_is_lost_before_its_training_started(slurm_cluster, tmp_path, case):
+    """A node lost before its ranks' training started leaves the others in a start-up
+    collective without a timeout; the launcher finds that n2's ranks stopped giving signs of
+    life (their supervisors' beats) and fails the start, naming them, instead of hanging."""
+    components = EARLY_NODE_LOSS[case]
+    per_node = components[0][2]
+    lost_ranks = list(range(per_node, 2 * per_node))
+    job_id, out, log = submit_elastic_job(slurm_cluster, tmp_path, "--pause-rank", lost_ranks[0],
+                                          "--pause-step", -1, components=components)
+    victims = kill_n2_once_paused(out, lost_ranks[0], tmp_path / "run")
+    state = wait_job_end(slurm_cluster, job_id, 180, log)
+    text = log.read_text(errors="replace")
+    # n2's ranks and its smb-server, each under its supervisor
+    assert len([pid for pid, name in victims if name != "orted"]) == 2 * (per_node + 1), (victims, text[-4000:])
+    assert state == ("FAILED", "1:0"), text[-4000:]
+    named = ", ".join(map(str, lost_ranks))
+    assert re.search(rf"^eddis-train: rank {named} on host n2 gave no sign of life for \d+ s before (its|their) "
+                     r"training started \(lost with (its|their) node\?\); failing the start", text, re.M), text[-4000:]
+    assert re.search(rf"^eddis-train: ROOT CAUSE: rank {lost_ranks[0]} on host n2 was lost before its training "
+                     r"started \(no sign of life", text, re.M), text[-4000:]
+    assert not list(out.glob("*.json")), text[-4000:]   # nobody trained
 
 
 STEP_SECONDS = 0.05   # the requeue test's steps: its 4 ranks take about 75 each

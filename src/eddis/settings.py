@@ -240,7 +240,9 @@ register("EDDIS_ELASTIC_LOST_AFTER", "float", 30.0,
          "Elastic runs: seconds a rank's heartbeat in SMB may stay still before the others count "
          "it as lost and stop waiting for it (staleness bound, checkpoints, final model, shutdown; "
          "a hybrid group then stops). As EDDIS_LIVENESS_TIMEOUT: the beat is a Python thread, so a call "
-         "that holds the GIL longer than this makes a live rank look lost.")
+         "that holds the GIL longer than this makes a live rank look lost. Before a rank's training "
+         "started its supervisor beats in the run dir instead, and a beat still for this long (at most "
+         "half of EDDIS_LIVENESS_TIMEOUT) fails the start: its node was lost.")
 register("EDDIS_ELASTIC_MIRROR", "bool", True,
          "Elastic runs on more than one smb-server: keep the training state in SMB (the centre "
          "variable, the learning and staleness counters, the heartbeats, the checkpoint schedule's "

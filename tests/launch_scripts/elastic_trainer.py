@@ -1,8 +1,8 @@
 """An easgd/hybrid trainer for the elastic tests (EDDIS_ELASTIC=1 under eddis-train --local).
 
 ``--kill-rank R --kill-step S`` and ``--await-loss``: see elastic_steps.py. ``--pause-rank R --pause-step S``: rank R writes
-``<out>/paused.R`` before its step S and waits there (at most PAUSE_SECONDS) for the test
-to kill its node. ``--groups G`` (hybrid): G groups of consecutive ranks, set
+``<out>/paused.R`` before its step S (S < 0: before eddis.init(), so before its training
+started) and waits there (at most PAUSE_SECONDS) for the test to kill its node. ``--groups G`` (hybrid): G groups of consecutive ranks, set
 as EDDIS_GROUP/EDDIS_NUM_GROUPS before eddis.init(), as the launcher does for the
 components of a Slurm hetjob. Every survivor writes ``<out>/<rank>.json`` (its
 steps, the global learning counter at the end, the servers of its hybrid group's
@@ -47,6 +47,9 @@ from eddis.core import checkpoint_run, runtime  # noqa: E402
 from eddis.smb.mirror import MirroredCounter  # noqa: E402
 
 elastic_steps.before_init(args)
+if args.pause_step < 0 and int(os.environ["EDDIS_RANK"]) == args.pause_rank:
+    open(os.path.join(args.out, f"paused.{args.pause_rank}"), "w").close()
+    time.sleep(PAUSE_SECONDS)
 eddis.init()
 rank = eddis.rank()
 torch.manual_seed(0)

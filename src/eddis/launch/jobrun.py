@@ -621,7 +621,8 @@ class Job:
         # srun can miss the end of a step whose ranks have all exited, and mpirun never learns
         # that the ranks of a lost node ended: the guard bounds that wait
         guard = threading.Thread(target=jobsteps.guard_trainer_step, args=(self.run_dir, self.trainer.pid),
-                                 kwargs={"elastic": self.trainer_by_mpirun}, name="trainer-guard", daemon=True)
+                                 kwargs={"elastic": self.trainer_by_mpirun, "watch_start": elastic_run()},
+                                 name="trainer-guard", daemon=True)
         guard.start()
         status = self._wait_trainers()
         guard.join(GUARD_JOIN_SECONDS)  # it returns once it finds srun's process gone

@@ -15,6 +15,7 @@ from .. import settings
 from ..errors import SMBServerError, SMBTimeoutError
 from .report import (LAUNCH_DIR, describe_exit, exit_status, finished_ranks, format_report, launches,
                      read_records, root_cause)
+from .startbeats import StartWatch, announce
 
 # what eddis-train and the job say when the trainers refused a checkpoint request (rank 0's
 # answer in the run dir) because it came after training had ended on some rank
@@ -234,7 +235,7 @@ def slurm_lists_step(name, env=None, timeout=10.0):
     return None if steps is None else bool(steps)
 
 
-def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None, elastic=False):
+def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None, elastic=False, watch_start=False):
     """Bound the job's wait for the trainers' srun (or an elastic run's mpirun).
 
     srun can miss the end of a step whose tasks have all exited (seen with
@@ -250,9 +251,13 @@ def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None, elastic=F
     training, the others get ``grace`` + EDDIS_ELASTIC_LOST_AFTER seconds (a live rank stops
     at its next step, having found the global counter at the total); then mpirun is ended the
     same way, and the ranks without an exit record are reported lost.
+
+    ``watch_start`` (an elastic run): until every rank's training started, ranks whose
+    supervisors stopped beating are recorded as failed (:mod:`.startbeats`), which stops the
+    others, and count as ended here: nothing records their exit.
     """
     grace = settings.get("EDDIS_STEP_END_GRACE") if grace is None else grace
-    all_exited_at = step_gone_at = finished_at = None
+    all_exited_at = step_gone_at = finished_at = watch = None
     while process_alive(srun_pid):
         newest = launches(path)[-1:] or [None]
         records = newest[0]
@@ -260,8 +265,14 @@ def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None, elastic=F
             starts = read_records(records.ranks)
             size = max((r.get("size") or 0 for r in starts), default=0)
             exits = read_records(records.exits)
+            if watch_start:
+                if watch is None or watch.records.root != records.root:
+                    watch = StartWatch(records, env=env)
+                for line in announce(watch.look(starts, exits, size)):
+                    print(line, file=sys.stderr, flush=True)
+            vanished = (watch.vanished if watch is not None else set()) - {e.get("rank") for e in exits}
             now = time.monotonic()
-            if size and len(exits) >= size:
+            if size and len(exits) + len(vanished) >= size:
                 all_exited_at = all_exited_at or now
                 if step_gone_at is None and not elastic and slurm_lists_step(TRAINER_STEP_NAME, env) is False:
                     step_gone_at = now
@@ -269,7 +280,8 @@ def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None, elastic=F
                 if step_gone or now - all_exited_at >= grace:
                     _end_stuck_launcher(path, srun_pid, exits, size,
                                         f"Slurm had ended the step {now - step_gone_at:.0f} s earlier" if step_gone
-                                        else f"still waiting {grace:.0f} s later (EDDIS_STEP_END_GRACE)")
+                                        else f"still waiting {grace:.0f} s later (EDDIS_STEP_END_GRACE)",
+                                        ended=len(exits) if vanished else None)
                     return 0
             elif elastic and size and finished_ranks(exits):
                 finished_at = finished_at or now

@@ -8,6 +8,7 @@ Layout under the run directory, one folder per launch (a Slurm step or one
     launch/<key>/failures/<rank>.json  only for a rank whose trainer failed on its own (or hung)
     launch/<key>/training/<rank>.json  elastic runs: written by the trainer once its set-up is over
     launch/<key>/initialized/<rank>.json  written by the trainer once eddis.init() returned
+    launch/<key>/beats/<rank>.json     elastic runs: its supervisor's beat until the training started
     launch/smb-servers/started|exits|failures/<index>.json   the same for the smb-servers
     launch/stop                        written by a launcher that wants every rank to stop
 
@@ -39,6 +40,9 @@ SERVER_FAILURE_SLACK = 5.0
 # what a process dies of when it crashes (rather than being stopped): before eddis.init()
 # returned, the start-up crash of EDDIS_START_RETRIES
 CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
+# the ``why`` of a failure the launcher recorded for a rank that vanished with its supervisor
+# before its training started (eddis.launch.startbeats)
+VANISHED = "vanished"
 
 
 def request_stop(run_dir, reason, signum=signal.SIGTERM):
@@ -139,12 +143,16 @@ def describe_failure(record):
     """What happened to a failed rank or server, in words."""
     if record.get("why") == "hung":
         return f"{who(record)} hung ({record.get('hung')}) and was killed"
+    if record.get("why") == VANISHED:
+        return (f"{who(record)} was lost before its training started (no sign of life from its "
+                f"eddis-train supervisor for {record.get('waited')} s: lost with its node?)")
     return f"{who(record)} {describe_exit(record.get('code'), record.get('signal'))}"
 
 
 def _short(record):
     name = f"smb-server {record['server']}" if "server" in record else f"rank {record.get('rank')}"
-    what = "hung" if record.get("why") == "hung" else describe_exit(record.get("code"), record.get("signal"))
+    what = record.get("why") if record.get("why") in ("hung", VANISHED) else \
+        describe_exit(record.get("code"), record.get("signal"))
     return f"{name}@{record.get('host')} ({what})"
 
 
@@ -165,6 +173,7 @@ class LaunchRecords:
         self.failures = self.root / "failures"
         self.training = self.root / "training"
         self.initialized = self.root / "initialized"
+        self.beats = self.root / "beats"
 
     def start(self, rank, record):
         write_json_atomic(self.ranks / f"{rank}.json", record)
@@ -185,6 +194,10 @@ class LaunchRecords:
     def init_file(self, rank):
         """Where the trainer of ``rank`` notes that eddis.init() returned (EDDIS_INIT_FILE)."""
         return self.initialized / f"{rank}.json"
+
+    def beat_file(self, rank):
+        """Where the supervisor of ``rank`` beats until its training started (elastic runs)."""
+        return self.beats / f"{rank}.json"
 
     def has_initialized(self, rank):
         return self.init_file(rank).exists()

@@ -49,6 +49,7 @@ from .mpishm import MpiShm
 from .output import LinePump, TracebackCatcher
 from .preemption import checkpoint_on_sigterm
 from .report import LaunchRecords, describe_exit, describe_failure, launch_key, stop_request
+from .startbeats import StartBeat
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.25
@@ -289,8 +290,11 @@ class Supervisor:
         requested = False  # stopped through the run dir by the launcher, not by a signal of ours
         hung = stack = None
         self.liveness.started(self.child.pid)
+        # elastic: a node lost before the training started must fail the start, not hang it
+        start_beat = StartBeat(self.records, self.info.rank, self.elastic)
         exit_fd = _exit_notifier(self.child.pid)
         while True:
+            start_beat.beat()
             if exit_fd is not None:
                 try:  # wakes the moment the trainer exits
                     select.select([exit_fd], [], [], WATCH_SECONDS)
