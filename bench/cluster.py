@@ -20,6 +20,8 @@ contender in turn on the same data:
   ``eddis-hybrid`` (a group per node); ``eddis-easgd-locallr`` and
   ``eddis-hybrid-locallr`` (not in the default list): the same with every worker
   (group) stepping at the learning rate of its own batch rather than of the global one;
+  ``eddis-easgd-overlap`` and ``eddis-hybrid-overlap`` (not in the default list either): the
+  exchanges in the background, each move applied a step later (``EDDIS_EASGD_OVERLAP``);
 - ``solo``, the ideal: every rank trains a model of its own at the same time, with no
   communication, for ``--solo-seconds``; its samples/s is the sum of the ranks' own
   rates, so it carries the same CPU contention and slowdowns as the others, and the
@@ -69,6 +71,8 @@ QUICK = {"links": ["1gbit"], "layouts": ["2x2"], "slowdowns": ["1111"], "models"
 # model averaging whose workers step at the learning rate of their own batch (the rule before
 # 2026-12-04; docs/benchmarks-cluster.md has both side by side)
 LOCAL_LR_VARIANTS = ["eddis-easgd-locallr", "eddis-hybrid-locallr"]
+# the elastic exchanges in the background, each move applied a step later (EDDIS_EASGD_OVERLAP)
+OVERLAP_VARIANTS = ["eddis-easgd-overlap", "eddis-hybrid-overlap"]
 PAUSE_TIMEOUT_S = 300
 JOB_TIMEOUT_S = 1800
 
@@ -255,6 +259,7 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
                       "hybrid": "hybrid"}[parts[0]]
         compression = parts[1] if len(parts) > 1 and parts[1] in ("fp16", "bf16") else "none"
         os.environ["EDDIS_SYNC_REDUCE"] = "server" if parts[-1] == "flat" else "auto"
+        os.environ["EDDIS_EASGD_OVERLAP"] = "1" if parts[-1] == "overlap" else "0"
         # every contender at the global batch's rate: the average of the workers' (groups')
         # steps then moves as far per sample as one synchronous step of the global batch
         batch_for_lr = global_batch
@@ -465,10 +470,11 @@ def print_table(records):
             speed = f"{r['samples_per_s'] / ddp['samples_per_s']:.2f}" if ddp else "-"
             hit = r["time_to_target_s"]
             faster = (f"{ddp['time_to_target_s'] / hit:.2f}" if ddp and hit and ddp["time_to_target_s"] else "-")
+            share = f"{r['samples_per_s'] / ideal['samples_per_s']:.2f}" if ideal else "-"
             print(f"{r['contender']:18s} {r['samples_per_s']:10.1f} {speed:>6s} "
                   f"{'-' if hit is None else f'{hit:.1f}':>12s} {faster:>6s} "
                   f"{r['cross_node_bytes_per_step'] / 1e6:18.1f}MB {r['cross_node_bytes_per_step'] / r['gradient_bytes']:6.2f} "
-                  f"{r['samples_per_s'] / ideal['samples_per_s'] if ideal else float('nan'):8.2f}")
+                  f"{share:>8s}")
 
 
 def configurations(args):
@@ -530,9 +536,9 @@ def main(argv=None):
     args.slowdowns = args.slowdowns.split(",")
     args.models = args.models.split(",")
     for c in args.contenders.split(","):
-        if c not in CONTENDERS + LOCAL_LR_VARIANTS:
+        if c not in CONTENDERS + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS:
             sys.exit(f"bench/cluster.py: unknown contender {c!r}; choose from "
-                     f"{', '.join(CONTENDERS + LOCAL_LR_VARIANTS)}")
+                     f"{', '.join(CONTENDERS + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS)}")
     for m in args.models:
         if m not in MODELS:
             sys.exit(f"bench/cluster.py: unknown model {m!r}; choose from {', '.join(MODELS)}")

@@ -109,9 +109,12 @@ def test_sync_on_a_fixed_global_batch_resumes_on_another_number_of_ranks(tmp_pat
 
 
 @pytest.mark.timeout(400)
-def test_easgd_resume_restores_the_centre_and_the_counter_ends_at_the_total(tmp_path):
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_easgd_resume_restores_the_centre_and_the_counter_ends_at_the_total(tmp_path, overlap):
+    """With EDDIS_EASGD_OVERLAP the checkpoint comes right after an exchange was begun (its
+    6th step, tau 2): the move is applied and the centre update waited for before it is written."""
     ckpt, total = tmp_path / "ckpt", 40
-    settings = {"EDDIS_TOTAL_ITERATIONS": total, "EDDIS_EASGD_TAU": 2}
+    settings = {"EDDIS_TOTAL_ITERATIONS": total, "EDDIS_EASGD_TAU": 2, "EDDIS_EASGD_OVERLAP": overlap}
     checked(launch(tmp_path, tmp_path / "first", "--mode", "easgd", "--ckpt", ckpt, "--checkpoint-at", 6,
                    **settings))
     [folder] = [ckpt / name for name in complete(ckpt)]

@@ -67,11 +67,11 @@ def flat_params(model):
 
 
 def train(mode, balance=False, total=TOTAL, staleness=None, record=False, lr=None,
-          slowdown=None, loader=False, checkpoint=None):
+          slowdown=None, loader=False, checkpoint=None, overlap=False):
     """One training run; returns the rank's results (collective). ``balance``: False, True
     or initial per-rank weights; ``loader``: sync batches from a DataLoader over
     eddis.BalancedBatchSampler (else eddis.balanced_slice of an in-memory global batch);
-    ``checkpoint``: a path for eddis.save_checkpoint."""
+    ``checkpoint``: a path for eddis.save_checkpoint; ``overlap``: EDDIS_EASGD_OVERLAP."""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -80,6 +80,7 @@ def train(mode, balance=False, total=TOTAL, staleness=None, record=False, lr=Non
     launch_slowdown = os.environ.get("EDDIS_SIMULATE_SLOWDOWN")
     if slowdown is not None:
         os.environ["EDDIS_SIMULATE_SLOWDOWN"] = slowdown
+    os.environ["EDDIS_EASGD_OVERLAP"] = "1" if overlap else "0"
     xtr, ytr, xte, yte = load_digits_split()
     rank, size = eddis.rank(), eddis.size()
     torch.manual_seed(0)
@@ -126,6 +127,10 @@ def train(mode, balance=False, total=TOTAL, staleness=None, record=False, lr=Non
         optimizer.step()
         step += 1
     wall = time.perf_counter() - start
+    # hybrid: a group's members step alike and apply the same moves, so they stay identical
+    trained = eddis.allgather_object((eddis.group(), flat_params(model).numpy()))
+    group_spread = max(float(np.abs(p - trained[[g for g, _ in trained].index(g)][1]).max())
+                       for g, p in trained)
     if checkpoint:
         eddis.save_checkpoint(checkpoint, model, optimizer, note="test")
     else:
@@ -143,7 +148,9 @@ def train(mode, balance=False, total=TOTAL, staleness=None, record=False, lr=Non
     history = eddis.allgather_object(ctl.history) if record else None
     result = {"mode": mode, "balance": balance, "accuracy": accuracy(model, xte, yte), "counts": counts,
               "counter": counter, "total": total, "wall": wall, "spread": spread, "shares": shares,
-              "params": params, "history": history, "checkpoint": checkpoint, "masses": masses}
+              "params": params, "history": history, "checkpoint": checkpoint, "masses": masses,
+              "overlap": overlap, "group_spread": group_spread,
+              "exchanges": eddis.allgather_object(state.averager.exchanges if state.averager else 0)}
     group_pool = getattr(optimizer.reducer, "pool", None) if mode == "hybrid" else None
     optimizer.close()
     result["leaked_pools"] = leaked_pools(eddis.rank(), state.averager, group_pool)
@@ -183,6 +190,7 @@ def run_all(out_dir):
              train("easgd", slowdown=slowed, checkpoint=ckpt("easgd")),
              train("hybrid", slowdown=slowed, checkpoint=ckpt("hybrid")),
              train("easgd", total=240, staleness=1, record=True, slowdown=slowed)]
+    overlapped = [train("easgd", slowdown=slowed, overlap=True), train("hybrid", slowdown=slowed, overlap=True)]
     # 20 steps, as in test_torch_equivalence: rounding differences of the
     # split grow with every step, and this compares the math, not the training
     same = {"total": 80, "lr": 0.05, "loader": True}
@@ -191,9 +199,9 @@ def run_all(out_dir):
     reference = equivalence[0]["params"]
     for run in equivalence:
         run["error"] = float((run["params"] - reference).norm() / reference.norm())
-    for run in modes + equivalence:
+    for run in modes + equivalence + overlapped:
         del run["params"]
-    return {"modes": modes, "equivalence": equivalence}
+    return {"modes": modes, "equivalence": equivalence, "overlapped": overlapped}
 
 
 def main(out):
@@ -260,6 +268,20 @@ if __name__ != "__main__":
         assert r["spread"] == 0.0, "every rank must end with the same final model"
         assert r["counter"] == r["total"]
         assert sum(r["counts"]) == r["total"]
+
+    @pytest.mark.timeout(450)
+    @pytest.mark.parametrize("mode", ["easgd", "hybrid"])
+    def test_overlapped_exchanges_reach_accuracy_and_keep_groups_identical(results, mode):
+        """EDDIS_EASGD_OVERLAP: every exchange in the background, its move applied at the next."""
+        r = next(run for run in results["overlapped"] if run["mode"] == mode)
+        assert r["overlap"] and r["accuracy"] >= ACCURACY, r["accuracy"]
+        assert r["counter"] == r["total"] and sum(r["counts"]) == r["total"]
+        assert r["spread"] == 0.0 and r["leaked_pools"] == []
+        exchanging = [0, 1, 2, 3] if mode == "easgd" else [0, 2]   # hybrid: the groups' leaders
+        assert all(r["exchanges"][k] > 0 for k in exchanging), r["exchanges"]
+        assert all(r["exchanges"][k] == 0 for k in set(range(4)) - set(exchanging)), r["exchanges"]
+        if mode == "hybrid":
+            assert r["group_spread"] == 0.0
 
     @pytest.mark.timeout(450)
     @pytest.mark.parametrize("name", ["easgd", "hybrid"])

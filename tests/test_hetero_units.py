@@ -11,7 +11,7 @@ import pytest
 from eddis import smb
 from eddis.core import balance, progress, simulate
 from eddis.core.easgd import ElasticAverager
-from eddis.errors import ConfigError
+from eddis.errors import ConfigError, UsageError
 
 
 # ---------------------------------------------------------------- simulate
@@ -269,6 +269,31 @@ def test_easgd_exchange_arithmetic(smb_run_dir):
         assert ElasticAverager(client, n, 0, 4, name="units.easgd4").alpha == pytest.approx(0.225)
         with pytest.raises(ConfigError, match="EDDIS_EASGD_ALPHA"):
             ElasticAverager(client, n, 0, 2, alpha=1.5, name="units.bad")
+
+
+@pytest.mark.timeout(60)
+def test_overlapped_exchange_moves_the_centre_now_and_hands_the_move_over_later(smb_run_dir):
+    """EDDIS_EASGD_OVERLAP: the exchange runs on a copy of the parameters in a thread; the
+    centre moves when it is done, the worker when it takes the move (at its next exchange)."""
+    n = 4
+    with smb.Client(run_dir=smb_run_dir) as client:
+        worker = ElasticAverager(client, n, 0, 2, tau=2, alpha=0.25, name="units.overlap", weighting="equal")
+        worker.initialize(np.zeros(n, np.float32))
+        assert worker.take_move() is None and not worker.exchange_pending
+        x = np.full(n, 4.0, np.float32)
+        worker.start_exchange(x)         # d = 0.25 (4 - 0) = 1 on the copy; the centre -> 1
+        x += 2.0                         # the training goes on meanwhile: x = 6
+        with pytest.raises(UsageError, match="still pending"):
+            worker.start_exchange(x)
+        np.testing.assert_allclose(worker.read_center(), 1.0)   # waits for it, keeps the move
+        assert worker.exchange_pending
+        move = worker.take_move()
+        np.testing.assert_allclose(move, 1.0)
+        np.testing.assert_allclose(x, 6.0)                       # the caller applies it
+        assert not worker.exchange_pending and worker.exchanges == 1
+        worker.start_exchange(x - move)  # 5: d = 0.25 (5 - 1) = 1, the centre -> 2
+        np.testing.assert_allclose(worker.take_move(), 1.0)
+        np.testing.assert_allclose(worker.read_center(), 2.0)
 
 
 @pytest.mark.timeout(60)

@@ -10,7 +10,8 @@ held-out digits; the counter ends exactly at the total and the ranks'
 iterations add up to it; the fast ranks did more iterations than the slowed
 one (easgd: every other rank; hybrid: the ranks of the other group, while the
 slowed rank's group partner keeps its pace); every rank ends with the same
-final model (the centre variable).
+final model (the centre variable). Hybrid runs again with EDDIS_EASGD_OVERLAP
+(exchanges in the background, each move applied a step later, inside the traced step).
 
 This file is also the worker: ``mpirun -n 4 python tests/test_tf_hetero.py OUT``.
 """
@@ -36,12 +37,14 @@ def load_digits_split():
     return x[train], y[train], x[test], y[test]
 
 
-def train(mode):
+def train(mode, overlap=False):
+    """``overlap``: EDDIS_EASGD_OVERLAP, in the traced train step's exchange ops."""
     import keras
     import numpy as np
     import tensorflow as tf
     import eddis.tensorflow as eddis
 
+    os.environ["EDDIS_EASGD_OVERLAP"] = "1" if overlap else "0"
     xtr, ytr, xte, yte = load_digits_split()
     rank, size = eddis.rank(), eddis.size()
     keras.utils.set_random_seed(0)
@@ -68,7 +71,8 @@ def train(mode):
     spread = float(eddis.allreduce(np.abs(weights - root).max(), op=eddis.Max))
     accuracy = float(np.mean(np.argmax(model.predict(xte, verbose=0), axis=1) == yte))
     optimizer.close()
-    return {"mode": mode, "accuracy": accuracy, "counts": counts, "counter": counter,
+    return {"mode": mode + ("-overlap" if overlap else ""), "accuracy": accuracy, "counts": counts,
+            "counter": counter,
             "total": TOTAL, "spread": spread, "callback_steps": eddis.allgather_object(progress.steps)}
 
 
@@ -76,7 +80,7 @@ def main(out):
     import eddis.tensorflow as eddis
 
     eddis.init()
-    results = [train("easgd"), train("hybrid")]
+    results = [train("easgd"), train("hybrid"), train("hybrid", overlap=True)]
     if eddis.rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -122,7 +126,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("mode", ["easgd", "hybrid"])
+@pytest.mark.parametrize("mode", ["easgd", "hybrid", "hybrid-overlap"])
 def test_mode_reaches_accuracy_with_a_slowed_rank(results, mode):
     r = results[mode]
     assert r["accuracy"] >= ACCURACY, r

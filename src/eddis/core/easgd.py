@@ -43,6 +43,11 @@ close; ``alpha = 0.9 / p`` for p exchanging workers, the paper's recommended
 ``beta = p alpha = 0.9``, which keeps the centre's total pull per round below 1
 so it neither lags the workers nor oscillates.
 
+Overlapped exchanges (EDDIS_EASGD_OVERLAP, :meth:`ElasticAverager.start_exchange`): the
+exchange runs in a thread of its own on a copy of the parameters, so the next step computes
+while the centre is read and moved; the caller applies the move (:meth:`take_move`) after that
+step, one step stale (``eddis.core.hetero.HeteroStep.exchange_flat``).
+
 The final model is the centre: ``read_center()`` after every worker did its
 last exchange (``eddis.save_checkpoint`` does that).
 
@@ -51,12 +56,13 @@ last exchange (``eddis.save_checkpoint`` does that).
     if averager.due(step): averager.exchange(x)
     averager.finish()                          # wait for the last axpy
 """
+import threading
 import time
 
 import numpy as np
 
 from .. import settings, timeline
-from ..errors import ConfigError
+from ..errors import ConfigError, SMBTimeoutError, UsageError
 from .reducer import LocalReducer, register_mode
 
 WEIGHTINGS = ("throughput", "equal")
@@ -106,6 +112,11 @@ class ElasticAverager:
         self._pending = None
         self.exchanges = 0
         self.seconds = 0.0
+        # EDDIS_EASGD_OVERLAP: the exchange in a thread of its own, on a copy of the parameters
+        self._snapshot = None
+        self._thread = None
+        self._move = None
+        self._error = None
 
     @property
     def my_slot(self):
@@ -166,8 +177,56 @@ class ElasticAverager:
         self.seconds += time.perf_counter() - start
         return d
 
+    def start_exchange(self, x, measure=True):
+        """:meth:`exchange` on a copy of ``x`` in a thread of its own, so that the training goes
+        on while the centre is read and moved; :meth:`take_move` gives its move. The one
+        started before must have been taken."""
+        if self._thread is not None:
+            raise UsageError("an overlapped EASGD exchange is still pending; take its move first")
+        if self._snapshot is None:
+            self._snapshot = np.empty(self.length, dtype=np.float32)
+        np.copyto(self._snapshot, x)
+        self._move = self._error = None
+        self._thread = threading.Thread(target=self._exchange_in_background, args=(measure,),
+                                        name=f"eddis-exchange-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _exchange_in_background(self, measure):
+        try:
+            self._move = self.exchange(self._snapshot, measure)
+        except BaseException as exc:   # raised where the move is taken
+            self._error = exc
+
+    @property
+    def exchange_pending(self):
+        return self._thread is not None or self._move is not None or self._error is not None
+
+    def take_move(self):
+        """The move ``d`` of the exchange :meth:`start_exchange` began (waiting for it; valid until
+        the next exchange), or None when none was begun; its error, if it failed."""
+        self._join_background()
+        move, error, self._move, self._error = self._move, self._error, None, None
+        if error is not None:
+            raise error
+        return move
+
+    def _join_background(self):
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        # its SMB operations (at most 6 waits: the last axpy, the throughputs, the centre, the
+        # move) are each bounded by the pool's timeout, so the thread ends within their sum
+        bound = 6 * (self.timeout if self.timeout is not None else settings.get("SMB_TIMEOUT"))
+        thread.join(bound)
+        if thread.is_alive():
+            raise SMBTimeoutError(f"the overlapped EASGD exchange of {self.name} did not end within "
+                                  f"{bound:g} s (6 x SMB_TIMEOUT); an smb-server may be stuck")
+        self._thread = None
+
     def finish(self):
-        """Wait until this worker's last centre update is applied."""
+        """Wait until this worker's last centre update is applied (an overlapped exchange's too;
+        its move is kept for :meth:`take_move`)."""
+        self._join_background()
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait(self.timeout)

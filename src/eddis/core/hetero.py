@@ -122,6 +122,9 @@ class HeteroStep:
         self.stopped_for_checkpoint = None   # the checkpoint a requested stop wrote: not the end
         self._final_model_check = None
         self._centre_freed = False
+        # EDDIS_EASGD_OVERLAP: exchanges in the background, each move applied a step later
+        self.overlap = bool(settings.get("EDDIS_EASGD_OVERLAP"))
+        self._move_pending = False
         self.flat = None
         self._when_attached = []   # e.g. a resumed centre variable, once its pool exists
         progress.set_mode_hint(self.mode)
@@ -140,6 +143,7 @@ class HeteroStep:
             self.scatter_fn = scatter
         self.flat = np.empty(plan.total, dtype=np.float32)
         self.averager = None
+        self._move_pending = False
         self._centre_ready = False
         if self.averages:
             self._setup_averaging()
@@ -269,15 +273,48 @@ class HeteroStep:
         return self.averager is not None and not self._centre_ready
 
     def exchange_due(self):
-        return self.averager is not None and self.averager.due(self.step)
+        """After this step: an exchange, or (EDDIS_EASGD_OVERLAP) the move of the one begun a
+        step before."""
+        return self.averager is not None and (self.averager.due(self.step) or self._move_pending)
 
     def exchange_flat(self, flat):
-        """The elastic exchange on ``flat`` (plan layout, float32, moved in place)."""
-        if self.group_comm is None:
+        """The elastic exchange on ``flat`` (plan layout, float32, moved in place).
+        EDDIS_EASGD_OVERLAP: the move of the exchange begun a step before, if one was, then
+        this step's exchange, when due, begun in the background."""
+        if self.overlap:
+            self._apply_pending_move(flat)
+            if self.averager.due(self.step):
+                if self.exchanging:
+                    self.averager.start_exchange(flat)
+                self._move_pending = True
+        elif self.group_comm is None:
             self.averager.exchange(flat)
         else:
             hybrid.exchange_group(self.averager, flat, self.group_comm)
         return flat
+
+    def settle_exchange(self):
+        """Before a checkpoint: the pending move of an overlapped exchange applied to the
+        parameters now (collective in a hybrid group), and this worker's last centre update
+        waited for, so that what is saved is complete."""
+        if self.averager is None:
+            return
+        if self._move_pending:
+            flat = self.gather()
+            self._apply_pending_move(flat)
+            self.scatter(flat)
+        self.averager.finish()
+
+    def _apply_pending_move(self, flat):
+        """Overlapped exchanges: ``flat -= d`` of the exchange begun at the last one (a hybrid
+        group's leader passes its move to the members), if one was begun."""
+        if not self._move_pending:
+            return
+        self._move_pending = False
+        move = self.averager.take_move() if self.exchanging else None
+        if self.group_comm is not None:
+            move = hybrid.share_group_move(self.averager, move, self.group_comm)
+        np.subtract(flat, move, out=flat)
 
     def end_step(self):
         if self.balancer is not None:
@@ -338,8 +375,10 @@ class HeteroStep:
         if not self._centre_ready:
             raise UsageError(f"mode {self.mode}: no training step was taken, so there is no centre "
                              "variable yet; ask for the final model after training")
+        flat = self.gather()
+        self._apply_pending_move(flat)   # collective in a hybrid group
         if self.exchanging:
-            self.averager.exchange(self.gather(), measure=False)   # the last local steps count too
+            self.averager.exchange(flat, measure=False)   # the last local steps count too
         self.averager.finish()
         self._barrier(f"{self.mode}: final model (every worker's last exchange)")
         self.scatter(self.averager.read_center(out=self.flat))

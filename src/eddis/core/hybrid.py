@@ -199,17 +199,23 @@ def default_alpha(workers):
 register_mode("hybrid", GroupSyncReducer)
 
 
+def share_group_move(averager, move, comm):
+    """Overlapped exchanges (EDDIS_EASGD_OVERLAP): the leader's ``move`` of the exchange it
+    began, to every member of the group (collective over ``comm``); the members get it in
+    ``averager.scratch``."""
+    if comm.Get_rank() != 0:
+        move = averager.scratch
+    if comm.Get_size() > 1:
+        collectives.broadcast_array(move, root=0, comm=comm, what="hybrid exchange (group broadcast)")
+    return move
+
+
 def exchange_group(averager, x, comm):
     """One hybrid exchange: the group leader moves ``x`` (flat float32) and the centre,
     then every member applies the leader's move (kept in ``averager.scratch``).
     Collective over ``comm``."""
     leader = comm.Get_rank() == 0
-    if leader:
-        delta = averager.exchange(x)
-        if comm.Get_size() > 1:
-            collectives.broadcast_array(delta, root=0, comm=comm, what="hybrid exchange (group broadcast)")
-        return delta
-    delta = averager.scratch
-    collectives.broadcast_array(delta, root=0, comm=comm, what="hybrid exchange (group broadcast)")
-    np.subtract(x, delta, out=x)
-    return delta
+    move = share_group_move(averager, averager.exchange(x) if leader else None, comm)
+    if not leader:
+        np.subtract(x, move, out=x)
+    return move
