@@ -220,7 +220,7 @@ def _save(directory, state, participant, extra, reason, epoch, batch, keep):
     if ctl is not None:
         ctl.publish_completed()   # no rank may wait for this one's progress while it waits here
     ranks.barrier("checkpoint: every rank at a step boundary")
-    if state is not None:
+    if state is not None and state.averager is not None:   # (a plain optimizer's run has none)
         state.settle_exchange()   # this worker's last move and centre update are in
     directory = os.path.abspath(os.fspath(directory))
     step = state.step if state is not None else 0

@@ -306,7 +306,7 @@ class HeteroStep:
         self.averager.finish()
 
     def _apply_pending_move(self, flat):
-        """Overlapped exchanges: ``flat -= d`` of the exchange begun at the last one (a hybrid
+        """Overlapped exchanges: ``flat -= d`` of the exchange begun a step before (a hybrid
         group's leader passes its move to the members), if one was begun."""
         if not self._move_pending:
             return
