@@ -216,11 +216,11 @@ class ElasticAverager:
             return
         # its SMB operations (at most 6 waits: the last axpy, the throughputs, the centre, the
         # move) are each bounded by the pool's timeout, so the thread ends within their sum
-        bound = 6 * (self.timeout if self.timeout is not None else settings.get("SMB_TIMEOUT"))
+        bound = 6 * (self.timeout if self.timeout is not None else self.pool.client.timeout)
         thread.join(bound)
         if thread.is_alive():
             raise SMBTimeoutError(f"the overlapped EASGD exchange of {self.name} did not end within "
-                                  f"{bound:g} s (6 x SMB_TIMEOUT); an smb-server may be stuck")
+                                  f"{bound:g} s (6 x its SMB timeout); an smb-server may be stuck")
         self._thread = None
 
     def finish(self):

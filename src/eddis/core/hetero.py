@@ -375,7 +375,8 @@ class HeteroStep:
         if not self._centre_ready:
             raise UsageError(f"mode {self.mode}: no training step was taken, so there is no centre "
                              "variable yet; ask for the final model after training")
-        flat = self.gather()
+        # a hybrid member with no move pending needs no copy of its parameters: the centre follows
+        flat = self.gather() if self.exchanging or self._move_pending else None
         self._apply_pending_move(flat)   # collective in a hybrid group
         if self.exchanging:
             self.averager.exchange(flat, measure=False)   # the last local steps count too
