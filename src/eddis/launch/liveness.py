@@ -10,15 +10,20 @@ supervisor, not the process, decides that it has stopped making progress.
   the smb-server step) starts a daemon thread that writes one byte per beat into
   a pipe inherited from the supervisor. The thread needs the interpreter: it
   stops when the process is stopped, and when a thread holds the GIL for good.
-  It also registers :mod:`faulthandler` on :data:`STACK_DUMP_SIGNAL`, writing
-  every thread's Python stack into a file the supervisor opened.
+  It also answers two dump signals by writing every thread's Python stack into a
+  file the supervisor opened: :data:`STACK_DUMP_SIGNAL`, a Python handler that
+  runs on the main thread with the GIL held, so no other thread's frames change
+  under it; and :data:`NATIVE_STACK_DUMP_SIGNAL`, :mod:`faulthandler`'s handler,
+  which writes even when the main thread never returns to the interpreter (a C
+  call holding the GIL) but walks the other threads' frames while they run, and
+  so can crash the process it dumps.
 - The supervisor: :class:`LivenessWatch` drains the pipe without blocking (the
   watched process is never waited on) and calls a process hung when no beat came
   for ``EDDIS_LIVENESS_TIMEOUT`` seconds, or when the kernel has shown it stopped
   that long (which also covers children that send no beats: not Python, or not
-  yet started). It can then fetch the process's stack: the dump signal, then
-  SIGCONT so that a stopped process runs its handler, then a bounded wait for the
-  file.
+  yet started). It can then fetch the process's stack: the safe dump signal,
+  then SIGCONT so that a stopped process runs its handler, then a bounded wait
+  for the file; the native dump only where the safe one wrote nothing.
 
 The heartbeat is a pipe to the parent, not a file in the run directory: both ends
 are on one node, and thousands of ranks beating into a shared file system would
@@ -37,8 +42,11 @@ from .. import settings
 HEARTBEAT_FD_VARIABLE = "EDDIS_HEARTBEAT_FD"
 STACK_FD_VARIABLE = "EDDIS_STACK_FD"
 BEAT_INTERVAL_VARIABLE = "EDDIS_HEARTBEAT_INTERVAL"
-# A real-time signal: SIGUSR1/2 are the user's (sbatch --signal) and reach the trainer as they are.
-STACK_DUMP_SIGNAL = signal.SIGRTMIN + 6
+# Real-time signals: SIGUSR1/2 are the user's (sbatch --signal) and reach the trainer as they are.
+STACK_DUMP_SIGNAL = signal.SIGRTMIN + 7
+NATIVE_STACK_DUMP_SIGNAL = signal.SIGRTMIN + 6
+# A main thread in Python or in a system call runs the safe handler within milliseconds.
+SAFE_STACK_WAIT_SECONDS = 1.0
 STACK_WAIT_SECONDS = 3.0
 
 _PROCESS_STATES = {"R": "running", "S": "sleeping (waiting for an event)",
@@ -68,9 +76,10 @@ def describe_state(state):
 
 
 def _signal_main_thread(pid, sig):
-    """The dump signal to the main thread (tid == pid): faulthandler walking every thread's
+    """A dump signal to the main thread (tid == pid): faulthandler walking every thread's
     frames from a native thread of the process (UCX's, the SMB core's) crashed it (SIGSEGV
-    in _Py_DumpTracebackThreads), while on the main thread it is what faulthandler expects.
+    in _Py_DumpTracebackThreads), while on the main thread it is what faulthandler expects;
+    a Python handler runs on the main thread whichever thread took the signal.
     False when the thread is gone: there is no stack to wait for."""
     tgkill = getattr(ctypes.CDLL(None, use_errno=True), "tgkill", None)  # glibc >= 2.30
     if tgkill is None:
@@ -88,7 +97,13 @@ def start_in_child():
     stack_fd = os.environ.pop(STACK_FD_VARIABLE, None)
     interval = float(os.environ.pop(BEAT_INTERVAL_VARIABLE, "1.0") or 1.0)
     if stack_fd is not None:
-        faulthandler.register(STACK_DUMP_SIGNAL, file=int(stack_fd), all_threads=True)
+        stack_file = int(stack_fd)
+        faulthandler.register(NATIVE_STACK_DUMP_SIGNAL, file=stack_file, all_threads=True)
+
+        def dump_stacks_under_the_gil(signum, frame):
+            faulthandler.dump_traceback(file=stack_file, all_threads=True)
+
+        signal.signal(STACK_DUMP_SIGNAL, dump_stacks_under_the_gil)
     if beat_fd is None:
         return
     fd = int(beat_fd)
@@ -178,18 +193,33 @@ class LivenessWatch:
         return None
 
     def stack(self):
-        """Every thread's Python stack of the (hung) child, or None where it cannot be had."""
+        """Every thread's Python stack of the (hung) child, or None where it cannot be had.
+
+        First the dump that runs with the GIL held; only if it wrote nothing (the main
+        thread is stuck in C), faulthandler's, which may crash the child: it is killed next
+        anyway, and a stack is what tells why it hung."""
         if self.pid is None or not self.beats:
-            return None  # no faulthandler there (not Python, or it never got that far)
+            return None  # no dump handlers there (not Python, or it never got that far)
         self._stack.seek(0, os.SEEK_END)
         before = self._stack.tell()
+        size = self._wait_for_dump(STACK_DUMP_SIGNAL, before, SAFE_STACK_WAIT_SECONDS)
+        if size == before:
+            size = self._wait_for_dump(NATIVE_STACK_DUMP_SIGNAL, before, STACK_WAIT_SECONDS)
+        if size <= before:
+            return None
+        self._stack.seek(before)
+        return self._stack.read(size - before).decode("utf-8", "replace").rstrip() or None
+
+    def _wait_for_dump(self, signum, before, seconds):
+        """Ask for a dump with ``signum``; the file's size once the writing settled, or
+        ``before`` when nothing came within ``seconds`` (or the process is gone)."""
         try:
-            if not _signal_main_thread(self.pid, STACK_DUMP_SIGNAL):
-                return None
+            if not _signal_main_thread(self.pid, signum):
+                return before
             os.kill(self.pid, signal.SIGCONT)  # a stopped process runs its handler only when continued
         except OSError:
-            return None
-        deadline = time.monotonic() + STACK_WAIT_SECONDS
+            return before
+        deadline = time.monotonic() + seconds
         size, settled_at = before, None
         while time.monotonic() < deadline:
             time.sleep(0.05)
@@ -198,10 +228,7 @@ class LivenessWatch:
                 size, settled_at = now_size, time.monotonic()
             elif settled_at is not None and time.monotonic() - settled_at > 0.2:
                 break
-        if size <= before:
-            return None
-        self._stack.seek(before)
-        return self._stack.read(size - before).decode("utf-8", "replace").rstrip() or None
+        return size
 
     def close(self):
         for fd in (self._read_fd, self._write_fd):
