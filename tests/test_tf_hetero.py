@@ -76,11 +76,57 @@ def train(mode, overlap=False):
             "total": TOTAL, "spread": spread, "callback_steps": eddis.allgather_object(progress.steps)}
 
 
+def pool_left_on_servers(pool):
+    """Whether ``pool`` is still on the servers (rank 0 frees a centre, after every rank arrived)."""
+    from eddis.core import runtime
+    from eddis.errors import SMBKeyError
+
+    try:
+        runtime.smb_client().pool(pool.name, pool.length, dtype=pool.dtype, slots=pool.slots,
+                                  create=False, servers=pool.servers)
+    except SMBKeyError:
+        return False
+    return True
+
+
+def reattach():
+    """An easgd optimizer applied to fewer variables than it was built with: its reduction
+    and centre variable are set up again for those, and the first centre is freed."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import eddis.tensorflow as eddis
+
+    os.environ["EDDIS_EASGD_OVERLAP"] = "0"
+    optimizer = eddis.DistributedOptimizer(keras.optimizers.SGD(0.05), mode="easgd")
+    first, second = tf.Variable(np.ones(4096, np.float32)), tf.Variable(np.ones(1024, np.float32))
+
+    def step(variables):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * v) for v in variables])
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    optimizer.build([first, second])
+    for _ in range(3):
+        step([first, second])
+    state = optimizer._eddis.hetero
+    both = state.averager.pool
+    for _ in range(3):
+        step([first])
+    only_first = state.averager.pool
+    eddis.final_model(optimizer)
+    result = {"mode": "reattach", "centres": [both.length, only_first.length],
+              "first_left": pool_left_on_servers(both) if eddis.rank() == 0 else None}
+    optimizer.close()
+    result["second_left"] = pool_left_on_servers(only_first) if eddis.rank() == 0 else None
+    return result
+
+
 def main(out):
     import eddis.tensorflow as eddis
 
     eddis.init()
-    results = [train("easgd"), train("hybrid"), train("hybrid", overlap=True)]
+    results = [train("easgd"), train("hybrid"), train("hybrid", overlap=True), reattach()]
     if eddis.rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -123,6 +169,14 @@ def results(tmp_path_factory):
                     pytrace=False)
     assert "testing aid" in proc.stderr   # the slowed rank warned
     return {r["mode"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.mark.timeout(480)
+def test_an_optimizer_set_up_again_for_other_variables_frees_its_first_centre(results):
+    r = results["reattach"]
+    assert r["centres"] == [4096 + 1024, 4096], r
+    assert r["first_left"] is False, f"the first centre variable was left on the servers: {r}"
+    assert r["second_left"] is False, f"close() left the second centre variable on the servers: {r}"
 
 
 @pytest.mark.timeout(480)

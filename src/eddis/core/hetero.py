@@ -134,7 +134,11 @@ class HeteroStep:
 
     def attach(self, plan, reducer, gather=None, scatter=None):
         """The parameters' plan and the gradient reducer (collective for easgd/hybrid:
-        the centre variable's pool is set up here)."""
+        the centre variable's pool is set up here). Attached again (other parameters), the
+        old centre variable is freed first, as at close, and a new one set up."""
+        if self.averager is not None:
+            self.close()
+        self._centre_freed = False
         self.plan = plan
         self.reducer = reducer
         if gather is not None:
