@@ -12,8 +12,10 @@ sends; a ring over all n = k r ranks sends ``2 (n-1)/n`` S:
 1. **On the node.** Each rank stages its bucket in its fp32 slot of a pool that
    lives only on its node's server (mapped memory: no network, no compression)
    and counts itself in on a node counter.
-2. **Between nodes.** The bucket is cut into the same P pieces on every node (P:
-   the most ranks any node has); a node's ranks share its pieces. For each of
+2. **Between nodes.** The columns each server holds of the bucket are cut into
+   the same P pieces on every node (P: the most ranks any node has); a node's
+   ranks share its pieces, so each has columns of the own server and of the
+   others, and the node's ranks cross the link side by side. For each of
    its pieces a rank sums the node's slots with the ranks' sample weights (fp32
    accumulation, written in the wire dtype) into the node's row of the *inter*
    pool, whose columns are spread over the nodes' servers: the columns the own
@@ -144,8 +146,7 @@ class HierarchicalSyncReducer(Reducer):
         for k, bucket in enumerate(self.plan.buckets):
             arrived = client.counter(f"{node}.arrived.{k}", server=self.server)
             done = client.counter(f"{node}.done.{k}", server=self.server)
-            mine = [column_share(bucket.start, bucket.count, p, pieces) for p in range(self.local, pieces, r)]
-            state.append({"arrived": arrived, "done": done, "pieces": [(lo, hi) for lo, hi in mine if hi > lo],
+            state.append({"arrived": arrived, "done": done, "pieces": self._my_pieces(k, pieces, r),
                           "base": (arrived.read(), done.read())})
         bases = collectives.allgather_object([st["base"] for st in state], timeout=self.timeout,
                                              what="mode sync: node counter bases")
@@ -154,6 +155,24 @@ class HierarchicalSyncReducer(Reducer):
                               f"reduction counters; two optimizers share the name {self.name!r} at once? "
                               "Give each its own.")
         return state
+
+    def _my_pieces(self, k, pieces, r):
+        """This rank's pieces of bucket k: [(lo, hi)], those on other nodes' servers first.
+
+        Every server's columns of the bucket are cut into the same P pieces on every node,
+        so each rank of a node gets a share of the columns that cross the network and of
+        those its own server holds: the node's ranks push and read their shares side by
+        side, and a rank that is descheduled leaves the link to the others' transfers.
+        (Cut the bucket as a whole into P pieces instead, and with 2 servers one rank of
+        each node did all the network work and the other none.)"""
+        bucket = self.plan.buckets[k]
+        remote, local = [], []
+        for start, count, mapped in self.inter[k].layout(0, bucket.count):
+            for p in range(self.local, pieces, r):
+                lo, hi = column_share(bucket.start + start, count, p, pieces)
+                if hi > lo:
+                    (local if mapped else remote).append((lo, hi))
+        return remote + local
 
     # ------------------------------------------------------------ one step
     def _prepare_step(self):
@@ -185,17 +204,24 @@ class HierarchicalSyncReducer(Reducer):
         node_weight = float(weights.sum())
         if self.op == "average":
             weights = weights / node_weight if node_weight > 0 else np.zeros_like(weights)
-        requests = []
         first = bucket.start
-        for lo, hi in state["pieces"]:
-            self._node_sum(k, lo, hi, weights)
+        # every piece summed and on its way before the first wait: the local pieces are summed
+        # while the remote ones cross the link
+        posted = [self._node_sum(k, lo, hi, weights) for lo, hi in state["pieces"]]
+        requests = []
+        for (lo, hi), writes in zip(state["pieces"], posted):
+            if writes:
+                with timeline.span(timeline.PUSH, args={"step": self.step, "bucket": k, "requests": len(writes)}):
+                    for request in writes:
+                        request.wait(self.timeout)
             requests.append(self.inter_result[k].reduce_nb(
                 self.node, node_weight if self.op == "average" else 1.0, self.num_nodes, 0, self.step,
                 src_pool=self.inter[k], start=lo - first, count=hi - lo, average=self.op == "average"))
         return generation, requests
 
     def _node_sum(self, k, lo, hi, weights):
-        """The node's weighted sum of columns [lo, hi) into its row of the inter pool."""
+        """The node's weighted sum of columns [lo, hi) into its row of the inter pool; returns
+        the writes of the columns other servers hold (not waited for)."""
         sources = [slot[lo:hi] for slot in self._slots]
         dtypes = ["float32"] * len(sources)
         wire, inter, first = self.wire_dtype, self.inter[k], self.plan.buckets[k].start
@@ -212,10 +238,7 @@ class HierarchicalSyncReducer(Reducer):
                                      src_dtypes=dtypes)
                 if not mapped:
                     writes.append(inter.write_nb(dst, slot=self.node, start=start))
-        if writes:
-            with timeline.span(timeline.PUSH, args={"step": self.step, "bucket": k, "requests": len(writes)}):
-                for request in writes:
-                    request.wait(self.timeout)
+        return writes
 
     def _finish(self, k, token):
         generation, requests = token
