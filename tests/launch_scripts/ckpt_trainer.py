@@ -81,6 +81,9 @@ def main():
         result["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
         ctl = progress.controller()
         if ctl is not None:
+            # the counter is exact once every rank has stopped: a last claim that crosses the
+            # total gives its surplus back a moment later (eddis.core.progress)
+            eddis.barrier()
             result["counter"] = ctl.counter.read()
             result["steps_done"] = ctl.steps_done
         with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
