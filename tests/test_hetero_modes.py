@@ -164,21 +164,12 @@ def train(mode, balance=False, total=TOTAL, staleness=None, record=False, lr=Non
 def leaked_pools(rank, averager, group_pool):
     """The easgd/hybrid pools that optimizer.close() left on the servers. Rank 0 frees the
     centre and its group's pool itself, after the other ranks' arrival, so it can look."""
-    from eddis.core import runtime
-    from eddis.errors import SMBKeyError
+    from smb_pools import pool_left_on_servers
 
     pools = [p for p in (averager.pool if averager is not None else None, group_pool) if p is not None]
     if rank != 0:
         return []
-    leaked = []
-    for pool in pools:
-        try:
-            runtime.smb_client().pool(pool.name, pool.length, dtype=pool.dtype, slots=pool.slots,
-                                      create=False, servers=pool.servers)
-        except SMBKeyError:
-            continue
-        leaked.append(pool.name)
-    return leaked
+    return [pool.name for pool in pools if pool_left_on_servers(pool)]
 
 
 def run_all(out_dir):

@@ -76,19 +76,6 @@ def train(mode, overlap=False):
             "total": TOTAL, "spread": spread, "callback_steps": eddis.allgather_object(progress.steps)}
 
 
-def pool_left_on_servers(pool):
-    """Whether ``pool`` is still on the servers (rank 0 frees a centre, after every rank arrived)."""
-    from eddis.core import runtime
-    from eddis.errors import SMBKeyError
-
-    try:
-        runtime.smb_client().pool(pool.name, pool.length, dtype=pool.dtype, slots=pool.slots,
-                                  create=False, servers=pool.servers)
-    except SMBKeyError:
-        return False
-    return True
-
-
 def reattach():
     """An easgd optimizer applied to fewer variables than it was built with: its reduction
     and centre variable are set up again for those, and the first centre is freed."""
@@ -96,6 +83,7 @@ def reattach():
     import numpy as np
     import tensorflow as tf
     import eddis.tensorflow as eddis
+    from smb_pools import pool_left_on_servers
 
     os.environ["EDDIS_EASGD_OVERLAP"] = "0"
     optimizer = eddis.DistributedOptimizer(keras.optimizers.SGD(0.05), mode="easgd")

@@ -1,0 +1,14 @@
+"""What the test workers (MPI ranks, run as scripts from tests/) ask of the SMB servers."""
+
+
+def pool_left_on_servers(pool):
+    """Whether ``pool`` is still on the job's servers (looked up by name, never created)."""
+    from eddis.core import runtime
+    from eddis.errors import SMBKeyError
+
+    try:
+        runtime.smb_client().pool(pool.name, pool.length, dtype=pool.dtype, slots=pool.slots,
+                                  create=False, servers=pool.servers)
+    except SMBKeyError:
+        return False
+    return True
