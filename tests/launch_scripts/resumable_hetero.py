@@ -18,6 +18,9 @@ rank writes one at its next step boundary and stops with status 75.
 last step boundary of the ranks that do not step with it, and before they find the total
 reached: rank 0 waits in its step K until they all are past their last boundary, then asks;
 they wait until rank 0 has begun the save, which they must join at their end of training.
+They start their second step (after the first, whose set-up is collective) only once rank 0
+runs its step K, so that they cannot use up the counter before rank 0 has claimed it (a slow
+rank 0 unit would otherwise end its training before step K, with nothing requested).
 ``--end-race ended-first``: a rank at its last step waits until every other rank has ended its
 training, then asks: the request must be refused (training complete). The waits are on SMB
 counters, bounded.
@@ -91,15 +94,19 @@ if args.end_race is not None:
     client = runtime.smb_client()
     past_last_boundary = client.counter("test.end-race.past-last-boundary")
     training_ended = client.counter("test.end-race.ended")
+    rank0_at_request = client.counter("test.end-race.rank0-at-request")
 step = start.step
 try:
     while not eddis.should_stop():
+        if args.end_race == "begun-first" and rank not in steps_with_rank0 and step == start.step + 1:
+            rank0_at_request.wait_for(1, RACE_WAIT_SECONDS)
         batch = torch.randint(0, len(train_y), (BATCH,), generator=torch.Generator().manual_seed(
             10_000 * step + rank))
         optimizer.zero_grad()
         F.cross_entropy(model(train_x[batch]), train_y[batch]).backward()
         step += 1   # before step(): a requested checkpoint stops the run inside it, after the update
         if args.end_race == "begun-first" and rank == 0 and step == args.request_at:
+            rank0_at_request.fetch_add(1)
             past_last_boundary.wait_for(eddis.size() - len(steps_with_rank0), RACE_WAIT_SECONDS)
             eddis.request_checkpoint("the test asks for one")
         if args.end_race == "ended-first" and at_last_step():
