@@ -10,6 +10,10 @@ the reference.
 Stated tolerances (relative L2 error of all parameters after 20 SGD-momentum
 steps): fp32 1e-5; fp16 compression 5e-3; bf16 compression 5e-2 (bf16 keeps 8
 mantissa bits, so each reduced gradient is off by up to 2^-9 relative).
+
+On more than one rank torch.optim's SGD and Adam update bucket by bucket, as each
+bucket's average arrives (EDDIS_OVERLAP_OPTIMIZER=auto); the ``whole`` variant
+turns that off. The worker counts the wrapped optimizer's own step() calls.
 """
 import copy
 import json
@@ -29,7 +33,9 @@ CONFIGS = [  # (mode, compression, model, weighted shares)
     if not (weighted and comp != "none")] + [
     # zero_grad(set_to_none=False): backward accumulates straight into the gradient buffer,
     # which in the ranks' sum is the rank's slot in the server memory
-    ("sync:keepgrads", "none", model, False) for model in ("mlp", "cnn")]
+    ("sync:keepgrads", "none", model, False) for model in ("mlp", "cnn")] + [
+    # Adam updated bucket by bucket, and SGD in one update once every bucket is in
+    (f"{mode}:{variant}", "none", "mlp", False) for mode in ("allreduce", "sync") for variant in ("adam", "whole")]
 
 
 def make_model(kind):
@@ -58,17 +64,30 @@ def train_config(mode, compression, kind, weighted):
     rank, size = eddis.rank(), eddis.size()
     mode, _, variant = mode.partition(":")
     keep_grads = variant == "keepgrads"
-    os.environ["EDDIS_SYNC_REDUCE"] = "auto" if keep_grads or not variant else variant
+    os.environ["EDDIS_SYNC_REDUCE"] = variant if variant in ("server", "ranks", "hierarchical") else "auto"
+    os.environ["EDDIS_OVERLAP_OPTIMIZER"] = "off" if variant == "whole" else "auto"
     torch.manual_seed(0)
     model = make_model(kind)
     reference = copy.deepcopy(model) if rank == 0 else None
     weights = [r + 1 for r in range(size)] if weighted else None
+    if variant == "adam":
+        make_optimizer = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731
+    else:
+        make_optimizer = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731
     optimizer = eddis.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        named_parameters=model.named_parameters(), mode=mode,
+        make_optimizer(model.parameters()), named_parameters=model.named_parameters(), mode=mode,
         compression=getattr(eddis.Compression, compression), bucket_bytes=8192)
     eddis.broadcast_parameters(model.state_dict(), root_rank=0)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9) if reference else None
+    ref_opt = make_optimizer(reference.parameters()) if reference else None
+    inner, updates = type(optimizer).__mro__[2], []
+    inner_step = inner.step
+
+    def counted_step(self, *args, **kwargs):
+        if self is optimizer:
+            updates.append(1)
+        return inner_step(self, *args, **kwargs)
+
+    inner.step = counted_step
     shard = batch_slice(GLOBAL_BATCH, rank, size, weights)
     optimizer.set_sample_count(shard.stop - shard.start)
     for step in range(STEPS):
@@ -80,6 +99,7 @@ def train_config(mode, compression, kind, weighted):
             ref_opt.zero_grad()
             F.cross_entropy(reference(x), y).backward()
             ref_opt.step()
+    inner.step = inner_step
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     rank0 = eddis.broadcast(flat, root_rank=0)
     spread = eddis.allreduce((flat - rank0).abs().max().reshape(1), op=eddis.Max).item()
@@ -99,7 +119,7 @@ def train_config(mode, compression, kind, weighted):
     return {"mode": mode + (f":{variant}" if variant else ""), "compression": compression, "model": kind,
             "weighted": weighted, "ranks": size, "rel_error": float((flat - ref).norm() / ref.norm()),
             "rank_spread": spread, "buckets": buckets, "by_ranks": by_ranks, "in_slot": in_slot,
-            "hierarchical": hierarchical,
+            "hierarchical": hierarchical, "updates_per_step": len(updates) / STEPS,
             "grads_follow": grads_follow and grads_private}
 
 
@@ -168,6 +188,9 @@ def test_matches_single_process_on_global_batch(run_mpi, ranks, config):
         # ...and stage the gradients in their slot when nothing is compressed
         assert r["in_slot"] == (r["by_ranks"] and config[1] == "none"), r
     assert r["grads_follow"], f"gradients changed or stayed in SMB memory at close: {r}"
+    # bucket by bucket wherever a reduction crosses ranks, unless turned off
+    by_bucket = ranks > 1 and not config[0].endswith(":whole")
+    assert r["updates_per_step"] == (r["buckets"] if by_bucket else 1), r
 
 
 @pytest.mark.timeout(300)

@@ -178,6 +178,14 @@ register("EDDIS_COMPRESSION", "str", "none",
 register("EDDIS_BUCKET_BYTES", "size", 25 << 20,
          "Bytes of fp32 gradients per communication bucket (suffix K/M/G); smaller buckets "
          "start communicating earlier in the backward pass.")
+register("EDDIS_OVERLAP_OPTIMIZER", "str", "auto",
+         "torch, where gradients are averaged (sync, allreduce, hybrid's groups): apply the wrapped "
+         "optimizer's update bucket by bucket, as each "
+         "bucket's averaged gradients arrive, while later buckets still cross the network. auto: "
+         "for torch.optim's own per-parameter optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...); "
+         "on: for any optimizer whose update of a parameter reads only that parameter's gradient "
+         "and state; off: one update once the whole gradient is in. Never with a closure, optimizer "
+         "step hooks or skip_synchronize().", choices=["auto", "on", "off"])
 register("EDDIS_COMM_TIMEOUT", "float", 300.0,
          "Seconds optimizer.step() and other collective calls wait for other ranks before "
          "raising TimeoutError.")

@@ -154,6 +154,20 @@ def reducer_waited(reducer, start_ns):
             prof.step_end(_samples(reducer))
 
 
+def reducer_waited_bucket(reducer, bucket, start_ns):
+    """``reducer.wait_bucket(bucket)`` blocked the training thread from ``start_ns`` until now
+    (an update applied bucket by bucket: the step's waits are these and the final wait())."""
+    tl, prof = trace._timeline, _profiler
+    if tl is None and prof is None:
+        return
+    end_ns = trace.perf_ns()
+    if tl is not None:
+        tl.record("X", WAIT, None, start_ns, end_ns - start_ns,
+                  {"step": reducer.step, "mode": reducer.mode, "bucket": bucket})
+    if prof is not None:
+        prof.add_wait((end_ns - start_ns) / 1e9)
+
+
 def _known_samples(reducer):
     """This rank's samples in the reducer's last step: the count the script gave
     (``set_sample_count``, balanced shares), else what the adapter saw, else None."""

@@ -210,33 +210,44 @@ class Reducer:
 
     def wait(self, timeout=None):
         """Wait until every bucket of this step is reduced; then start the next step."""
-        timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
         waited_from = time.perf_counter_ns()
         with self._cond:
-            self._check_usable()
-            while not all(self._done) and self._error is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    # the comm threads' own waits end at about the same time, and their error
-                    # says whom they waited for: give it a moment to arrive
-                    self._cond.wait(INNER_ERROR_GRACE)
-                    inner = f" ({self._error})" if isinstance(self._error, TimeoutError) else ""
-                    not_ready = [k for k in range(self.num_buckets) if not self._ready[k]]
-                    unfinished = [k for k in range(self.num_buckets) if self._ready[k] and not self._done[k]]
-                    raise ReductionTimeoutError(
-                        f"step {self.step}: gradient reduction ({self.mode}) did not finish within "
-                        f"{timeout:g} s; buckets not marked ready here: {not_ready or 'none'}, "
-                        f"ready but not reduced (waiting for other ranks): {unfinished or 'none'}{inner}. "
-                        "Another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is slow.")
-                self._cond.wait(remaining)
-            self._check_usable()
+            self._wait_locked(lambda: all(self._done), timeout)
             self._ready = [False] * self.num_buckets
             self._done = [False] * self.num_buckets
             self._nready = 0
             self.step += 1
             self.stats["steps"] += 1
         observe.reducer_waited(self, waited_from)
+
+    def wait_bucket(self, k, timeout=None):
+        """Wait until bucket ``k`` of this step is reduced (its result is in ``plan.buffer``),
+        while later buckets may still be on their way; the step still ends with :meth:`wait`."""
+        waited_from = time.perf_counter_ns()
+        with self._cond:
+            self._wait_locked(lambda: self._done[k], timeout)
+        observe.reducer_waited_bucket(self, k, waited_from)
+
+    def _wait_locked(self, finished, timeout):
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        self._check_usable()
+        while not finished() and self._error is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                # the comm threads' own waits end at about the same time, and their error
+                # says whom they waited for: give it a moment to arrive
+                self._cond.wait(INNER_ERROR_GRACE)
+                inner = f" ({self._error})" if isinstance(self._error, TimeoutError) else ""
+                not_ready = [k for k in range(self.num_buckets) if not self._ready[k]]
+                unfinished = [k for k in range(self.num_buckets) if self._ready[k] and not self._done[k]]
+                raise ReductionTimeoutError(
+                    f"step {self.step}: gradient reduction ({self.mode}) did not finish within "
+                    f"{timeout:g} s; buckets not marked ready here: {not_ready or 'none'}, "
+                    f"ready but not reduced (waiting for other ranks): {unfinished or 'none'}{inner}. "
+                    "Another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is slow.")
+            self._cond.wait(remaining)
+        self._check_usable()
 
     def reduce(self, weight=None):
         """Reduce the whole buffer now (for frameworks without per-parameter hooks)."""

@@ -40,7 +40,9 @@ def _names(optimizer):
 
 
 def _params(optimizer):
-    return [p for group in optimizer.param_groups for p in group["params"]]
+    # a DistributedOptimizer updating bucket by bucket holds a share in each group meanwhile
+    groups = getattr(optimizer, "_eddis_whole_groups", None) or [g["params"] for g in optimizer.param_groups]
+    return [p for params in groups for p in params]
 
 
 def _snapshot(order, refs, names):
@@ -48,6 +50,11 @@ def _snapshot(order, refs, names):
         _snapshots[order] = _entries(order, [ref() for ref in refs], names)
     except Exception:  # a finalizer must not raise; the optimizer is simply not checked
         _snapshots[order] = []
+
+
+def harmless_hook(hook):
+    """Whether a global step hook may run once per bucket of an update (this module's does)."""
+    return hook is _stepped
 
 
 def _stepped(optimizer, args, kwargs):

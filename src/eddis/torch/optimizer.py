@@ -15,6 +15,10 @@ How a step goes:
    that got no gradient contribute zeros), waits only for buckets not done yet,
    hands the averaged gradients to ``.grad`` (CPU fp32: ``.grad`` becomes a view
    of the buffer, no copy) and runs the wrapped optimizer's own ``step()``.
+   When the wrapped optimizer updates each parameter from its own gradient and
+   state alone (EDDIS_OVERLAP_OPTIMIZER), ``step()`` runs that update bucket by
+   bucket instead, each as soon as its averaged gradients are in, so the update
+   of the first buckets runs while the last ones still cross the network.
 """
 import contextlib
 import threading
@@ -31,6 +35,12 @@ from .samples import ForwardSampleCounter
 from ..core.basics import basics as _basics
 from ..core.ops import reject_unsupported_horovod_options
 from .ops import Average
+
+# torch.optim's optimizers whose update of a parameter reads only its own gradient and state:
+# their step() may run on a few parameters at a time (EDDIS_OVERLAP_OPTIMIZER=auto)
+PER_PARAMETER_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD",
+    "Rprop") if hasattr(torch.optim, name))
 
 
 class _CudaFence:
@@ -84,6 +94,7 @@ class _DistributedOptimizer:
         self._eddis_lock = threading.Lock()
         self._eddis_synchronized = False
         self._eddis_skip_sync = False
+        self._eddis_whole_groups = None   # the param_groups' lists while step() updates a bucket at a time
         self.reducer = make_reducer(mode, plan, compression=codec_of(compression), op=op.name,
                                     name=f"torch.{_next_instance_id()}")
         # after the reducer, which may place a CPU buffer (in mapped SMB memory)
@@ -175,6 +186,15 @@ class _DistributedOptimizer:
 
     def synchronize(self):
         """Finish this step's gradient averaging; afterwards ``.grad`` holds the result."""
+        self._eddis_send_rest()
+        self.reducer.wait()
+        if not self._eddis_passthrough:
+            self._eddis_unstage()
+        self._eddis_reset_counts()
+        self._eddis_synchronized = True
+
+    def _eddis_send_rest(self):
+        """The end of this step's backward passes: every bucket not sent yet goes now."""
         self._eddis_hetero.before_sync()  # end of this step's compute (balance, slowdown)
         plan = self._eddis_plan
         with self._eddis_lock:
@@ -192,17 +212,18 @@ class _DistributedOptimizer:
         samples = self._eddis_samples.take()
         if samples:
             observe.note_samples(samples)   # for the progress line and the profile
-        self.reducer.wait()
-        if not self._eddis_passthrough:
-            self._eddis_unstage()
+
+    def _eddis_reset_counts(self):
         with self._eddis_lock:
             self._eddis_counts = [0] * len(self._eddis_params)
-            self._eddis_left = [len(b.params) for b in plan.buckets]
-        self._eddis_synchronized = True
+            self._eddis_left = [len(b.params) for b in self._eddis_plan.buckets]
 
-    def _eddis_unstage(self):
+    def _eddis_unstage(self, indices=None):
+        """The averaged gradients into ``.grad``: of every parameter, or of ``indices``."""
+        params, views = self._eddis_params, self._eddis_views
+        pairs = zip(params, views) if indices is None else ((params[i], views[i]) for i in indices)
         with torch.no_grad():
-            for p, view in zip(self._eddis_params, self._eddis_views):
+            for p, view in pairs:
                 if p.device.type == "cpu" and p.dtype == torch.float32:
                     if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                         p.grad = view  # the averaged gradient, without a copy
@@ -220,9 +241,7 @@ class _DistributedOptimizer:
         self.reducer.wait()
         if not self._eddis_passthrough:
             self._eddis_unstage()
-        with self._eddis_lock:
-            self._eddis_counts = [0] * len(self._eddis_params)
-            self._eddis_left = [len(b.params) for b in self._eddis_plan.buckets]
+        self._eddis_reset_counts()
         self._eddis_synchronized = False
 
     def _eddis_join_apply(self):
@@ -247,16 +266,67 @@ class _DistributedOptimizer:
             if not self._eddis_synchronized:
                 raise UsageError("step() inside skip_synchronize() without synchronize() first: "
                                  "call optimizer.synchronize() before the with-block")
+        elif not self._eddis_synchronized and self._eddis_overlaps(closure):
+            self._eddis_send_rest()
+            result = self._eddis_step_by_bucket()
         elif not self._eddis_synchronized:
             self.synchronize()
-        self._eddis_synchronized = False
-        with timeline.span(timeline.OPTIMIZER_STEP):
-            result = super(_DistributedOptimizer, self).step(closure)
+        if self._eddis_synchronized:
+            self._eddis_synchronized = False
+            with timeline.span(timeline.OPTIMIZER_STEP):
+                result = super(_DistributedOptimizer, self).step(closure)
         self._eddis_hetero.after_step()  # easgd/hybrid exchange, rebalancing
         agreement.tick()
         # a periodic or requested checkpoint when the ranks agreed on this step
         _basics.at_step_boundary(self._eddis_hetero, getattr(self, "_eddis_checkpointing", None))
         return result
+
+    def _eddis_overlaps(self, closure):
+        """Whether this step's update may run bucket by bucket (EDDIS_OVERLAP_OPTIMIZER)."""
+        wanted = settings.get("EDDIS_OVERLAP_OPTIMIZER")
+        if wanted == "off" or closure is not None or self._eddis_passthrough:
+            return False
+        if len(self._eddis_plan.buckets) < 2:
+            return False
+        # a hook would run once per bucket, and may want the whole gradient
+        from torch.optim import optimizer as torch_optimizer
+        global_hooks = [*torch_optimizer._global_optimizer_pre_hooks.values(),
+                        *torch_optimizer._global_optimizer_post_hooks.values()]
+        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or not all(
+                map(agreement.harmless_hook, global_hooks)):
+            return False
+        return wanted == "on" or type(self).__mro__[2] in PER_PARAMETER_OPTIMIZERS
+
+    def _eddis_step_by_bucket(self):
+        """The wrapped optimizer's update, one bucket's parameters at a time, each as soon as
+        that bucket's averaged gradients are in: its param_groups hold only those parameters
+        for the call (every option and state entry stays the group's and the parameter's)."""
+        plan, groups = self._eddis_plan, self.param_groups
+        bucket_of = {id(self._eddis_params[i]): k for k, b in enumerate(plan.buckets) for i in b.params}
+        last = len(plan.buckets) - 1
+        originals = [g["params"] for g in groups]
+        # parameters outside the plan (no gradient expected) go with the last bucket
+        shares = [[[] for _ in groups] for _ in plan.buckets]
+        for j, params in enumerate(originals):
+            for p in params:
+                shares[bucket_of.get(id(p), last)][j].append(p)
+        self._eddis_whole_groups = originals   # what the parameter agreement check reads meanwhile
+        try:
+            for k, bucket in enumerate(plan.buckets):
+                self.reducer.wait_bucket(k)
+                if not self._eddis_passthrough:
+                    self._eddis_unstage(bucket.params)
+                for g, share in zip(groups, shares[k]):
+                    g["params"] = share
+                with timeline.span(timeline.OPTIMIZER_STEP, args={"bucket": k}):
+                    super(_DistributedOptimizer, self).step()
+        finally:
+            for g, params in zip(groups, originals):
+                g["params"] = params
+            self._eddis_whole_groups = None
+        self.reducer.wait()   # every bucket is in: this ends the reducer's step
+        self._eddis_reset_counts()
+        return None
 
     def zero_grad(self, set_to_none=True):
         if self.reducer.in_progress:
