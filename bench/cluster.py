@@ -22,6 +22,9 @@ contender in turn on the same data:
   (group) stepping at the learning rate of its own batch rather than of the global one;
   ``eddis-easgd-overlap`` and ``eddis-hybrid-overlap`` (not in the default list either): the
   exchanges in the background, each move applied a step later (``EDDIS_EASGD_OVERLAP``);
+  ``eddis-sync-whole`` and ``eddis-sync-fp16-whole`` (not in the default list): the
+  optimizer's update once the whole gradient is in (``EDDIS_OVERLAP_OPTIMIZER=off``), where
+  the others update bucket by bucket as each bucket's average arrives;
 - ``solo``, the ideal: every rank trains a model of its own at the same time, with no
   communication, for ``--solo-seconds``; its samples/s is the sum of the ranks' own
   rates, so it carries the same CPU contention and slowdowns as the others, and the
@@ -73,6 +76,8 @@ QUICK = {"links": ["1gbit"], "layouts": ["2x2"], "slowdowns": ["1111"], "models"
 LOCAL_LR_VARIANTS = ["eddis-easgd-locallr", "eddis-hybrid-locallr"]
 # the elastic exchanges in the background, each move applied a step later (EDDIS_EASGD_OVERLAP)
 OVERLAP_VARIANTS = ["eddis-easgd-overlap", "eddis-hybrid-overlap"]
+# the optimizer's update after the whole gradient, not bucket by bucket (EDDIS_OVERLAP_OPTIMIZER)
+WHOLE_UPDATE_VARIANTS = ["eddis-sync-whole", "eddis-sync-fp16-whole"]
 PAUSE_TIMEOUT_S = 300
 JOB_TIMEOUT_S = 1800
 
@@ -260,6 +265,7 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
         compression = parts[1] if len(parts) > 1 and parts[1] in ("fp16", "bf16") else "none"
         os.environ["EDDIS_SYNC_REDUCE"] = "server" if parts[-1] == "flat" else "auto"
         os.environ["EDDIS_EASGD_OVERLAP"] = "1" if parts[-1] == "overlap" else "0"
+        os.environ["EDDIS_OVERLAP_OPTIMIZER"] = "off" if parts[-1] == "whole" else "auto"
         # every contender at the global batch's rate: the average of the workers' (groups')
         # steps then moves as far per sample as one synchronous step of the global batch
         batch_for_lr = global_batch
@@ -464,14 +470,14 @@ def print_table(records):
               f"{config['slowdowns']}, model {config['model']} (S = {rows[0]['gradient_bytes'] / 1e6:.1f} MB, "
               f"local batch {config.get('local_batch', MODELS[config['model']]['batch'])}, "
               f"target loss {rows[0]['target_loss']})")
-        print(f"{'contender':18s} {'samples/s':>10s} {'x DDP':>6s} {'to target s':>12s} {'x DDP':>6s} "
+        print(f"{'contender':22s} {'samples/s':>10s} {'x DDP':>6s} {'to target s':>12s} {'x DDP':>6s} "
               f"{'bytes/step/node/way':>20s} {'/ S':>6s} {'x ideal':>8s}")
         for r in rows:
             speed = f"{r['samples_per_s'] / ddp['samples_per_s']:.2f}" if ddp else "-"
             hit = r["time_to_target_s"]
             faster = (f"{ddp['time_to_target_s'] / hit:.2f}" if ddp and hit and ddp["time_to_target_s"] else "-")
             share = f"{r['samples_per_s'] / ideal['samples_per_s']:.2f}" if ideal else "-"
-            print(f"{r['contender']:18s} {r['samples_per_s']:10.1f} {speed:>6s} "
+            print(f"{r['contender']:22s} {r['samples_per_s']:10.1f} {speed:>6s} "
                   f"{'-' if hit is None else f'{hit:.1f}':>12s} {faster:>6s} "
                   f"{r['cross_node_bytes_per_step'] / 1e6:18.1f}MB {r['cross_node_bytes_per_step'] / r['gradient_bytes']:6.2f} "
                   f"{share:>8s}")
@@ -535,10 +541,10 @@ def main(argv=None):
     args.layouts = args.layouts.split(",")
     args.slowdowns = args.slowdowns.split(",")
     args.models = args.models.split(",")
+    known = CONTENDERS + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS + WHOLE_UPDATE_VARIANTS
     for c in args.contenders.split(","):
-        if c not in CONTENDERS + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS:
-            sys.exit(f"bench/cluster.py: unknown contender {c!r}; choose from "
-                     f"{', '.join(CONTENDERS + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS)}")
+        if c not in known:
+            sys.exit(f"bench/cluster.py: unknown contender {c!r}; choose from {', '.join(known)}")
     for m in args.models:
         if m not in MODELS:
             sys.exit(f"bench/cluster.py: unknown model {m!r}; choose from {', '.join(MODELS)}")
@@ -569,7 +575,7 @@ def main(argv=None):
             print(f"-- {config}: {', '.join(contenders)}", flush=True)
             found = run_configuration(args, env, config, contenders)
             for r in found:
-                print(f"   {r['contender']:18s} {r['samples_per_s']:8.1f} samples/s, to target "
+                print(f"   {r['contender']:22s} {r['samples_per_s']:8.1f} samples/s, to target "
                       f"{r['time_to_target_s']}, {r['cross_node_bytes_per_step'] / 1e6:.1f} MB/step/node "
                       f"(out {', '.join(f'{t / 1e6:.1f}' for t in r['tx_per_step'])}, in "
                       f"{', '.join(f'{t / 1e6:.1f}' for t in r['rx_per_step'])})", flush=True)
