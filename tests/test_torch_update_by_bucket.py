@@ -40,7 +40,7 @@ def worker():
         optimizer = eddis.DistributedOptimizer(cls(model.parameters(), lr=0.1, momentum=0.9),
                                                named_parameters=model.named_parameters(), bucket_bytes=2048)
         calls, seen_by_check = [], []
-        inner, inner_step = cls, cls.step
+        inner_step = cls.step
 
         def counted(self, *args, **kwargs):
             if self is optimizer:

@@ -139,31 +139,28 @@ def reducer_built(reducer, mode):
 
 def reducer_waited(reducer, start_ns):
     """``reducer.wait()`` blocked the training thread from ``start_ns`` until now."""
-    tl, prof = trace._timeline, _profiler
     if reducer is _primary and _progress is not None:
         samples = _known_samples(reducer)
         _progress.update(samples=None if samples is None else samples * _size)
-    if tl is None and prof is None:
-        return
-    end_ns = trace.perf_ns()
-    if tl is not None:
-        tl.record("X", WAIT, None, start_ns, end_ns - start_ns, {"step": reducer.step - 1, "mode": reducer.mode})
-    if prof is not None:
-        prof.add_wait((end_ns - start_ns) / 1e9)
-        if reducer is _primary:
-            prof.step_end(_samples(reducer))
+    _record_wait(start_ns, {"step": reducer.step - 1, "mode": reducer.mode})
+    if _profiler is not None and reducer is _primary:
+        _profiler.step_end(_samples(reducer))
 
 
 def reducer_waited_bucket(reducer, bucket, start_ns):
     """``reducer.wait_bucket(bucket)`` blocked the training thread from ``start_ns`` until now
     (an update applied bucket by bucket: the step's waits are these and the final wait())."""
+    _record_wait(start_ns, {"step": reducer.step, "mode": reducer.mode, "bucket": bucket})
+
+
+def _record_wait(start_ns, args):
+    """The training thread's wait from ``start_ns`` until now, on the timeline and in the profile."""
     tl, prof = trace._timeline, _profiler
     if tl is None and prof is None:
         return
     end_ns = trace.perf_ns()
     if tl is not None:
-        tl.record("X", WAIT, None, start_ns, end_ns - start_ns,
-                  {"step": reducer.step, "mode": reducer.mode, "bucket": bucket})
+        tl.record("X", WAIT, None, start_ns, end_ns - start_ns, args)
     if prof is not None:
         prof.add_wait((end_ns - start_ns) / 1e9)
 

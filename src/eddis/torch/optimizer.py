@@ -24,6 +24,7 @@ import contextlib
 import threading
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from .. import settings, timeline
 from ..core import BucketPlan, LocalReducer, collectives, make_reducer, observe, runtime
@@ -87,6 +88,7 @@ class _DistributedOptimizer:
             "backward_passes_per_step alike everywhere.")
         self._eddis_params = params
         self._eddis_plan = plan
+        self._eddis_bucket_of = {id(params[i]): k for k, b in enumerate(plan.buckets) for i in b.params}
         self._eddis_bpps = int(backward_passes_per_step)
         self._eddis_counts = [0] * len(params)
         self._eddis_left = [len(b.params) for b in plan.buckets]
@@ -187,10 +189,7 @@ class _DistributedOptimizer:
     def synchronize(self):
         """Finish this step's gradient averaging; afterwards ``.grad`` holds the result."""
         self._eddis_send_rest()
-        self.reducer.wait()
-        if not self._eddis_passthrough:
-            self._eddis_unstage()
-        self._eddis_reset_counts()
+        self._eddis_take_result()
         self._eddis_synchronized = True
 
     def _eddis_send_rest(self):
@@ -212,6 +211,14 @@ class _DistributedOptimizer:
         samples = self._eddis_samples.take()
         if samples:
             observe.note_samples(samples)   # for the progress line and the profile
+
+    def _eddis_take_result(self):
+        """Wait for the whole step's reduction, hand its result to ``.grad`` and start counting
+        the next step's gradients."""
+        self.reducer.wait()
+        if not self._eddis_passthrough:
+            self._eddis_unstage()
+        self._eddis_reset_counts()
 
     def _eddis_reset_counts(self):
         with self._eddis_lock:
@@ -238,10 +245,7 @@ class _DistributedOptimizer:
         if not self._eddis_passthrough:
             self._eddis_flat.zero_()
         self.reducer.mark_all_ready()
-        self.reducer.wait()
-        if not self._eddis_passthrough:
-            self._eddis_unstage()
-        self._eddis_reset_counts()
+        self._eddis_take_result()
         self._eddis_synchronized = False
 
     def _eddis_join_apply(self):
@@ -289,7 +293,6 @@ class _DistributedOptimizer:
         if len(self._eddis_plan.buckets) < 2:
             return False
         # a hook would run once per bucket, and may want the whole gradient
-        from torch.optim import optimizer as torch_optimizer
         global_hooks = [*torch_optimizer._global_optimizer_pre_hooks.values(),
                         *torch_optimizer._global_optimizer_post_hooks.values()]
         if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or not all(
@@ -301,8 +304,7 @@ class _DistributedOptimizer:
         """The wrapped optimizer's update, one bucket's parameters at a time, each as soon as
         that bucket's averaged gradients are in: its param_groups hold only those parameters
         for the call (every option and state entry stays the group's and the parameter's)."""
-        plan, groups = self._eddis_plan, self.param_groups
-        bucket_of = {id(self._eddis_params[i]): k for k, b in enumerate(plan.buckets) for i in b.params}
+        plan, groups, bucket_of = self._eddis_plan, self.param_groups, self._eddis_bucket_of
         last = len(plan.buckets) - 1
         originals = [g["params"] for g in groups]
         # parameters outside the plan (no gradient expected) go with the last bucket
@@ -314,8 +316,7 @@ class _DistributedOptimizer:
         try:
             for k, bucket in enumerate(plan.buckets):
                 self.reducer.wait_bucket(k)
-                if not self._eddis_passthrough:
-                    self._eddis_unstage(bucket.params)
+                self._eddis_unstage(bucket.params)   # never passthrough here (_eddis_overlaps)
                 for g, share in zip(groups, shares[k]):
                     g["params"] = share
                 with timeline.span(timeline.OPTIMIZER_STEP, args={"bucket": k}):
