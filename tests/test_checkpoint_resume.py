@@ -268,8 +268,11 @@ RACE_TOTAL = 40
 
 def race_launch(tmp_path, out, *args, mode="easgd", ranks=2):
     """resumable_hetero.py on ``ranks`` ranks of ``eddis-train --local`` (hybrid: 2 groups), the
-    counter's total RACE_TOTAL claimed 2 at a time, checkpoints in ``tmp_path/ckpt``."""
+    counter's total RACE_TOTAL claimed 2 at a time, checkpoints in ``tmp_path/ckpt``. The steps
+    force one order of claims, so no claim is made ahead (EDDIS_CLAIM_AHEAD=0): one would race
+    with the other rank's last claims."""
     settings = {"EDDIS_MODE": mode, "EDDIS_TOTAL_ITERATIONS": RACE_TOTAL, "EDDIS_CLAIM_CHUNK": 2,
+                "EDDIS_CLAIM_AHEAD": 0,
                 "EDDIS_CHECKPOINT_DIR": tmp_path / "ckpt"}
     groups = ["--mode", "hybrid", "--groups", "2"] if mode == "hybrid" else []
     argv = ["eddis-train", "--local", "-n", str(ranks), PYTHON, str(RACE_SCRIPT), str(out), *groups,

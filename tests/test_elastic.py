@@ -580,7 +580,7 @@ def test_membership_outlives_a_lost_server():
 
 
 def test_a_hybrid_groups_pools_live_on_its_own_nodes_servers():
-    from eddis.core.hybrid import servers_on_hosts
+    from eddis.smb.client import servers_on_hosts
 
     # by host name, whether or not the memory is mapped (SMB_LOCAL_MAP): never the other node's
     assert servers_on_hosts(["n1", "n2", "n1"], ["n1", "n1"]) == [0, 2]

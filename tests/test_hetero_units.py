@@ -197,8 +197,11 @@ def test_unit_of_all_ranks_claims_without_messages_and_checks_the_counter(smb_ru
                                           lockstep_comm=MPI.COMM_SELF, name="units.tampered")
         assert not ctl.should_stop() and not ctl.should_stop()
         client.counter("units.tampered.counter").fetch_add(1)   # another user of the counter
-        with pytest.raises(progress.ProgressError, match="read 3 where .* left it at 2"):
-            ctl.should_stop()
+        # noticed by the first claim that finds it: the next one, or the one after when the
+        # next was made ahead before the foreign claim
+        with pytest.raises(progress.ProgressError, match=r"read (3 where .* left it at 2|5 where .* left it at 4)"):
+            for _ in range(4):
+                ctl.should_stop()
 
 
 @pytest.mark.timeout(60)

@@ -558,7 +558,7 @@ def test_a_job_whose_checkpoint_request_comes_after_training_ended_completes(slu
     job_id = submit_job(slurm_cluster, tmp_path, [HETERO_SCRIPT, out, "--end-race", "ended-first"], log,
                         job_name="eddis-refused-test", time="00:05:00", checkpoint_signal=120, mode="easgd",
                         settings={"EDDIS_TOTAL_ITERATIONS": str(RACE_TOTAL), "EDDIS_CLAIM_CHUNK": "2",
-                                  "EDDIS_CHECKPOINT_DIR": str(ckpt)})
+                                  "EDDIS_CLAIM_AHEAD": "0", "EDDIS_CHECKPOINT_DIR": str(ckpt)})
     state = wait_requeued_job_end(slurm_cluster, job_id, 240, log)
     text = log.read_text(errors="replace")
     assert state[:2] == ("COMPLETED", "0:0"), text[-4000:]

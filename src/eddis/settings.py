@@ -230,6 +230,10 @@ register("EDDIS_TOTAL_ITERATIONS", "int", None,
 register("EDDIS_CLAIM_CHUNK", "int", 1,
          "Iterations (group steps in sync/hybrid) a worker claims from the global learning "
          "counter at once; larger chunks mean fewer counter round trips.")
+register("EDDIS_CLAIM_AHEAD", "bool", True,
+         "The leader of ranks that step together claims its next chunk from the global learning "
+         "counter in the background while it runs the current chunk's last step (never in elastic "
+         "runs); 0: claim only when the chunk is used up, so that claims follow the steps exactly.")
 register("EDDIS_STALENESS", "int", -1,
          "Staleness bound s: no rank starts step t while another is before step t - s; "
          "-1: unbounded.")

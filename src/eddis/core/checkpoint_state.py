@@ -103,6 +103,7 @@ def progress_of_rank():
     ctl = progress.controller()
     if ctl is None:
         return None
+    ctl.settle_claim()   # a claim under way: counted here, before the committer reads the counter
     done = ctl.steps_done + (1 if ctl.started else 0)
     unused = ctl.reserved * ctl.unit if ctl.leader and not ctl.finished else 0
     return done, unused

@@ -224,6 +224,11 @@ class Client:
                     f"{what}: lost SMB server {server} ({self.address(conn)}): "
                     f"{self._status_text(code)}; the server died or was stopped", code or -25)
 
+    def servers_on_hosts(self, hosts):
+        """Indices of the servers that run on any of ``hosts`` (by host name, whether or not
+        their memory is mapped here), in server order."""
+        return servers_on_hosts([info["hostname"] for info in self.servers], hosts)
+
     def servers_of(self, conns):
         """The server indices of these connections, sorted."""
         conns = set(conns)
@@ -380,6 +385,12 @@ def _parse_address(address):
 
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def servers_on_hosts(server_hosts, hosts):
+    """Indices of the servers (by their host names, in server order) on any of ``hosts``."""
+    hosts = set(hosts)
+    return [s for s, host in enumerate(server_hosts) if host in hosts]
 
 
 def counter_value(value, counter, argument):
