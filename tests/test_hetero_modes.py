@@ -263,7 +263,8 @@ if __name__ != "__main__":
     @pytest.mark.timeout(450)
     @pytest.mark.parametrize("mode", ["easgd", "hybrid"])
     def test_overlapped_exchanges_reach_accuracy_and_keep_groups_identical(results, mode):
-        """EDDIS_EASGD_OVERLAP: every exchange in the background, its move applied at the next."""
+        """EDDIS_EASGD_OVERLAP: a stripe exchanged in the background after every step, its move
+        applied after the next."""
         r = next(run for run in results["overlapped"] if run["mode"] == mode)
         assert r["overlap"] and r["accuracy"] >= ACCURACY, r["accuracy"]
         assert r["counter"] == r["total"] and sum(r["counts"]) == r["total"]

@@ -300,6 +300,65 @@ def test_overlapped_exchange_moves_the_centre_now_and_hands_the_move_over_later(
 
 
 @pytest.mark.timeout(60)
+def test_a_striped_exchange_moves_only_its_part(smb_run_dir):
+    """EDDIS_EASGD_OVERLAP exchanges a stripe after every step: the tau stripes cover the
+    vector once, in order; an exchange of one moves that part of the worker and the centre."""
+    n, tau = 10, 4
+    with smb.Client(run_dir=smb_run_dir) as client:
+        worker = ElasticAverager(client, n, 0, 2, tau=tau, alpha=0.25, name="units.stripes", weighting="equal")
+        stripes = [worker.stripe(step) for step in range(2 * tau)]
+        assert stripes[:tau] == stripes[tau:]   # every coordinate once every tau steps
+        assert stripes[:tau] == [[(0, 2)], [(2, 3)], [(5, 2)], [(7, 3)]]   # one server: one piece
+        worker.initialize(np.zeros(n, np.float32))
+        x = np.full(n, 4.0, np.float32)
+        worker.start_exchange(x, part=stripes[1])   # d = 0.25 (4 - 0) = 1 on elements 2..4
+        [move] = worker.take_move()
+        np.testing.assert_allclose(move, [1.0] * 3)
+        np.testing.assert_allclose(worker.read_center(), [0, 0, 1, 1, 1, 0, 0, 0, 0, 0])
+        worker.exchange(x, part=stripes[3])           # in place: x 4 -> 3 on elements 7..9
+        np.testing.assert_allclose(x, [4] * 7 + [3] * 3)
+        np.testing.assert_allclose(worker.read_center(), [0, 0, 1, 1, 1, 0, 0, 1, 1, 1])
+
+
+@pytest.fixture
+def two_servers_run_dir(tmp_path):
+    run_dir = tmp_path / "run2"
+    smb.create_run_dir(run_dir)
+    servers = [smb.Server(run_dir, index=i, memory=8 << 20) for i in range(2)]
+    for server in servers:
+        server.start()
+    yield run_dir
+    for server in servers:
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_stripes_cut_every_servers_piece_alike(two_servers_run_dir):
+    """Each stripe takes its share of every server's piece of the centre, so that every
+    exchange reads and writes every server (the links carry a share of each, every step)."""
+    n, tau = 20, 4
+    with smb.Client(run_dir=two_servers_run_dir, expected_servers=2) as client:
+        worker = ElasticAverager(client, n, 0, 2, tau=tau, name="units.stripes2", weighting="equal")
+        pieces = [(start, count) for start, count, _ in worker.pool.layout()]
+        assert len(pieces) == 2, pieces
+        stripes = [worker.stripe(step) for step in range(tau)]
+        assert all(len(stripe) == 2 for stripe in stripes), stripes
+        covered = sorted(r for stripe in stripes for r in stripe)
+        assert sum(c for _, c in covered) == n
+        assert all(a + m == b for (a, m), (b, _) in zip(covered, covered[1:])), covered  # no gap, no overlap
+        worker.initialize(np.zeros(n, np.float32))
+        x = np.arange(n, dtype=np.float32)
+        moves = worker.exchange(x.copy(), part=stripes[2])
+        centre = worker.read_center()
+        moved = np.zeros(n, bool)
+        for (lo, count), move in zip(stripes[2], moves):
+            moved[lo:lo + count] = True
+            np.testing.assert_allclose(move, worker.pull * np.arange(lo, lo + count))
+        assert np.all(centre[~moved] == 0), centre   # the other stripes are not touched
+        np.testing.assert_allclose(centre[moved], worker.push * np.arange(n, dtype=np.float32)[moved])
+
+
+@pytest.mark.timeout(60)
 def test_easgd_throughput_weighting_splits_the_move_by_mass(smb_run_dir):
     n = 4
     with smb.Client(run_dir=smb_run_dir) as client:

@@ -215,10 +215,11 @@ register("EDDIS_EASGD_ALPHA", "float", None,
          "easgd/hybrid: moving rate alpha of an exchange (d = alpha (x - centre)); unset: "
          "0.9 / (number of exchanging workers or groups), the EASGD paper's beta = 0.9.")
 register("EDDIS_EASGD_OVERLAP", "bool", False,
-         "easgd/hybrid: run each elastic exchange in the background while the next step computes, "
-         "and apply its move to the worker (group) after that step (waiting for it if need be); "
-         "the centre moves as soon as the exchange is done. Hides the exchange's transfer behind "
-         "a step's compute, at the price of a worker move that is one step stale.")
+         "easgd/hybrid: after every step exchange one EDDIS_EASGD_TAU-th of the parameters (a "
+         "stripe; each is exchanged every tau steps) in the background while the next step "
+         "computes, and apply its move to the worker (group) after that step (waiting for it if "
+         "need be); the centre moves as soon as the exchange is done. Hides the exchange's "
+         "transfer behind the steps' compute, at the price of a worker move one step stale.")
 register("EDDIS_EASGD_WEIGHTING", "str", "throughput",
          "easgd/hybrid: 'throughput' splits each exchange's move between worker and centre by the "
          "worker's measured throughput over the mean (fast workers move the centre more and are "

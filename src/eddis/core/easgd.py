@@ -46,7 +46,13 @@ so it neither lags the workers nor oscillates.
 Overlapped exchanges (EDDIS_EASGD_OVERLAP, :meth:`ElasticAverager.start_exchange`): the
 exchange runs in a thread of its own on a copy of the parameters, so the next step computes
 while the centre is read and moved; the caller applies the move (:meth:`take_move`) after that
-step, one step stale (``eddis.core.hetero.HeteroStep.exchange_flat``).
+step, one step stale (``eddis.core.hetero.HeteroStep.exchange_flat``). They are striped: after
+step t the worker exchanges only :meth:`stripe` ``(t)``, the ``t mod tau``-th of ``tau`` equal
+parts of every server's piece of the vector, so every coordinate is still exchanged once every
+``tau`` steps, and what
+crosses the network per step is a ``tau``-th of a whole exchange, small enough to hide behind
+one step (a whole exchange every ``tau`` steps, hidden behind one step only, left the rest of
+its transfer to wait for).
 
 The final model is the centre: ``read_center()`` after every worker did its
 last exchange (``eddis.save_checkpoint`` does that).
@@ -109,7 +115,8 @@ class ElasticAverager:
         self._last_exchange = None
         self.center = np.empty(self.length, dtype=np.float32)
         self.scratch = np.empty(self.length, dtype=np.float32)   # d of the last exchange
-        self._pending = None
+        self._pending = None   # the axpy requests of the last exchange
+        self._stripes = self._cut_stripes()
         self.exchanges = 0
         self.seconds = 0.0
         # EDDIS_EASGD_OVERLAP: the exchange in a thread of its own, on a copy of the parameters
@@ -154,46 +161,76 @@ class ElasticAverager:
         known = self._rates[self._rates > 0]
         self.mass = self.rate / known.mean() if known.size else 1.0
 
-    def exchange(self, x, measure=True):
+    def stripe(self, step):
+        """``[(start, count), ...]``: the part of the vector a striped exchange after local step
+        ``step`` moves, the ``step mod tau``-th of ``tau`` parts of (nearly) equal length, cut
+        from every server's piece of the centre alike: each exchange then reads and writes
+        every server, and the links between nodes carry a share of each, every step (stripes
+        of whole server pieces crossed one link after another, each for several steps)."""
+        return self._stripes[int(step) % self.tau]
+
+    def _cut_stripes(self):
+        layout = getattr(self.pool, "layout", None)
+        pieces = [(start, count) for start, count, _ in layout()] if layout is not None else [(0, self.length)]
+        return [[(start + count * i // self.tau, count * (i + 1) // self.tau - count * i // self.tau)
+                 for start, count in pieces if count * (i + 1) // self.tau > count * i // self.tau]
+                for i in range(self.tau)]
+
+    def exchange(self, x, measure=True, part=None):
         """One elastic exchange; moves ``x`` (flat float32, in place) and the centre.
         Returns the worker's move ``d`` (valid until the next exchange).
         ``measure=False``: not ``tau`` steps since the last exchange (the final one),
-        so the time since then is no measure of this worker's throughput."""
+        so the time since then is no measure of this worker's throughput.
+        ``part``: a :meth:`stripe`, only those ranges of ``x`` and the centre (the throughput
+        is measured at the first stripe, once every ``tau`` steps); the move returned is
+        then a list of views of ``d``, one per range."""
+        ranges = [(0, self.length)] if part is None else [(int(lo), int(n)) for lo, n in part]
+        size = sum(n for _, n in ranges)
         start = time.perf_counter()
         with timeline.span(timeline.EASGD_EXCHANGE,
-                           args={"bytes": self.exchange_bytes, "worker": self.worker}):
-            if measure:
+                           args={"bytes": self.exchange_bytes * size // max(1, self.length), "worker": self.worker}):
+            if measure and (part is None or ranges == self._stripes[0]):
                 self._weigh(start)
             self.finish()
-            self.pool.read(out=self.center, slot=0, timeout=self.timeout)
-            d = self.scratch
-            np.subtract(x, self.center, out=d)
+            reads = [self.pool.read_nb(out=self.center[lo:lo + n], slot=0, start=lo, count=n)
+                     for lo, n in ranges]
+            for request in reads:
+                request.wait(self.timeout)
             pull, push = self.pull, self.push
-            d *= np.float32(pull)
-            np.subtract(x, d, out=x)
-            self.pool.write(d, slot=self.my_slot, timeout=self.timeout)
-            self._pending = self.pool.axpy_nb(0, self.my_slot, push / pull)
+            moves = []
+            for lo, n in ranges:
+                d, xs = self.scratch[lo:lo + n], x[lo:lo + n]
+                np.subtract(xs, self.center[lo:lo + n], out=d)
+                d *= np.float32(pull)
+                np.subtract(xs, d, out=xs)
+                moves.append(d)
+            writes = [self.pool.write_nb(d, slot=self.my_slot, start=lo) for d, (lo, _) in zip(moves, ranges)]
+            for request in writes:
+                request.wait(self.timeout)
+            self._pending = [self.pool.axpy_nb(0, self.my_slot, push / pull, start=lo, count=n)
+                             for lo, n in ranges]
         self.exchanges += 1
         self.seconds += time.perf_counter() - start
-        return d
+        return self.scratch if part is None else moves
 
-    def start_exchange(self, x, measure=True):
-        """:meth:`exchange` on a copy of ``x`` in a thread of its own, so that the training goes
-        on while the centre is read and moved; :meth:`take_move` gives its move. The one
-        started before must have been taken."""
+    def start_exchange(self, x, measure=True, part=None):
+        """:meth:`exchange` (of ``part``, or all) on a copy of ``x`` in a thread of its own, so
+        that the training goes on while the centre is read and moved; :meth:`take_move` gives
+        its move. The one started before must have been taken."""
         if self._thread is not None:
             raise UsageError("an overlapped EASGD exchange is still pending; take its move first")
         if self._snapshot is None:
             self._snapshot = np.empty(self.length, dtype=np.float32)
-        np.copyto(self._snapshot, x)
+        for lo, n in [(0, self.length)] if part is None else part:
+            np.copyto(self._snapshot[lo:lo + n], x[lo:lo + n])
         self._move = self._error = None
-        self._thread = threading.Thread(target=self._exchange_in_background, args=(measure,),
+        self._thread = threading.Thread(target=self._exchange_in_background, args=(measure, part),
                                         name=f"eddis-exchange-{self.name}", daemon=True)
         self._thread.start()
 
-    def _exchange_in_background(self, measure):
+    def _exchange_in_background(self, measure, part):
         try:
-            self._move = self.exchange(self._snapshot, measure)
+            self._move = self.exchange(self._snapshot, measure, part)
         except BaseException as exc:   # raised where the move is taken
             self._error = exc
 
@@ -227,9 +264,9 @@ class ElasticAverager:
         """Wait until this worker's last centre update is applied (an overlapped exchange's too;
         its move is kept for :meth:`take_move`)."""
         self._join_background()
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait(self.timeout)
+        pending, self._pending = self._pending or [], None
+        for request in pending:
+            request.wait(self.timeout)
 
     def read_center(self, out=None):
         """The centre variable now (flat float32)."""

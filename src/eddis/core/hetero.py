@@ -72,12 +72,15 @@ class HeteroStep:
     """Heterogeneity hooks of one distributed optimizer (see the module docstring)."""
 
     def __init__(self, plan=None, reducer=None, mode=None, balance=None, gather=None, scatter=None,
-                 measure_first_step=True):
+                 measure_first_step=True, partial_copies=False):
         """``plan``/``reducer`` may come later (``attach``), when the framework knows its
         parameters only at the first step but the data pipeline needs the shares
         before. ``measure_first_step=False``: the first step's compute is not a
         measure of this rank's speed (a graph framework traces and compiles in it),
-        so the simulated slowdown neither sleeps in it nor learns from it."""
+        so the simulated slowdown neither sleeps in it nor learns from it.
+        ``partial_copies``: ``gather(flat, parts)`` and ``scatter(flat, parts)`` also copy only
+        ``parts``, a list of ``(start, count)`` of the flat vector (what a striped exchange
+        reads and moves; without it they copy every parameter)."""
         self.mode = str(settings.get("EDDIS_MODE") if mode is None else mode).lower()
         # the same on every rank, which builds its optimizers in the same order: what names
         # this optimizer's SMB objects that ranks set up apart, without a collective
@@ -95,6 +98,7 @@ class HeteroStep:
         self.reducer = None
         self.gather_fn = gather
         self.scatter_fn = scatter
+        self.partial_copies = bool(partial_copies)
         self.step = 0
         self.slowdown = simulate.from_settings(self.rank, self.group, self.size, self.num_groups)
         self._lock = threading.Lock()
@@ -122,9 +126,11 @@ class HeteroStep:
         self.stopped_for_checkpoint = None   # the checkpoint a requested stop wrote: not the end
         self._final_model_check = None
         self._centre_freed = False
-        # EDDIS_EASGD_OVERLAP: exchanges in the background, each move applied a step later
+        # EDDIS_EASGD_OVERLAP: a stripe exchanged in the background after every step, its move
+        # applied a step later
         self.overlap = bool(settings.get("EDDIS_EASGD_OVERLAP"))
         self._move_pending = False
+        self._move_part = None   # the stripe of the pending move: [(start, count), ...]
         self.flat = None
         self._when_attached = []   # e.g. a resumed centre variable, once its pool exists
         progress.set_mode_hint(self.mode)
@@ -200,16 +206,25 @@ class HeteroStep:
             runtime.register_closable(self._final_model_check)
 
     # ------------------------------------------------------------ parameters <-> flat
-    def gather(self):
+    def gather(self, parts=None):
+        """The parameters into ``self.flat`` (``parts``: at least those ``(start, count)``)."""
         if self.gather_fn is None:
             raise UsageError("this HeteroStep was built without a gather function")
-        self.gather_fn(self.flat)
+        if parts is None or not self.partial_copies:
+            self.gather_fn(self.flat)
+        elif parts:
+            self.gather_fn(self.flat, parts)
         return self.flat
 
-    def scatter(self, flat):
+    def scatter(self, flat, parts=None):
+        """``flat`` into the parameters (``parts``: only those ``(start, count)``, when the
+        parameters outside them are as ``flat`` has them)."""
         if self.scatter_fn is None:
             raise UsageError("this HeteroStep was built without a scatter function")
-        self.scatter_fn(flat)
+        if parts is None or not self.partial_copies:
+            self.scatter_fn(flat)
+        elif parts:
+            self.scatter_fn(flat, parts)
 
     # ------------------------------------------------------------ hooks
     def _compute_start(self):
@@ -277,20 +292,20 @@ class HeteroStep:
         return self.averager is not None and not self._centre_ready
 
     def exchange_due(self):
-        """After this step: an exchange, or (EDDIS_EASGD_OVERLAP) the move of the one begun a
-        step before."""
-        return self.averager is not None and (self.averager.due(self.step) or self._move_pending)
+        """After this step: an exchange (EDDIS_EASGD_OVERLAP: after every step, a stripe's)."""
+        return self.averager is not None and (self.overlap or self.averager.due(self.step) or self._move_pending)
 
     def exchange_flat(self, flat):
         """The elastic exchange on ``flat`` (plan layout, float32, moved in place).
-        EDDIS_EASGD_OVERLAP: the move of the exchange begun a step before, if one was, then
-        this step's exchange, when due, begun in the background."""
+        EDDIS_EASGD_OVERLAP: the move of the stripe begun a step before, if one was, then this
+        step's stripe (``ElasticAverager.stripe``) begun in the background."""
         if self.overlap:
             self._apply_pending_move(flat)
-            if self.averager.due(self.step):
-                if self.exchanging:
-                    self.averager.start_exchange(flat)
-                self._move_pending = True
+            part = self.averager.stripe(self.step)
+            if self.exchanging:
+                self.averager.start_exchange(flat, part=part)
+            self._move_part = part
+            self._move_pending = True
         elif self.group_comm is None:
             self.averager.exchange(flat)
         else:
@@ -304,9 +319,10 @@ class HeteroStep:
         if self.averager is None:
             return
         if self._move_pending:
-            flat = self.gather()
+            parts = list(self._move_part)
+            flat = self.gather(parts)
             self._apply_pending_move(flat)
-            self.scatter(flat)
+            self.scatter(flat, parts)
         self.averager.finish()
 
     def _apply_pending_move(self, flat):
@@ -315,10 +331,12 @@ class HeteroStep:
         if not self._move_pending:
             return
         self._move_pending = False
-        move = self.averager.take_move() if self.exchanging else None
-        if self.group_comm is not None:
-            move = hybrid.share_group_move(self.averager, move, self.group_comm)
-        np.subtract(flat, move, out=flat)
+        moves = self.averager.take_move() if self.exchanging else None
+        for i, (lo, n) in enumerate(self._move_part):
+            move = None if moves is None else moves[i]
+            if self.group_comm is not None:
+                move = hybrid.share_group_move(self.averager, move, self.group_comm, lo, n)
+            np.subtract(flat[lo:lo + n], move, out=flat[lo:lo + n])
 
     def end_step(self):
         if self.balancer is not None:
@@ -329,9 +347,15 @@ class HeteroStep:
         self._last = time.perf_counter()
 
     def after_step(self):
-        """After the local update: exchange when due, then end the step."""
+        """After the local update: exchange when due, then end the step. A striped exchange
+        copies only the stripe it begins and the one whose move it applies."""
         if self.exchange_due():
-            self.scatter(self.exchange_flat(self.gather()))
+            if self.overlap:
+                applied = list(self._move_part) if self._move_pending else []
+                flat = self.exchange_flat(self.gather(applied + self.averager.stripe(self.step)))
+                self.scatter(flat, applied)
+            else:
+                self.scatter(self.exchange_flat(self.gather()))
         self.end_step()
 
     # ------------------------------------------------------------ batches

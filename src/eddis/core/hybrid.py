@@ -199,12 +199,13 @@ def default_alpha(workers):
 register_mode("hybrid", GroupSyncReducer)
 
 
-def share_group_move(averager, move, comm):
+def share_group_move(averager, move, comm, start=0, count=None):
     """Overlapped exchanges (EDDIS_EASGD_OVERLAP): the leader's ``move`` of the exchange it
-    began, to every member of the group (collective over ``comm``); the members get it in
-    ``averager.scratch``."""
+    began (of ``count`` elements from ``start``: a stripe), to every member of the group
+    (collective over ``comm``); the members get it in that part of ``averager.scratch``."""
     if comm.Get_rank() != 0:
-        move = averager.scratch
+        count = averager.scratch.size - start if count is None else count
+        move = averager.scratch[start:start + count]
     if comm.Get_size() > 1:
         collectives.broadcast_array(move, root=0, comm=comm, what="hybrid exchange (group broadcast)")
     return move

@@ -46,19 +46,33 @@ class HeteroState(hetero.HeteroStep):
         self.optimizer = optimizer
         self.params = optimizer._eddis_params
         super().__init__(mode=mode, balance=balance, gather=self._gather_into,
-                         scatter=self._scatter_from)
+                         scatter=self._scatter_from, partial_copies=True)
         self.attach(optimizer._eddis_plan, optimizer.reducer)
 
-    def _gather_into(self, flat):
-        with torch.no_grad():
-            for slot, p in zip(self.plan.slots, self.params):
-                torch.from_numpy(flat[slot.start:slot.start + slot.count]).copy_(p.detach().reshape(-1))
+    def _pieces(self, parts):
+        """``(flat start, parameter, first element, end element)`` of every parameter's share
+        of ``parts`` (``(start, count)`` of the flat vector; None: all of every parameter)."""
+        for slot, p in zip(self.plan.slots, self.params):
+            for lo, n in [(slot.start, slot.count)] if parts is None else parts:
+                a, b = max(lo, slot.start) - slot.start, min(lo + n, slot.start + slot.count) - slot.start
+                if a < b:
+                    yield slot.start, p, a, b
 
-    def _scatter_from(self, flat):
+    def _gather_into(self, flat, parts=None):
         with torch.no_grad():
-            for slot, p in zip(self.plan.slots, self.params):
-                src = torch.from_numpy(flat[slot.start:slot.start + slot.count]).view(slot.shape)
-                p.copy_(src.to(device=p.device, dtype=p.dtype))
+            for at, p, a, b in self._pieces(parts):
+                torch.from_numpy(flat[at + a:at + b]).copy_(p.detach().reshape(-1)[a:b])
+
+    def _scatter_from(self, flat, parts=None):
+        with torch.no_grad():
+            for at, p, a, b in self._pieces(parts):
+                src = torch.from_numpy(flat[at + a:at + b])
+                if p.is_contiguous():
+                    p.view(-1)[a:b].copy_(src.to(device=p.device, dtype=p.dtype))
+                else:   # a whole copy: a strided parameter has no flat view to write a part into
+                    whole = p.detach().reshape(-1).clone()
+                    whole[a:b] = src.to(device=p.device, dtype=p.dtype)
+                    p.copy_(whole.view(p.shape))
 
 
 def attach(optimizer, mode, balance):
