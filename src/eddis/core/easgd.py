@@ -170,11 +170,17 @@ class ElasticAverager:
         return self._stripes[int(step) % self.tau]
 
     def _cut_stripes(self):
+        """The ``tau`` stripes: stripe i is the i-th ``tau``-th of every server's piece."""
+        # a mirrored pool (elastic runs) keeps each element on two servers: no one piece each
         layout = getattr(self.pool, "layout", None)
         pieces = [(start, count) for start, count, _ in layout()] if layout is not None else [(0, self.length)]
-        return [[(start + count * i // self.tau, count * (i + 1) // self.tau - count * i // self.tau)
-                 for start, count in pieces if count * (i + 1) // self.tau > count * i // self.tau]
-                for i in range(self.tau)]
+        stripes = [[] for _ in range(self.tau)]
+        for start, count in pieces:
+            bounds = [start + count * i // self.tau for i in range(self.tau + 1)]
+            for stripe, lo, hi in zip(stripes, bounds, bounds[1:]):
+                if lo < hi:
+                    stripe.append((lo, hi - lo))
+        return stripes
 
     def exchange(self, x, measure=True, part=None):
         """One elastic exchange; moves ``x`` (flat float32, in place) and the centre.

@@ -177,7 +177,7 @@ class ProgressController:
         if self.started:
             self._complete_step()
         if self.reserved == 0:
-            self._take_claim()
+            self._claim()
             if self.reserved == 0:
                 self._finish()
                 for hook in _end_of_training_hooks:
@@ -212,7 +212,7 @@ class ProgressController:
         reserved: at a checkpoint, the counter and every leader's unused iterations must
         agree (what :func:`eddis.core.checkpoint_state.progress_of_rank` reports)."""
         if self._ahead is not None and not self.finished:
-            self._take_claim()
+            self._claim()
 
     # ------------------------------------------------------------ internals
     def _log(self, event, step):
@@ -261,10 +261,6 @@ class ProgressController:
             log.warning("rank %d: could not give back the %d iteration(s) it claimed ahead from %r: %s",
                         self.rank, ahead.requested, self.counter.name, exc)
 
-    def _take_claim(self):
-        with timeline.span(timeline.COUNTER_CLAIM, args={"step": self.steps_done}):
-            self._claim()
-
     def _fetch_claim(self, requested):
         """The leader's claim: the counter value it found (the one made ahead, else now)."""
         ahead, self._ahead = self._ahead, None
@@ -273,27 +269,28 @@ class ProgressController:
         return ahead.result(self.timeout)
 
     def _claim(self):
-        requested = self.chunk * self.unit
-        if self.leader:
-            old = self._fetch_claim(requested)
-            usable = usable_iterations(old, requested, self.total, self.unit)
-            if usable < requested:
-                self._exhausted = True
-                self.counter.fetch_add(usable - requested)
-            if self._predicted is not None and old != self._predicted:
-                raise ProgressError(
-                    f"the global learning counter {self.counter.name!r} read {old} where this job's "
-                    f"ranks, which step together and are its only users, left it at "
-                    f"{self._predicted}: something else changed it. Give each training run its own "
-                    "eddis.configure_progress() and do not write its counter.")
-            if self._posted is not None and self._predicted is None:
-                # the value first: a member that sees the new count reads it after
-                self._posted_value.fetch_add(old - self._last_posted_value)
-                self._last_posted_value = old
-                self._posted.fetch_add(1)
-        else:
-            old = self._predicted if self._predicted is not None else self._await_posted_claim()
-            usable = usable_iterations(old, requested, self.total, self.unit)
+        with timeline.span(timeline.COUNTER_CLAIM, args={"step": self.steps_done}):
+            requested = self.chunk * self.unit
+            if self.leader:
+                old = self._fetch_claim(requested)
+                usable = usable_iterations(old, requested, self.total, self.unit)
+                if usable < requested:
+                    self._exhausted = True
+                    self.counter.fetch_add(usable - requested)
+                if self._predicted is not None and old != self._predicted:
+                    raise ProgressError(
+                        f"the global learning counter {self.counter.name!r} read {old} where this job's "
+                        f"ranks, which step together and are its only users, left it at "
+                        f"{self._predicted}: something else changed it. Give each training run its own "
+                        "eddis.configure_progress() and do not write its counter.")
+                if self._posted is not None and self._predicted is None:
+                    # the value first: a member that sees the new count reads it after
+                    self._posted_value.fetch_add(old - self._last_posted_value)
+                    self._last_posted_value = old
+                    self._posted.fetch_add(1)
+            else:
+                old = self._predicted if self._predicted is not None else self._await_posted_claim()
+                usable = usable_iterations(old, requested, self.total, self.unit)
         if self._exclusive:
             self._predicted = old + usable
         self.claims += 1
