@@ -17,10 +17,12 @@ contender in turn on the same data:
 - ``eddis-allreduce`` (MPI), ``eddis-sync`` (hierarchical across nodes), ``-fp16``,
   ``-bf16``, ``eddis-sync-flat`` (``EDDIS_SYNC_REDUCE=server``: every rank's slot to
   the servers, the path before the hierarchy), ``eddis-balanced``, ``eddis-easgd``,
-  ``eddis-hybrid`` (a group per node); ``eddis-easgd-locallr`` and
+  ``eddis-hybrid`` (a group per node), ``eddis-hybrid-balanced`` (each group's batch
+  split among its ranks by their measured speed, ``balance=True``); ``eddis-easgd-locallr`` and
   ``eddis-hybrid-locallr`` (not in the default list): the same with every worker
   (group) stepping at the learning rate of its own batch rather than of the global one;
-  ``eddis-easgd-overlap`` and ``eddis-hybrid-overlap`` (not in the default list either): the
+  ``eddis-easgd-overlap``, ``eddis-hybrid-overlap`` and ``eddis-hybrid-balanced-overlap`` (not
+  in the default list either): the
   exchanges in the background, each move applied a step later (``EDDIS_EASGD_OVERLAP``);
   ``eddis-sync-whole`` and ``eddis-sync-fp16-whole`` (not in the default list): the
   optimizer's update once the whole gradient is in (``EDDIS_OVERLAP_OPTIMIZER=off``), where
@@ -68,14 +70,15 @@ MODELS = {  # local batch, target loss, learning rate at a batch of 32, steps to
     "lstm": {"batch": 8, "target": 3.5, "lr": 1.0, "warmup": 2},
 }
 CONTENDERS = ["ddp", "ddp-fp16", "horovod", "eddis-allreduce", "eddis-sync", "eddis-sync-fp16",
-              "eddis-sync-bf16", "eddis-sync-flat", "eddis-balanced", "eddis-easgd", "eddis-hybrid", "solo"]
+              "eddis-sync-bf16", "eddis-sync-flat", "eddis-balanced", "eddis-easgd", "eddis-hybrid",
+              "eddis-hybrid-balanced", "solo"]
 QUICK = {"links": ["1gbit"], "layouts": ["2x2"], "slowdowns": ["1111"], "models": ["comm"],
          "contenders": ["ddp", "eddis-sync", "eddis-hybrid"]}
 # model averaging whose workers step at the learning rate of their own batch (the rule before
 # 2026-12-04; docs/benchmarks-cluster.md has both side by side)
 LOCAL_LR_VARIANTS = ["eddis-easgd-locallr", "eddis-hybrid-locallr"]
 # the elastic exchanges in the background, each move applied a step later (EDDIS_EASGD_OVERLAP)
-OVERLAP_VARIANTS = ["eddis-easgd-overlap", "eddis-hybrid-overlap"]
+OVERLAP_VARIANTS = ["eddis-easgd-overlap", "eddis-hybrid-overlap", "eddis-hybrid-balanced-overlap"]
 # the optimizer's update after the whole gradient, not bucket by bucket (EDDIS_OVERLAP_OPTIMIZER)
 WHOLE_UPDATE_VARIANTS = ["eddis-sync-whole", "eddis-sync-fp16-whole"]
 PAUSE_TIMEOUT_S = 300
@@ -274,10 +277,11 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
         opt = eddis.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=cfg["lr"] * batch_for_lr / 32, momentum=0.9),
             named_parameters=model.named_parameters(), mode=eddis_mode,
-            compression=getattr(eddis.Compression, compression), balance=parts[0] == "balanced")
+            compression=getattr(eddis.Compression, compression), balance="balanced" in parts)
         eddis.broadcast_parameters(model.state_dict(), root_rank=0)
     # every rank takes its share of one global batch
     lockstep = eddis_mode not in ("easgd", "hybrid") and contender != "solo"
+    balanced_groups = eddis_mode == "hybrid" and "balanced" in contender
     rng = np.random.default_rng(100 + rank)
     tracker = LossTracker(cfg["target"])
 
@@ -289,6 +293,9 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
                 indices = np.arange(first + share.start, first + share.stop)
             else:
                 indices = np.arange(first + rank * local_batch, first + (rank + 1) * local_batch)
+        elif balanced_groups:   # this rank's share of its group's batch, by speed
+            share = eddis.balanced_slice(local_batch * group_size)
+            indices = rng.integers(0, len(data.x), share.stop - share.start)
         else:
             indices = rng.integers(0, len(data.x), local_batch)
         x, y = data.batch(indices)

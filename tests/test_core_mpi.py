@@ -115,7 +115,8 @@ def _result(proc):
 def test_reducers_weighted_average_and_sum(run_mpi, ranks):
     from eddis.core import available_modes
 
-    modes = [m for m in ("allreduce", "sync") if m in available_modes()]
+    # hybrid: one group (one node), its reducer is the group's weighted average
+    modes = [m for m in ("allreduce", "sync", "hybrid") if m in available_modes()]
     res = _result(run_mpi(ranks, [PYTHON, __file__, "reduce", ",".join(modes)], check=True))
     assert res["buckets"] > 1
     assert sorted({k.split("/")[0] for k in res["errors"]}) == sorted(modes)

@@ -33,6 +33,11 @@ def case_balance_weights_wrong_length():
     _wrap(mode="sync", balance=[1, 2, 3])
 
 
+def case_balance_hybrid_weights_wrong_length():
+    # a hybrid group takes its own ranks' weights from the list of every rank's
+    _wrap(mode="hybrid", balance=[1, 2, 3])
+
+
 def _wrap_with_slowdown(spec):
     os.environ["EDDIS_SIMULATE_SLOWDOWN"] = spec
     try:
@@ -171,6 +176,7 @@ if __name__ != "__main__":
     EXPECTED = {   # case: (exception class in the MRO, words the message must hold)
         "balance_with_easgd": ("ConfigError", ["balance=True", "mode='sync'"]),
         "balance_weights_wrong_length": ("ConfigError", ["one positive number per rank (2)"]),
+        "balance_hybrid_weights_wrong_length": ("ConfigError", ["one positive number per rank (2)"]),
         "slowdown_typo": ("ConfigError", ["EDDIS_SIMULATE_SLOWDOWN", "'half' is not a number", "e.g."]),
         "slowdown_unknown_rank": ("ConfigError", ["rank(s) [5]", "ranks 0..1"]),
         "no_total": ("ConfigError", ["EDDIS_TOTAL_ITERATIONS", "configure_progress(total=N)"]),

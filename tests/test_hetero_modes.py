@@ -10,8 +10,10 @@ it; in easgd and hybrid the fast ranks did more iterations than the slowed
 one; balanced sync ends with the same parameters as plain sync (relative error
 below 1e-5 after 20 steps), both when all ranks run at the same speed (measured
 shares) and when the shares start unequal (balance=[1, 2, 3, 4], rank 1 slowed
-3x), with batches from a DataLoader over eddis.BalancedBatchSampler; the
-staleness bound holds in every recorded step.
+3x), with batches from a DataLoader over eddis.BalancedBatchSampler; balanced
+hybrid splits each group's batch among the group's own ranks (rank 1 takes the
+smaller part of group 0's) and keeps a group's copies identical; the staleness
+bound holds in every recorded step.
 
 This file is also the worker: ``mpirun -n 4 python tests/test_hetero_modes.py OUT.json``
 (with EDDIS_GROUP/EDDIS_NUM_GROUPS per rank for the hybrid groups).
@@ -24,6 +26,7 @@ import time
 SLOWED = 1
 TOTAL = 480            # iterations of 32 samples: sync does 120 steps of 128
 LOCAL_BATCH = 32
+GROUP_SIZE = 2         # hybrid: ranks {0, 1} and {2, 3}
 ACCURACY = 0.90
 EQUIVALENCE_TOLERANCE = 1e-5
 
@@ -120,6 +123,9 @@ def train(mode, balance=False, total=TOTAL, staleness=None, record=False, lr=Non
             picks = np.resize(np.roll(order, -step * global_batch), global_batch)
             part = eddis.balanced_slice(global_batch)
             idx = torch.from_numpy(picks[part])
+        elif mode == "hybrid" and balance:   # this rank's share of its group's batch
+            part = eddis.balanced_slice(LOCAL_BATCH * GROUP_SIZE)
+            idx = torch.from_numpy(rng.integers(0, len(xtr), part.stop - part.start))
         else:
             idx = torch.from_numpy(rng.integers(0, len(xtr), LOCAL_BATCH))
         optimizer.zero_grad()
@@ -143,13 +149,14 @@ def train(mode, balance=False, total=TOTAL, staleness=None, record=False, lr=Non
     spread = eddis.allreduce((params - reference).abs().max().reshape(1), op=eddis.Max).item()
     state = optimizer._eddis_hetero
     shares = state.balancer.shares.tolist() if state.balancer is not None else None
+    every_shares = eddis.allgather_object(shares)   # hybrid: each rank its group's
     # each exchanging worker's throughput over the mean of all (easgd: every rank; hybrid: leaders)
     masses = eddis.allgather_object(state.averager.mass if state.averager is not None else None)
     history = eddis.allgather_object(ctl.history) if record else None
     result = {"mode": mode, "balance": balance, "accuracy": accuracy(model, xte, yte), "counts": counts,
               "counter": counter, "total": total, "wall": wall, "spread": spread, "shares": shares,
               "params": params, "history": history, "checkpoint": checkpoint, "masses": masses,
-              "overlap": overlap, "group_spread": group_spread,
+              "overlap": overlap, "group_spread": group_spread, "every_shares": every_shares,
               "exchanges": eddis.allgather_object(state.averager.exchanges if state.averager else 0)}
     group_pool = getattr(optimizer.reducer, "pool", None) if mode == "hybrid" else None
     optimizer.close()
@@ -180,6 +187,7 @@ def run_all(out_dir):
              train("sync", balance=True, slowdown=slowed),
              train("easgd", slowdown=slowed, checkpoint=ckpt("easgd")),
              train("hybrid", slowdown=slowed, checkpoint=ckpt("hybrid")),
+             train("hybrid", balance=True, slowdown=slowed),
              train("easgd", total=240, staleness=1, record=True, slowdown=slowed)]
     overlapped = [train("easgd", slowdown=slowed, overlap=True), train("hybrid", slowdown=slowed, overlap=True)]
     # 20 steps, as in test_torch_equivalence: rounding differences of the
@@ -249,7 +257,8 @@ if __name__ != "__main__":
         return {(r["mode"], r["balance"], r["history"] is not None): r for r in results["modes"]}
 
     RUNS = {"sync": ("sync", False, False), "balanced sync": ("sync", True, False),
-            "easgd": ("easgd", False, False), "hybrid": ("hybrid", False, False)}
+            "easgd": ("easgd", False, False), "hybrid": ("hybrid", False, False),
+            "balanced hybrid": ("hybrid", True, False)}
 
     @pytest.mark.timeout(450)
     @pytest.mark.parametrize("name", list(RUNS))
@@ -310,6 +319,17 @@ if __name__ != "__main__":
         shares = modes[RUNS["balanced sync"]]["shares"]
         assert len(shares) == 4 and all(x > 0 for x in shares) and abs(sum(shares) - 1) < 1e-9, shares
         assert shares != [0.25] * 4, "the measured throughputs never moved the shares"
+
+    @pytest.mark.timeout(450)
+    def test_hybrid_groups_balance_their_own_ranks(modes):
+        r = modes[RUNS["balanced hybrid"]]
+        every = r["every_shares"]
+        assert every[0] == every[1] and every[2] == every[3], every   # a group decides together
+        assert all(len(s) == GROUP_SIZE and abs(sum(s) - 1) < 1e-9 for s in every), every
+        assert every[0][1] < every[0][0], every   # rank 1, slowed 2x, takes less of group 0's batch
+        # the members' weighted average is one result: a group's copies stay identical
+        assert r["group_spread"] == 0.0
+        assert r["counts"][0] == r["counts"][1] and r["counts"][2] == r["counts"][3], r["counts"]
 
     @pytest.mark.timeout(450)
     def test_staleness_bound_holds(modes):

@@ -271,7 +271,7 @@ register("EDDIS_ELASTIC_MIRROR", "bool", True,
          "per counter update; 0: a lost smb-server fails the run.")
 register("EDDIS_BALANCE", "bool", False,
          "sync: give each rank a share of the global batch proportional to its measured "
-         "throughput (balanced sync).")
+         "throughput (balanced sync); hybrid: the same inside each group, with the group's batch.")
 register("EDDIS_BALANCE_WARMUP", "int", 5,
          "Balanced sync: steps measured before the first rebalancing (the first step is not counted).")
 register("EDDIS_BALANCE_INTERVAL", "int", 50,

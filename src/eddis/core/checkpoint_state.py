@@ -140,7 +140,9 @@ def write_training(h5, state, progress_parts, size):
         p.attrs["total"] = ctl.total
         p.create_dataset("steps_done", data=np.asarray(steps, dtype=np.int64))
     balancer = None if state is None else state.balancer
-    if balancer is not None:
+    # a hybrid group's shares are its own (rank 0 knows only its group's): they are measured
+    # again within EDDIS_BALANCE_WARMUP steps of a resume
+    if balancer is not None and state.mode != "hybrid":
         b = h5.create_group("balance")
         b.create_dataset("shares", data=np.asarray(balancer.shares_for(state.step), dtype=np.float64))
         b.attrs["global_batch"] = -1 if balancer.global_batch is None else balancer.global_batch
@@ -155,7 +157,8 @@ def read_training(h5, state, same_size):
         p = h5["progress"]
         steps = p["steps_done"][()].tolist() if same_size else None
         progress.resume_from(int(p.attrs["consumed"]), steps)
-    if state is not None and state.balancer is not None and "balance" in h5 and same_size:
+    if state is not None and state.balancer is not None and "balance" in h5 and same_size \
+            and len(h5["balance"]["shares"]) == state.balancer.size:
         shares = h5["balance"]["shares"][()]
         state.balancer.shares = shares.copy()
         state.balancer.schedule = [(0, shares.copy())]

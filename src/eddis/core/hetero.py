@@ -109,12 +109,26 @@ class HeteroStep:
         self._measure_first = bool(measure_first_step)
         self.global_batch = None
         self.balancer = None
+        # the ranks that split one batch between them: every rank in sync, a group's in hybrid
+        self.split_rank, self.split_size, split_comm, split_members = self.rank, self.size, None, None
+        if self.mode == "hybrid" and self.size > 1:
+            members = hybrid.group_members()
+            split_members = members[self.group]
+            split_comm = hybrid.group_comm()
+            self.split_rank, self.split_size = split_members.index(self.rank), len(split_members)
         if balance:
-            if self.mode not in ("sync", "allreduce"):
-                raise ConfigError(f"balance=True balances synchronous training (mode 'sync' or "
-                                  f"'allreduce'), not mode {self.mode!r}: easgd and hybrid already let "
-                                  "faster ranks do more iterations. Drop balance or use mode='sync'.")
-            self.balancer = _balance.Balancer(self.size, self.rank, initial=initial)
+            if self.mode not in ("sync", "allreduce", "hybrid"):
+                raise ConfigError(f"balance=True balances synchronous training (mode 'sync', "
+                                  f"'allreduce', or the groups of 'hybrid'), not mode {self.mode!r}: "
+                                  "easgd already lets faster ranks do more iterations. Drop balance "
+                                  "or use mode='sync' or 'hybrid'.")
+            if initial is not None and split_members is not None:
+                if len(initial) != self.size:
+                    raise ConfigError(f"initial balance weights need one positive number per rank "
+                                      f"({self.size}), got {initial}")
+                initial = [initial[r] for r in split_members]   # the group's own ranks
+            self.balancer = _balance.Balancer(self.split_size, self.split_rank, comm=split_comm,
+                                              initial=initial)
         self.averager = None
         self.join_barrier = None   # easgd's counted barrier of eddis.join()
         self.elastic = self.size > 1 and elastic.requested(self.mode)   # refused in sync modes
@@ -364,25 +378,27 @@ class HeteroStep:
             return self.balancer.sizes_for(step, global_batch)
         if self.global_batch is None:
             self.global_batch = int(global_batch)
-        return _balance.balanced_sizes(int(global_batch), [1.0] * self.size)
+        return _balance.balanced_sizes(int(global_batch), [1.0] * self.split_size)
 
     def serve(self, step, global_batch):
-        """The slice of global batch ``step`` this rank computes; sets its weight."""
+        """The slice of batch ``step`` this rank computes; sets its weight. The batch is
+        split among every rank, or in mode hybrid among the ranks of this rank's group
+        (``global_batch``: the samples of one group step)."""
         sizes = self.sizes_for(step, global_batch)
         self.global_batch = int(global_batch)
         if self.balancer is not None:
             self.balancer.note_served(step)
         if step == self.step:
             self._set_weight(step)
-        start = sum(sizes[:self.rank])
-        return slice(start, start + sizes[self.rank])
+        start = sum(sizes[:self.split_rank])
+        return slice(start, start + sizes[self.split_rank])
 
     def _set_weight(self, step):
         if self.reducer is None:
             return  # attach() sets it
         if self.reducer.in_progress:
             return  # gradients of this step are already on their way; end_step sets the next
-        self.reducer.set_weight(self.sizes_for(step, self.global_batch)[self.rank])
+        self.reducer.set_weight(self.sizes_for(step, self.global_batch)[self.split_rank])
 
     # ------------------------------------------------------------ the final model
     def final_model(self):

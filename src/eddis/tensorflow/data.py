@@ -103,8 +103,9 @@ def balanced_batches(dataset, global_batch_size, optimizer=None):
         raise ConfigError("balanced_batches needs an eddis.DistributedOptimizer: create it first "
                           "(DistributedOptimizer(opt, balance=True)) and pass optimizer=")
     global_batch = int(global_batch_size)
-    if global_batch < state.size:
-        raise ConfigError(f"global_batch_size {global_batch} is smaller than the number of ranks ({state.size})")
+    if global_batch < state.split_size:
+        raise ConfigError(f"global_batch_size {global_batch} is smaller than the number of ranks that "
+                          f"split it ({state.split_size})")
     steps = itertools.count()
 
     def bounds():

@@ -281,7 +281,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     Horovod's signature; EDDIS adds ``mode`` ("sync" through SMB, "allreduce"
     through MPI, "easgd" and "hybrid" for mixed GPU generations; default
     EDDIS_MODE), ``balance`` (sync: each rank's share of the global batch follows
-    its measured speed, with ``eddis.balanced_batches``; default EDDIS_BALANCE),
+    its measured speed, with ``eddis.balanced_batches``; hybrid: the same inside each group,
+    with the group's batch; default EDDIS_BALANCE),
     ``bucket_bytes`` (default EDDIS_BUCKET_BYTES) and ``sample_count`` (see
     ``set_sample_count``).
     ``compression`` defaults to EDDIS_COMPRESSION. Returns the optimizer (the

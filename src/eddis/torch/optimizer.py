@@ -397,7 +397,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     Horovod's signature; EDDIS adds ``mode`` ("sync" through SMB, "allreduce"
     through MPI, "easgd" and "hybrid" for mixed GPU generations, see
     ``eddis.torch.hetero``; default EDDIS_MODE), ``balance`` (sync: shares of
-    the global batch that follow each rank's speed; default EDDIS_BALANCE) and
+    the global batch that follow each rank's speed; hybrid: shares of each group's batch
+    among the group's ranks; default EDDIS_BALANCE) and
     ``bucket_bytes`` (default EDDIS_BUCKET_BYTES). ``compression`` defaults to EDDIS_COMPRESSION
     (Compression.none unless set). Gradients of ``backward_passes_per_step``
     backward passes are summed locally (autograd's accumulation) before the
