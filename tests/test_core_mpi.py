@@ -34,6 +34,8 @@ def case_reduce(modes):
                         expect = sum(base * (i + 1) for i in range(n))
                     errors.append(float(np.abs(plan.buffer - expect).max() / np.abs(expect).max()))
                 out[f"{mode}/{comp}/{op}"] = max(errors)
+                if mode == "hybrid":   # one server on this node: uncompressed, the members sum in slots
+                    out[f"in_slot/{comp}/{op}"] = getattr(red, "sums_in_slots", False)   # 1 rank: local
                 assert red.stats["steps"] == 3 and red.stats["buckets"] == 3 * len(plan) or n == 1
                 red.close()
     avg = core.allreduce_array(np.array([float(r), 1.0]), op="average")
@@ -119,9 +121,14 @@ def test_reducers_weighted_average_and_sum(run_mpi, ranks):
     modes = [m for m in ("allreduce", "sync", "hybrid") if m in available_modes()]
     res = _result(run_mpi(ranks, [PYTHON, __file__, "reduce", ",".join(modes)], check=True))
     assert res["buckets"] > 1
-    assert sorted({k.split("/")[0] for k in res["errors"]}) == sorted(modes)
-    for key, err in res["errors"].items():
+    in_slot = {k[len("in_slot/"):]: v for k, v in res["errors"].items() if k.startswith("in_slot/")}
+    errors = {k: v for k, v in res["errors"].items() if not k.startswith("in_slot/")}
+    assert sorted({k.split("/")[0] for k in errors}) == sorted(modes)
+    for key, err in errors.items():
         assert err < TOL[key.split("/")[1]], (key, err)
+    # both paths of the hybrid group's reduction are covered
+    assert in_slot == {f"{c}/{o}": ranks > 1 and c == "none" for c in ("none", "fp16", "bf16")
+                       for o in ("average", "sum")}, in_slot
     assert res["avg"] == [(ranks - 1) / 2, 1.0]
     assert res["max"] == [ranks - 1]
     assert res["obj"] == {"from": ranks - 1}

@@ -189,16 +189,7 @@ class SyncReducer(Reducer):
         # the event the server records for its sum, here on the rank's own thread: comm, not server
         with timeline.span(timeline.REDUCE, cat=CAT_COMM, args={"step": self.step, "bucket": k,
                                                                 "count": state["count"], "by": "ranks"}):
-            for dst, sources in state["pieces"]:
-                if self._in_slot:
-                    # in place in this rank's slot, then into the same columns of the others
-                    dst = sources[self.rank]
-                _vecops.weighted_sum(dst, sources, weights, dtype=self.codec.smb_dtype,
-                                     src_dtypes=[self.codec.smb_dtype] * self.size)
-                if self._in_slot:
-                    for r, other in enumerate(sources):
-                        if r != self.rank:  # GIL released: the other threads go on meanwhile
-                            _core.memcpy_nogil(other.ctypes.data, dst.ctypes.data, dst.nbytes)
+            sum_share(state["pieces"], weights, self.rank, self.codec.smb_dtype, self._in_slot)
         state["done"].fetch_add(1)
         self._wait_count(state["done"], done_base + generation * self.size, f"bucket {k} (the others' shares)")
 
@@ -231,6 +222,21 @@ class SyncReducer(Reducer):
                  self._weights_pool if self._by_ranks is not None else None] if self.rank == 0 else []
         self.client.free_when_all_arrive(self.pool_name + ".close", self.size, pools,
                                          min(self.timeout, 60.0), f"the sync pools {self.pool_name}")
+
+
+def sum_share(pieces, weights, rank, dtype, in_slot):
+    """This rank's share of a bucket summed by the ranks: ``pieces`` holds, per server piece of
+    the share, (result view or None, [the share's view in slot 0, ..., slot W-1]). In slot:
+    the sum goes into this rank's own slot, then into the same columns of every other slot
+    (nobody else writes them), so every slot ends with the whole result."""
+    for dst, sources in pieces:
+        if in_slot:
+            dst = sources[rank]
+        _vecops.weighted_sum(dst, sources, weights, dtype=dtype, src_dtypes=[dtype] * len(sources))
+        if in_slot:
+            for r, other in enumerate(sources):
+                if r != rank:  # GIL released: the other threads go on meanwhile
+                    _core.memcpy_nogil(other.ctypes.data, dst.ctypes.data, dst.nbytes)
 
 
 def server_name(client, index):
