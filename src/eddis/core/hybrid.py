@@ -39,13 +39,12 @@ import logging
 
 import numpy as np
 
-from .. import settings, timeline
+from .. import settings
 from ..errors import ConfigError, SMBTimeoutError
-from ..timeline.events import CAT_COMM
 from . import collectives, elastic, runtime
 from .buckets import column_share
 from .reducer import Reducer, register_mode
-from .smb_sync import arrivals, sum_share
+from .smb_sync import arrivals, sum_bucket_share
 
 log = logging.getLogger("eddis.core.hybrid")
 
@@ -233,21 +232,8 @@ class GroupSyncReducer(Reducer):
             self.codec.decompress(wire, self.plan.bucket_view(k))
 
     def _sum_in_slots(self, k, generation):
-        state = self._by_ranks[k]
-        arrived_base, done_base = state["base"]
-        w = self.group_size
-        self._wait_count(state["arrived"], arrived_base + generation * w, f"bucket {k}")
-        weights = np.array([x[0] for x in self._weights])
-        if self.op == "average":
-            total = float(weights.sum())
-            if total == 0:
-                raise ConfigError(f"step {self.step}: the hybrid group's weights sum to 0; cannot average")
-            weights /= total
-        with timeline.span(timeline.REDUCE, cat=CAT_COMM, args={"step": self.step, "bucket": k,
-                                                                "count": state["count"], "by": "group"}):
-            sum_share(state["pieces"], weights, self.group_rank, self.codec.smb_dtype, True)
-        state["done"].fetch_add(1)
-        self._wait_count(state["done"], done_base + generation * w, f"bucket {k} (the others' shares)")
+        sum_bucket_share(self, k, self._by_ranks[k], generation, self.group_rank, self.group_size, True,
+                         "group")
 
     def _wait_count(self, counter, target, what):
         try:

@@ -177,21 +177,7 @@ class SyncReducer(Reducer):
             src_pool=self.slots_pool, start=bucket.start, count=bucket.count, average=average)
 
     def _sum_share(self, k, generation):
-        state = self._by_ranks[k]
-        arrived_base, done_base = state["base"]
-        self._wait_count(state["arrived"], arrived_base + generation * self.size, f"bucket {k}")
-        weights = np.array([w[0] for w in self._weights])
-        if self.op == "average":
-            total = float(weights.sum())
-            if total == 0:
-                raise ConfigError(f"step {self.step}: the ranks' weights sum to 0; cannot average")
-            weights /= total
-        # the event the server records for its sum, here on the rank's own thread: comm, not server
-        with timeline.span(timeline.REDUCE, cat=CAT_COMM, args={"step": self.step, "bucket": k,
-                                                                "count": state["count"], "by": "ranks"}):
-            sum_share(state["pieces"], weights, self.rank, self.codec.smb_dtype, self._in_slot)
-        state["done"].fetch_add(1)
-        self._wait_count(state["done"], done_base + generation * self.size, f"bucket {k} (the others' shares)")
+        sum_bucket_share(self, k, self._by_ranks[k], generation, self.rank, self.size, self._in_slot, "ranks")
 
     def _finish(self, k, request):
         if self._by_ranks is not None:
@@ -224,19 +210,36 @@ class SyncReducer(Reducer):
                                          min(self.timeout, 60.0), f"the sync pools {self.pool_name}")
 
 
-def sum_share(pieces, weights, rank, dtype, in_slot):
-    """This rank's share of a bucket summed by the ranks: ``pieces`` holds, per server piece of
-    the share, (result view or None, [the share's view in slot 0, ..., slot W-1]). In slot:
-    the sum goes into this rank's own slot, then into the same columns of every other slot
-    (nobody else writes them), so every slot ends with the whole result."""
-    for dst, sources in pieces:
-        if in_slot:
-            dst = sources[rank]
-        _vecops.weighted_sum(dst, sources, weights, dtype=dtype, src_dtypes=[dtype] * len(sources))
-        if in_slot:
-            for r, other in enumerate(sources):
-                if r != rank:  # GIL released: the other threads go on meanwhile
-                    _core.memcpy_nogil(other.ctypes.data, dst.ctypes.data, dst.nbytes)
+def sum_bucket_share(reducer, k, state, generation, rank, parties, in_slot, by):
+    """Bucket ``k`` summed by the ``parties`` ranks that share ``reducer``'s slots, on this
+    one's thread: wait until all arrived (``state``'s counters), sum this rank's share of the
+    columns weighted by the parties' weights (``reducer._weights``), count in as done and wait
+    for the others' shares. ``state["pieces"]`` holds, per server piece of the share, (result
+    view or None, [the share's view in slot 0, ..., slot W-1]). In slot: the sum goes into
+    this rank's own slot, then into the same columns of every other slot (nobody else writes
+    them), so every slot ends with the whole result."""
+    arrived_base, done_base = state["base"]
+    reducer._wait_count(state["arrived"], arrived_base + generation * parties, f"bucket {k}")
+    weights = np.array([w[0] for w in reducer._weights])
+    if reducer.op == "average":
+        total = float(weights.sum())
+        if total == 0:
+            raise ConfigError(f"step {reducer.step}: the {by}' weights sum to 0; cannot average")
+        weights /= total
+    dtype = reducer.codec.smb_dtype
+    # the event the server records for its sum, here on the rank's own thread: comm, not server
+    with timeline.span(timeline.REDUCE, cat=CAT_COMM, args={"step": reducer.step, "bucket": k,
+                                                            "count": state["count"], "by": by}):
+        for dst, sources in state["pieces"]:
+            if in_slot:
+                dst = sources[rank]
+            _vecops.weighted_sum(dst, sources, weights, dtype=dtype, src_dtypes=[dtype] * len(sources))
+            if in_slot:
+                for r, other in enumerate(sources):
+                    if r != rank:  # GIL released: the other threads go on meanwhile
+                        _core.memcpy_nogil(other.ctypes.data, dst.ctypes.data, dst.nbytes)
+    state["done"].fetch_add(1)
+    reducer._wait_count(state["done"], done_base + generation * parties, f"bucket {k} (the others' shares)")
 
 
 def server_name(client, index):
