@@ -21,9 +21,12 @@ contender in turn on the same data:
   split among its ranks by their measured speed, ``balance=True``); ``eddis-easgd-locallr`` and
   ``eddis-hybrid-locallr`` (not in the default list): the same with every worker
   (group) stepping at the learning rate of its own batch rather than of the global one;
-  ``eddis-easgd-overlap``, ``eddis-hybrid-overlap`` and ``eddis-hybrid-balanced-overlap`` (not
-  in the default list either): the
-  exchanges in the background, each move applied a step later (``EDDIS_EASGD_OVERLAP``);
+  easgd and hybrid exchange in the background, each move applied a step later, when the
+  centre crosses the network (``EDDIS_EASGD_OVERLAP=auto``, the default: on a cluster of
+  several nodes); ``eddis-easgd-overlap``, ``eddis-hybrid-overlap`` and
+  ``eddis-hybrid-balanced-overlap`` force it on, ``eddis-easgd-nooverlap``,
+  ``eddis-hybrid-nooverlap`` and ``eddis-hybrid-balanced-nooverlap`` off (none of them in
+  the default list);
   ``eddis-sync-whole`` and ``eddis-sync-fp16-whole`` (not in the default list): the
   optimizer's update once the whole gradient is in (``EDDIS_OVERLAP_OPTIMIZER=off``), where
   the others update bucket by bucket as each bucket's average arrives;
@@ -78,7 +81,8 @@ QUICK = {"links": ["1gbit"], "layouts": ["2x2"], "slowdowns": ["1111"], "models"
 # 2026-12-04; docs/benchmarks-cluster.md has both side by side)
 LOCAL_LR_VARIANTS = ["eddis-easgd-locallr", "eddis-hybrid-locallr"]
 # the elastic exchanges in the background, each move applied a step later (EDDIS_EASGD_OVERLAP)
-OVERLAP_VARIANTS = ["eddis-easgd-overlap", "eddis-hybrid-overlap", "eddis-hybrid-balanced-overlap"]
+OVERLAP_VARIANTS = ["eddis-easgd-overlap", "eddis-hybrid-overlap", "eddis-hybrid-balanced-overlap",
+                    "eddis-easgd-nooverlap", "eddis-hybrid-nooverlap", "eddis-hybrid-balanced-nooverlap"]
 # the optimizer's update after the whole gradient, not bucket by bucket (EDDIS_OVERLAP_OPTIMIZER)
 WHOLE_UPDATE_VARIANTS = ["eddis-sync-whole", "eddis-sync-fp16-whole"]
 PAUSE_TIMEOUT_S = 300
@@ -267,7 +271,7 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
                       "hybrid": "hybrid"}[parts[0]]
         compression = parts[1] if len(parts) > 1 and parts[1] in ("fp16", "bf16") else "none"
         os.environ["EDDIS_SYNC_REDUCE"] = "server" if parts[-1] == "flat" else "auto"
-        os.environ["EDDIS_EASGD_OVERLAP"] = "1" if parts[-1] == "overlap" else "0"
+        os.environ["EDDIS_EASGD_OVERLAP"] = {"overlap": "on", "nooverlap": "off"}.get(parts[-1], "auto")
         os.environ["EDDIS_OVERLAP_OPTIMIZER"] = "off" if parts[-1] == "whole" else "auto"
         # every contender at the global batch's rate: the average of the workers' (groups')
         # steps then moves as far per sample as one synchronous step of the global batch

@@ -9,7 +9,9 @@ ranks {0, 1} on hA and {2, 3} on hB form the two groups (lockstep units).
   exactly the total, every rank's steps add up to it, and at a step boundary the
   counter less the leaders' unused iterations (what a checkpoint records as
   consumed) equals the steps the ranks have begun, with claims under way;
-- a rank that leaves the loop early gives its claim made ahead back to the counter.
+- a rank that leaves the loop early gives its claim made ahead back to the counter;
+- the centre of easgd/hybrid crosses the network here (no rank maps the other node's
+  server), so EDDIS_EASGD_OVERLAP=auto overlaps the exchanges.
 
 This file is also the worker: ``mpirun -n 4 python tests/test_progress_units.py``.
 """
@@ -30,7 +32,7 @@ def worker():
     os.environ["EDDIS_HOSTNAME"] = HOSTS[rank]
     import time
 
-    from eddis.core import checkpoint_state, collectives, hybrid, progress, runtime
+    from eddis.core import checkpoint_state, collectives, hetero, hybrid, progress, runtime
 
     runtime.init()
     ctl = progress.configure(total=TOTAL, chunk=1, mode="hybrid")
@@ -64,12 +66,14 @@ def worker():
     progress.reset()   # close(): the claims made ahead go back
     collectives.barrier(what="test: every rank closed")
     after_early = early.counter.read()
+    crosses = hetero.centre_crosses_network(client)
     os.write(1, ("RESULT " + json.dumps({
         "rank": rank, "steps": steps, "counts": counts, "final": final, "consistent": consistent,
         "leader": ctl.leader, "unit_leader": ctl.unit_leader, "leader_home": leader_home,
         "posted_servers": [ctl._posted.server, ctl._posted_value.server],
         "hashed_servers": [client.server_for("counter:" + c.name) for c in (ctl._posted, ctl._posted_value)],
-        "early_left": left, "early_had_ahead": had_ahead, "early_counter": after_early}) + "\n").encode())
+        "early_left": left, "early_had_ahead": had_ahead, "early_counter": after_early,
+        "centre_crosses": crosses}) + "\n").encode())
     runtime.shutdown()
 
 
@@ -129,6 +133,11 @@ def test_a_claim_made_ahead_goes_back_when_the_loop_is_left_early(results):
         assert r["early_left"] == LEAVE_AT, r
         assert r["early_had_ahead"] == r["leader"], r   # leaders claim, members read the posts
         assert r["early_counter"] == 4 * LEAVE_AT, r      # what the ranks ran, nothing more
+
+
+@pytest.mark.timeout(180)
+def test_the_centre_crosses_the_network_between_named_nodes(results):
+    assert all(r["centre_crosses"] for r in results), results
 
 
 if __name__ == "__main__":

@@ -88,3 +88,12 @@ def test_one_rule_gives_the_node_name():
     assert identity.node_name({"EDDIS_HOSTNAME": "a", "SLURMD_NODENAME": "b"}) == "a"
     assert identity.node_name({"SLURMD_NODENAME": "b"}) == "b"
     assert identity.node_name({}) == __import__("socket").gethostname()
+
+
+def test_a_bool_or_auto_setting_reads_auto_and_boolean_words():
+    overlap = settings.REGISTRY["EDDIS_EASGD_OVERLAP"]
+    assert overlap.default == "auto"
+    assert [overlap.parse(t) for t in ("auto", "AUTO", "1", "on", "0", "off")] == \
+        ["auto", "auto", True, True, False, False]
+    with pytest.raises(settings.ConfigError, match="EDDIS_EASGD_OVERLAP='sometimes'"):
+        overlap.parse("sometimes")

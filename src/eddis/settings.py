@@ -35,7 +35,13 @@ def _size(text):
     return value
 
 
-PARSERS = {"bool": _bool, "int": int, "float": float, "str": str, "size": _size, "path": os.path.expanduser}
+def _bool_or_auto(text):
+    """``auto`` (the code decides), else a boolean word."""
+    return "auto" if text.strip().lower() == "auto" else _bool(text)
+
+
+PARSERS = {"bool": _bool, "bool/auto": _bool_or_auto, "int": int, "float": float, "str": str, "size": _size,
+           "path": os.path.expanduser}
 
 
 @dataclass(frozen=True)
@@ -214,12 +220,14 @@ register("EDDIS_EASGD_TAU", "int", 4,
 register("EDDIS_EASGD_ALPHA", "float", None,
          "easgd/hybrid: moving rate alpha of an exchange (d = alpha (x - centre)); unset: "
          "0.9 / (number of exchanging workers or groups), the EASGD paper's beta = 0.9.")
-register("EDDIS_EASGD_OVERLAP", "bool", False,
+register("EDDIS_EASGD_OVERLAP", "bool/auto", "auto",
          "easgd/hybrid: after every step exchange one EDDIS_EASGD_TAU-th of the parameters (a "
          "stripe; each is exchanged every tau steps) in the background while the next step "
          "computes, and apply its move to the worker (group) after that step (waiting for it if "
          "need be); the centre moves as soon as the exchange is done. Hides the exchange's "
-         "transfer behind the steps' compute, at the price of a worker move one step stale.")
+         "transfer behind the steps' compute, at the price of a worker move one step stale. "
+         "auto: on when the centre crosses the network (some rank is not on the node of every "
+         "smb-server), off when every rank maps every server's memory.")
 register("EDDIS_EASGD_WEIGHTING", "str", "throughput",
          "easgd/hybrid: 'throughput' splits each exchange's move between worker and centre by the "
          "worker's measured throughput over the mean (fast workers move the centre more and are "

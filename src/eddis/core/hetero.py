@@ -68,6 +68,15 @@ def should_stop():
     return stop
 
 
+def centre_crosses_network(client):
+    """EDDIS_EASGD_OVERLAP=auto (collective): whether some rank does not map every smb-server's
+    memory, so that its exchanges with the centre (spread over every server) cross the network
+    and are worth hiding behind the next step. On one node they are memory copies: a move one
+    step stale would buy nothing."""
+    far = len(client.mapped_servers()) < client.num_servers
+    return any(collectives.allgather_object(far, what="easgd: does the centre cross the network?"))
+
+
 class HeteroStep:
     """Heterogeneity hooks of one distributed optimizer (see the module docstring)."""
 
@@ -141,8 +150,9 @@ class HeteroStep:
         self._final_model_check = None
         self._centre_freed = False
         # EDDIS_EASGD_OVERLAP: a stripe exchanged in the background after every step, its move
-        # applied a step later
-        self.overlap = bool(settings.get("EDDIS_EASGD_OVERLAP"))
+        # applied a step later (auto: decided with the centre, _setup_averaging)
+        self._overlap_setting = settings.get("EDDIS_EASGD_OVERLAP")
+        self.overlap = self._overlap_setting is True
         self._move_pending = False
         self._move_part = None   # the stripe of the pending move: [(start, count), ...]
         self.flat = None
@@ -215,6 +225,8 @@ class HeteroStep:
         # read before the centre's initialization barrier, which every rank passes before it joins
         self.join_barrier = join.ElasticJoin(client, name, mirrored=mirrored)
         self.exchanging = self.group_comm is None or self.group_comm.Get_rank() == 0
+        if self._overlap_setting == "auto":
+            self.overlap = centre_crosses_network(client)
         if self._final_model_check is None:
             self._final_model_check = _FinalModelCheck(self)
             runtime.register_closable(self._final_model_check)
