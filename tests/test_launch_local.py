@@ -300,9 +300,15 @@ def test_the_trainer_takes_a_doubly_delivered_interrupt_once(tmp_path):
     script = tmp_path / "handler.py"
     script.write_text(HANDLER_SCRIPT)
     # default SIGINT whatever the caller's: a shell's background job inherits it ignored
+    # and SIGINT blocked, as a parent's blocked mask would leave it (CI once did): the runner
+    # unblocks it
+    def default_but_blocked():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
     proc = subprocess.Popen([PYTHON, "-m", "eddis.launch.child", str(script)], env=python_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=default_but_blocked)
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGINT)

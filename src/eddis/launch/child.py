@@ -20,7 +20,8 @@ from slurmstepd and again from its supervisor, which passes it on. A second SIGI
 within DUPLICATE_INTERRUPT_SECONDS of the first is that same interrupt and is dropped,
 so that it cannot break into the script's own ``except KeyboardInterrupt``; a later one
 interrupts again, as in plain Python. A script that installs its own SIGINT handler
-replaces this one.
+replaces this one. SIGINT, SIGTERM and SIGUSR1 are unblocked first, whatever mask the
+process inherited.
 """
 import faulthandler
 import os
@@ -33,6 +34,8 @@ import traceback
 from .liveness import start_in_child
 
 DUPLICATE_INTERRUPT_SECONDS = 2.0
+# what a job sends its trainers: an interrupt, the end, a checkpoint request (Slurm's warning)
+SIGNALS_TO_TAKE = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1}
 _interrupted_at = [None]
 
 
@@ -77,6 +80,9 @@ def _enable_faulthandler():
 
 
 def main():
+    # a blocked signal mask survives fork and exec: a trainer started by a process (or thread)
+    # that blocked these would leave scancel's interrupt and Slurm's warning pending forever
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS_TO_TAKE)
     _enable_faulthandler()
     start_in_child()
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
