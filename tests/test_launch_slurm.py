@@ -164,12 +164,13 @@ def test_scancel_leaves_nothing_behind(slurm_cluster, job_env, tmp_path, checkpo
 @pytest.mark.timeout(300)
 def test_servers_that_cannot_start_fail_the_job_clearly(slurm_cluster, job_env, tmp_path):
     out = tmp_path / "job.out"
-    # a value that parses (the job script's first check lets it through) and the server refuses
-    job_id = sbatch(slurm_cluster, dict(job_env, SMB_REDUCE_THREADS="999"), out, TRAINER, "--steps", "1")
+    # a value that parses and lies in its range (the job script's first check lets it through), and
+    # that the server refuses: more memory than the node has
+    job_id = sbatch(slurm_cluster, dict(job_env, SMB_MEMORY="64T"), out, TRAINER, "--steps", "1")
     state, code = wait_job_end(slurm_cluster, job_id, 120, out)
     text = out.read_text()
     assert state == "FAILED", text
-    assert "SMB_REDUCE_THREADS=999 is not a thread count" in text, text
+    assert "SMB_MEMORY=65536.0 GiB (70368744177664 bytes) is more than" in text, text
     assert re.search(r"the smb-server step \(pid [\d, ]+\) ended before all 2 servers published", text), text
     assert "eddis-train: rank" not in text  # no trainer was started
     assert_job_left_nothing(job_env["EDDIS_RUN_DIR"], job_id)

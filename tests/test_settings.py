@@ -97,3 +97,94 @@ def test_a_bool_or_auto_setting_reads_auto_and_boolean_words():
         ["auto", "auto", True, True, False, False]
     with pytest.raises(settings.ConfigError, match="EDDIS_EASGD_OVERLAP='sometimes'"):
         overlap.parse("sometimes")
+
+
+def _ranged():
+    return [s for s in settings.REGISTRY.values() if s.range_text()]
+
+
+def test_every_numeric_setting_has_a_range():
+    numeric = [s.name for s in settings.REGISTRY.values() if s.type in settings.NUMERIC_TYPES]
+    assert numeric and sorted(numeric) == sorted(s.name for s in _ranged())
+
+
+def _just_outside(setting):
+    """Values on the wrong side of each bound of the setting's range, as text."""
+    step = 0.5 if setting.type == "float" else 1
+    if setting.min is not None:
+        yield f"{setting.min:g}" if setting.above_min else f"{setting.min - step:g}"
+    if setting.max is not None:
+        yield f"{setting.max + step:g}"
+
+
+def _bounds(setting):
+    """The values at each bound that the range includes, as text."""
+    if setting.min is not None:
+        yield f"{setting.min + 0.5:g}" if setting.above_min else f"{setting.min:g}"
+    if setting.max is not None:
+        yield f"{setting.max:g}"
+
+
+@pytest.mark.parametrize("name", sorted(s.name for s in _ranged()))
+def test_values_outside_the_range_are_refused_naming_setting_value_and_range(name):
+    setting = settings.REGISTRY[name]
+    for text in _bounds(setting):
+        assert settings.get(name, {name: text}) == settings.PARSERS[setting.type](text)
+    outside = list(_just_outside(setting))
+    assert outside
+    for text in outside:
+        with pytest.raises(settings.ConfigError) as err:
+            settings.get(name, {name: text})
+        assert str(err.value).startswith(f"{name}={text!r} is out of range: {name} must be {setting.range_text()}")
+    if setting.type == "float":
+        for text in ("nan", "inf", "-inf"):
+            with pytest.raises(settings.ConfigError, match=f"{name}='{text}' is not a finite number"):
+                settings.get(name, {name: text})
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("EDDIS_LIVENESS_TIMEOUT", "-5", "EDDIS_LIVENESS_TIMEOUT='-5' is out of range: EDDIS_LIVENESS_TIMEOUT must "
+                                     "be >= 0 (default 30.0)."),
+    ("EDDIS_COMM_TIMEOUT", "0", "EDDIS_COMM_TIMEOUT must be > 0"),
+    ("EDDIS_EASGD_ALPHA", "1.5", "EDDIS_EASGD_ALPHA must be > 0 and <= 1."),
+    ("EDDIS_DEV_CLUSTER_NODES", "9", "EDDIS_DEV_CLUSTER_NODES must be 2 to 8"),
+    ("SMB_MEMORY", "0K", "SMB_MEMORY must be >= 1"),
+    ("EDDIS_STALENESS", "-2", "EDDIS_STALENESS must be >= -1"),
+])
+def test_the_issues_values_are_refused(name, text, message):
+    with pytest.raises(settings.ConfigError) as err:
+        settings.check_environment({name: text})
+    assert message in str(err.value)
+
+
+@pytest.mark.timeout(90)
+def test_settings_command_shows_and_checks_the_range():
+    proc = eddis("settings")
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| `EDDIS_LIVENESS_TIMEOUT` |"))
+    assert "Range: `>= 0`." in row
+    proc = eddis("settings", "--check", env={"EDDIS_LIVENESS_TIMEOUT": "-5"})
+    assert proc.returncode == 2
+    assert "EDDIS_LIVENESS_TIMEOUT='-5' is out of range: EDDIS_LIVENESS_TIMEOUT must be >= 0" in proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_eddis_train_refuses_zero_ranks_before_anything_starts(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("open('started', 'w').close()\n")
+    for argv in (["--local", "-n", "0"], ["--local", "--np=-3"]):
+        proc = subprocess.run([PYTHON, "-m", "eddis.launch.train", *argv, str(script)], env=python_env(),
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"argument -n/--np: -n {argv[-1].split('=')[-1]} is out of range: EDDIS_SIZE must be >= 1" \
+            in proc.stderr
+    assert not (tmp_path / "started").exists()
+
+
+def test_a_flag_reads_through_the_registry():
+    memory = settings.REGISTRY["SMB_MEMORY"].flag_type()
+    assert memory("4K") == 4096
+    with pytest.raises(__import__("argparse").ArgumentTypeError, match="--memory -1 is not a valid size"):
+        memory("-1")
+    with pytest.raises(settings.ConfigError, match="a range is for numeric settings"):
+        settings.register("EDDIS_TEST_NOT_NUMERIC", "str", None, "x", min=1)
+    assert "EDDIS_TEST_NOT_NUMERIC" not in settings.REGISTRY

@@ -6,6 +6,8 @@ CLI flags map onto the same names (the launcher exports them as ``EDDIS_*`` to
 the ranks). ``eddis settings`` prints the table and docs/user-guide.md holds a
 copy that a test keeps in step with this file.
 """
+import argparse
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -40,6 +42,7 @@ def _bool_or_auto(text):
     return "auto" if text.strip().lower() == "auto" else _bool(text)
 
 
+NUMERIC_TYPES = ("int", "float", "size")
 PARSERS = {"bool": _bool, "bool/auto": _bool_or_auto, "int": int, "float": float, "str": str, "size": _size,
            "path": os.path.expanduser}
 
@@ -53,35 +56,89 @@ class Setting:
     choices: Optional[Sequence[str]] = None
     flag: Optional[str] = None  # the eddis-train / eddis CLI flag that sets it
     internal: bool = False  # set by the launcher for the ranks, not by users
+    min: Optional[float] = None  # numeric settings: the range of valid values
+    max: Optional[float] = None
+    above_min: bool = False  # min itself is not valid (> min: timeouts, rates)
 
-    def parse(self, text):
+    def _default_text(self):
+        return "" if self.default is None else f" (default {self.default!r})"
+
+    def range_text(self):
+        """The valid values as a user reads them (``> 0``, ``>= 1``, ``2 to 8``), or None."""
+        low = None if self.min is None else f"{'>' if self.above_min else '>='} {self.min:g}"
+        if self.max is None:
+            return low
+        if low is None:
+            return f"<= {self.max:g}"
+        return f"{low} and <= {self.max:g}" if self.above_min else f"{self.min:g} to {self.max:g}"
+
+    def check(self, value, given=None):
+        """``value`` when it lies in the setting's choices and range; else a ConfigError that names
+        the setting (or ``given``, e.g. the command-line flag that set it), the value and the range."""
+        given = given or f"{self.name}={value!r}"
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(
+                f"{given} is not one of {', '.join(map(str, self.choices))}; "
+                f"set it to one of them or unset it (default {self.default!r})."
+            )
+        if self.type in NUMERIC_TYPES:
+            allowed = self.range_text() or "a finite number"
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{given} is not a finite number: {self.name} must be {allowed}"
+                                  f"{self._default_text()}.")
+            low_ok = self.min is None or (value > self.min if self.above_min else value >= self.min)
+            if not (low_ok and (self.max is None or value <= self.max)):
+                raise ConfigError(f"{given} is out of range: {self.name} must be {allowed}"
+                                  f"{self._default_text()}.")
+        return value
+
+    def parse(self, text, given=None):
+        """The typed value of ``text``, checked (:meth:`check`); ``given`` names where the text
+        came from when that is not the variable (a command-line flag)."""
+        given = given or f"{self.name}={text!r}"
         try:
             value = PARSERS[self.type](text)
         except ValueError as exc:  # int() and float() raise it; our parsers a ConfigError
             raise ConfigError(
-                f"{self.name}={text!r} is not a valid {self.type}: {exc}. "
+                f"{given} is not a valid {self.type}: {exc}. "
                 f"Set it to a {self.type} (default {self.default!r}) or unset it."
             ) from None
-        if self.choices is not None and value not in self.choices:
-            raise ConfigError(
-                f"{self.name}={text!r} is not one of {', '.join(map(str, self.choices))}; "
-                f"set it to one of them or unset it (default {self.default!r})."
-            )
-        return value
+        return self.check(value, given)
+
+    def flag_type(self, flag=None):
+        """An argparse ``type=`` for the flag that sets this setting: the registry's parser and
+        range, and an argparse error (exit status 2) that names the flag and the range."""
+        flag = flag or self.flag
+
+        def parse_flag(text):
+            try:
+                return self.parse(text, f"{flag} {text}")
+            except ConfigError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+
+        parse_flag.__name__ = self.type
+        return parse_flag
 
 
 REGISTRY = {}
 
 
-def register(name, type, default, doc, choices=None, flag=None, internal=False):
+def register(name, type, default, doc, choices=None, flag=None, internal=False, min=None, max=None,
+             above_min=False):
     if not (name.startswith("EDDIS_") or name.startswith("SMB_")):
         raise ConfigError(f"setting {name} must start with EDDIS_ or SMB_")
     if type not in PARSERS:
         raise ConfigError(f"setting {name}: unknown type {type}")
     if name in REGISTRY:
         raise ConfigError(f"setting {name} registered twice")
-    REGISTRY[name] = Setting(name, type, default, doc, tuple(choices) if choices else None, flag, internal)
-    return REGISTRY[name]
+    if (min is not None or max is not None) and type not in NUMERIC_TYPES:
+        raise ConfigError(f"setting {name}: a range is for numeric settings ({', '.join(NUMERIC_TYPES)})")
+    setting = Setting(name, type, default, doc, tuple(choices) if choices else None, flag, internal, min, max,
+                      above_min)
+    if default is not None:
+        setting.check(default)  # a default outside its own range is a mistake of this file
+    REGISTRY[name] = setting
+    return setting
 
 
 def environ(env=None):
@@ -129,6 +186,8 @@ def markdown_table():
             continue
         default = "(unset)" if s.default is None else f"`{s.default}`"
         choices = f" One of: {', '.join(f'`{c}`' for c in s.choices)}." if s.choices else ""
+        if s.range_text():
+            choices += f" Range: `{s.range_text()}`."
         flag = f"`{s.flag}`" if s.flag else ""
         rows.append(f"| `{s.name}` | {s.type} | {default} | {flag} | {s.doc}{choices} |")
     return "\n".join(rows)
@@ -149,9 +208,9 @@ register("EDDIS_DEV_CLUSTER_DIR", "path", "/tmp/eddis-dev-cluster",
          "(slurm.conf, logs, spool, fake GPU devices); clients use SLURM_CONF=<dir>/slurm.conf.")
 register("EDDIS_DEV_CLUSTER_PORT", "int", 16817,
          "TCP port of the local cluster's slurmctld; its slurmd n1, n2, ... use the next ones "
-         "(base+1..base+nodes).")
+         "(base+1..base+nodes).", min=1024, max=65535 - 8)  # room for the 8 slurmd ports above it
 register("EDDIS_DEV_CLUSTER_WAIT", "int", 60,
-         "Seconds `eddis-dev-cluster up` waits for the nodes to become idle.")
+         "Seconds `eddis-dev-cluster up` waits for the nodes to become idle.", min=1)
 register("EDDIS_DEV_CLUSTER_NET", "str", "auto",
          "Network mode of the local cluster: netns (each node its own network, UTS and mount "
          "namespace: own host name, own 198.18.0.0/15 address, a veth into a bridge), loopback "
@@ -163,7 +222,7 @@ register("EDDIS_DEV_CLUSTER_LINK", "str", "unlimited",
          "`1gbit,n1=unlimited`); RATE is one of `unlimited`, `100mbit`, `1gbit`, `10gbit`.")
 register("EDDIS_DEV_CLUSTER_NODES", "int", 2,
          "Nodes of the local cluster: n1 a100, n2 v100, then n3 h100, n4 a40, n5 l40s, n6 t4, "
-         "n7 p100, n8 a10, each its own partition with 2 fake GPUs.", choices=range(2, 9))
+         "n7 p100, n8 a10, each its own partition with 2 fake GPUs.", min=2, max=8)
 for _lib, _what in (("UCX", "UCX (libucx-dev / ucx-devel)"), ("VERBS", "libibverbs (libibverbs-dev / rdma-core-devel)"),
                     ("MPI", "MPI (mpicc and mpi4py)"), ("CUDA", "the CUDA runtime")):
     register(f"EDDIS_WITH_{_lib}", "bool", False,
@@ -172,7 +231,7 @@ for _lib, _what in (("UCX", "UCX (libucx-dev / ucx-devel)"), ("VERBS", "libibver
              f"Build time: build without {_what} even when it is installed. Neither set: auto-detect.")
 del _lib, _what
 register("EDDIS_BUILD_JOBS", "int", 0,
-         "Build time: how many extensions compile at once; 0 is one per CPU the build may use.")
+         "Build time: how many extensions compile at once; 0 is one per CPU the build may use.", min=0)
 
 # ---------------------------------------------------------------- runtime (eddis.core)
 register("EDDIS_MODE", "str", "sync",
@@ -183,7 +242,7 @@ register("EDDIS_COMPRESSION", "str", "none",
          choices=["none", "fp16", "bf16"], flag="--compression")
 register("EDDIS_BUCKET_BYTES", "size", 25 << 20,
          "Bytes of fp32 gradients per communication bucket (suffix K/M/G); smaller buckets "
-         "start communicating earlier in the backward pass.")
+         "start communicating earlier in the backward pass.", min=1)
 register("EDDIS_OVERLAP_OPTIMIZER", "str", "auto",
          "torch, where gradients are averaged (sync, allreduce, hybrid's groups): apply the wrapped "
          "optimizer's update bucket by bucket, as each "
@@ -194,7 +253,7 @@ register("EDDIS_OVERLAP_OPTIMIZER", "str", "auto",
          "step hooks or skip_synchronize().", choices=["auto", "on", "off"])
 register("EDDIS_COMM_TIMEOUT", "float", 300.0,
          "Seconds optimizer.step() and other collective calls wait for other ranks before "
-         "raising TimeoutError.")
+         "raising TimeoutError.", min=0, above_min=True)
 register("EDDIS_SYNC_REDUCE", "str", "auto",
          "How mode sync reduces a bucket: hierarchical (the ranks of a node sum in their node's "
          "server memory, then each node's sum crosses the network once to the servers that own "
@@ -208,7 +267,7 @@ register("EDDIS_CHECK_PARAMETERS", "int", 1000,
          "TensorFlow's DistributedOptimizer and DistributedGradientTape when eager, and "
          "BroadcastGlobalVariablesCallback in model.fit. The check also runs "
          "at shutdown and fails the run when they differ (nothing wrapped, or an update that "
-         "bypasses the averaging). 0: off.")
+         "bypasses the averaging). 0: off.", min=0)
 register("EDDIS_EMBEDDED_SERVER", "bool", True,
          "When no SMB server has published itself in the run directory (plain mpirun on one "
          "node), start one inside local rank 0; 0 makes that an error instead.")
@@ -216,10 +275,10 @@ register("EDDIS_EMBEDDED_SERVER", "bool", True,
 # ---------------------------------------------------------------- heterogeneity (easgd, hybrid, progress, balance)
 register("EDDIS_EASGD_TAU", "int", 4,
          "easgd/hybrid: steps between two elastic-averaging exchanges of a worker (or group) "
-         "with the centre variable.")
+         "with the centre variable.", min=1)
 register("EDDIS_EASGD_ALPHA", "float", None,
          "easgd/hybrid: moving rate alpha of an exchange (d = alpha (x - centre)); unset: "
-         "0.9 / (number of exchanging workers or groups), the EASGD paper's beta = 0.9.")
+         "0.9 / (number of exchanging workers or groups), the EASGD paper's beta = 0.9.", min=0, above_min=True, max=1)
 register("EDDIS_EASGD_OVERLAP", "bool/auto", "auto",
          "easgd/hybrid: after every step exchange one EDDIS_EASGD_TAU-th of the parameters (a "
          "stripe; each is exchanged every tau steps) in the background while the next step "
@@ -235,17 +294,17 @@ register("EDDIS_EASGD_WEIGHTING", "str", "throughput",
          choices=["throughput", "equal"])
 register("EDDIS_TOTAL_ITERATIONS", "int", None,
          "Total training iterations (one local mini-batch of one rank each) for the global "
-         "learning counter; eddis.should_stop() ends training when they are used up.")
+         "learning counter; eddis.should_stop() ends training when they are used up.", min=1)
 register("EDDIS_CLAIM_CHUNK", "int", 1,
          "Iterations (group steps in sync/hybrid) a worker claims from the global learning "
-         "counter at once; larger chunks mean fewer counter round trips.")
+         "counter at once; larger chunks mean fewer counter round trips.", min=1)
 register("EDDIS_CLAIM_AHEAD", "bool", True,
          "The leader of ranks that step together claims its next chunk from the global learning "
          "counter in the background while it runs the current chunk's last step (never in elastic "
          "runs); 0: claim only when the chunk is used up, so that claims follow the steps exactly.")
 register("EDDIS_STALENESS", "int", -1,
          "Staleness bound s: no rank starts step t while another is before step t - s; "
-         "-1: unbounded.")
+         "-1: unbounded.", min=-1)
 register("EDDIS_CHECKPOINT_DIR", "path", None,
          "Folder of the periodic and requested checkpoints (eddis.checkpoint/eddis.resume); set, "
          "eddis.init() also installs the SIGUSR1 handler that asks for a checkpoint and a stop.")
@@ -255,7 +314,7 @@ register("EDDIS_CHECKPOINT_INTERVAL", "str", None,
          "the lowest live rank's); unset: none (requests only).")
 register("EDDIS_CHECKPOINT_KEEP", "int", 3,
          "Complete checkpoints kept in EDDIS_CHECKPOINT_DIR; older ones are removed after each "
-         "new one is committed (0: keep all).")
+         "new one is committed (0: keep all).", min=0)
 register("EDDIS_ELASTIC", "bool", False,
          "easgd/hybrid: when a rank dies (or a hybrid group, whose synchronous reductions its dead "
          "member stops), the other ranks train on against the centre variable until the global "
@@ -268,7 +327,7 @@ register("EDDIS_ELASTIC_LOST_AFTER", "float", 30.0,
          "a hybrid group then stops). As EDDIS_LIVENESS_TIMEOUT: the beat is a Python thread, so a call "
          "that holds the GIL longer than this makes a live rank look lost. Before a rank's training "
          "started its supervisor beats in the run dir instead, and a beat still for this long (at most "
-         "half of EDDIS_LIVENESS_TIMEOUT) fails the start: its node was lost.")
+         "half of EDDIS_LIVENESS_TIMEOUT) fails the start: its node was lost.", min=0, above_min=True)
 register("EDDIS_ELASTIC_MIRROR", "bool", True,
          "Elastic runs on more than one smb-server: keep the training state in SMB (the centre "
          "variable, the learning and staleness counters, the heartbeats, the checkpoint schedule's "
@@ -281,12 +340,12 @@ register("EDDIS_BALANCE", "bool", False,
          "sync: give each rank a share of the global batch proportional to its measured "
          "throughput (balanced sync); hybrid: the same inside each group, with the group's batch.")
 register("EDDIS_BALANCE_WARMUP", "int", 5,
-         "Balanced sync: steps measured before the first rebalancing (the first step is not counted).")
+         "Balanced sync: steps measured before the first rebalancing (the first step is not counted).", min=1)
 register("EDDIS_BALANCE_INTERVAL", "int", 50,
-         "Balanced sync: steps between two re-measurements of the ranks' throughput.")
+         "Balanced sync: steps between two re-measurements of the ranks' throughput.", min=1)
 register("EDDIS_BALANCE_SMOOTHING", "float", 0.5,
          "Balanced sync: weight of a new measurement when shares are updated "
-         "(1: jump to the measured shares, smaller: move towards them gradually).")
+         "(1: jump to the measured shares, smaller: move towards them gradually).", min=0, above_min=True, max=1)
 register("EDDIS_SIMULATE_SLOWDOWN", "str", None,
          "TESTING AID: make ranks compute slower by sleeping (factor-1) x their measured compute "
          "time per step, e.g. '0:1.0,1:2.0' (rank:factor) or 'g1:2.0' (group:factor); "
@@ -294,12 +353,13 @@ register("EDDIS_SIMULATE_SLOWDOWN", "str", None,
 
 # ---------------------------------------------------------------- SMB
 register("SMB_TIMEOUT", "float", 60.0,
-         "Seconds any SMB wait (connect, reply, barrier, event) may take before it raises TimeoutError.")
+         "Seconds any SMB wait (connect, reply, barrier, event) may take before it raises TimeoutError.",
+         min=0, above_min=True)
 register("SMB_CONNECT_TIMEOUT", "float", 60.0,
-         "Seconds a client waits for all servers of the job to publish their addresses.")
+         "Seconds a client waits for all servers of the job to publish their addresses.", min=0, above_min=True)
 register("SMB_MEMORY", "size", 1 << 30,
-         "Bytes of memory each smb-server lends (suffix K/M/G).", flag="--memory")
-register("SMB_PORT", "int", 0, "TCP port an smb-server listens on (0: any free port).", flag="--port")
+         "Bytes of memory each smb-server lends (suffix K/M/G).", flag="--memory", min=1)
+register("SMB_PORT", "int", 0, "TCP port an smb-server listens on (0: any free port).", flag="--port", min=0, max=65535)
 register("SMB_HUGEPAGES", "str", "off",
          "Huge pages for an smb-server's memory: hugetlb (explicit pages reserved with "
          "vm.nr_hugepages; refused when too few are free), transparent (madvise on the shared "
@@ -312,7 +372,7 @@ register("SMB_REDUCE_THREADS", "int", 0,
          "axpy, scale, copy), its request thread included; 1 reduces on the request thread alone. "
          "0 (auto): half the CPUs the server may run on, at most 8, since the trainers of the node "
          "need the other half and a few threads already saturate a socket's memory bandwidth.",
-         flag="--reduce-threads")
+         flag="--reduce-threads", min=0, max=256)  # the native core's SMB_VECPOOL_MAX_THREADS
 register("SMB_LOCAL_MAP", "bool", True,
          "Map the memory of a server on the same host directly (zero-copy). "
          "0 forces every transfer through the network transport, to test the remote path on one "
@@ -324,14 +384,15 @@ register("SMB_TRANSPORT", "str", "socket",
          "`ucx`, UCX active messages and one-sided RMA, for fabrics whose peers are all trusted "
          "(see docs/architecture.md, threat model).", choices=("socket", "ucx"))
 register("SMB_HANDSHAKE_TIMEOUT", "float", 10.0,
-         "Seconds a new connection to an smb-server has to prove the job token before it is dropped.")
+         "Seconds a new connection to an smb-server has to prove the job token before it is dropped.",
+         min=0, above_min=True)
 
 # ---------------------------------------------------------------- observability (eddis.timeline)
 register("EDDIS_TIMELINE", "path", None,
          "Directory for Chrome-trace timeline files of every rank and SMB server; unset: off. "
          "Merge them with `eddis prof merge DIR`.", flag="--timeline")
 register("EDDIS_TIMELINE_BUFFER", "int", 1 << 20,
-         "Timeline events buffered in memory per process before new ones are dropped (and counted).")
+         "Timeline events buffered in memory per process before new ones are dropped (and counted).", min=1)
 register("EDDIS_TIMELINE_MODULE_HOOKS", "bool", False,
          "Record forward/backward of every top-level module (PyTorch hooks) in the timeline.")
 register("EDDIS_PROFILE", "bool", False,
@@ -343,17 +404,17 @@ register("EDDIS_PROGRESS", "str", "auto",
          "Rank 0 progress display: a tqdm bar on a terminal and log lines otherwise (auto), "
          "always one of them (bar, log), or none (off).", choices=["auto", "bar", "log", "off"])
 register("EDDIS_PROGRESS_INTERVAL", "float", 30.0,
-         "Seconds between two progress log lines when stdout is not a terminal.")
+         "Seconds between two progress log lines when stdout is not a terminal.", min=0)
 
 # ---------------------------------------------------------------- launcher (eddis.launch)
 # What eddis-train exports to each rank (eddis.launch.rankenv); read through eddis.identity.
-register("EDDIS_RANK", "int", None, "This rank's place in the job (the launcher's).", internal=True)
-register("EDDIS_SIZE", "int", None, "Ranks in the job (the launcher's).", internal=True)
-register("EDDIS_LOCAL_RANK", "int", None, "This rank's place among its node's ranks.", internal=True)
-register("EDDIS_LOCAL_SIZE", "int", None, "Ranks on this node.", internal=True)
-register("EDDIS_GROUP", "int", None, "This rank's group: hetjob component, else node.", internal=True)
-register("EDDIS_NUM_GROUPS", "int", None, "Groups in the job.", internal=True)
-register("EDDIS_GROUP_SIZE", "int", None, "Ranks in this rank's group.", internal=True)
+register("EDDIS_RANK", "int", None, "This rank's place in the job (the launcher's).", internal=True, min=0)
+register("EDDIS_SIZE", "int", None, "Ranks in the job (the launcher's).", internal=True, min=1)
+register("EDDIS_LOCAL_RANK", "int", None, "This rank's place among its node's ranks.", internal=True, min=0)
+register("EDDIS_LOCAL_SIZE", "int", None, "Ranks on this node.", internal=True, min=1)
+register("EDDIS_GROUP", "int", None, "This rank's group: hetjob component, else node.", internal=True, min=0)
+register("EDDIS_NUM_GROUPS", "int", None, "Groups in the job.", internal=True, min=1)
+register("EDDIS_GROUP_SIZE", "int", None, "Ranks in this rank's group.", internal=True, min=1)
 register("EDDIS_HOST_GROUPS", "str", None, "The trainer nodes of an elastic Slurm job (mpirun): "
          "node:group:ranks, comma-separated (eddis.launch.mpirun_step).", internal=True)
 register("EDDIS_HOSTNAME", "str", None, "The node this rank is on (eddis.identity.node_name).",
@@ -372,22 +433,23 @@ register("EDDIS_START_RETRIES", "int", 1,
          "of their failure is a rank that crashed (SIGSEGV, SIGBUS, SIGABRT, SIGILL, SIGFPE) before "
          "eddis.init() returned. Open MPI 4.1 under Slurm's PMIx rarely crashes inside MPI_Init "
          "(about one start in 250 on a loaded node, docs/reliability.md). Counted apart from "
-         "EDDIS_MAX_RESTARTS; 0: never.")
+         "EDDIS_MAX_RESTARTS; 0: never.", min=0)
 register("EDDIS_STOP_GRACE", "float", 5.0,
          "Seconds a trainer gets after SIGTERM (a peer failed, or the job was cancelled) "
-         "before eddis-train kills it with SIGKILL.")
+         "before eddis-train kills it with SIGKILL.", min=0)
 register("EDDIS_INTERRUPT_GRACE", "float", 30.0,
          "Seconds a trainer gets after SIGINT (Ctrl-C on eddis-train --local, an interrupted job) "
          "to run its own KeyboardInterrupt handler before eddis-train sends SIGTERM "
-         "(then SIGKILL after EDDIS_STOP_GRACE).")
+         "(then SIGKILL after EDDIS_STOP_GRACE).", min=0)
 register("EDDIS_STEP_END_GRACE", "float", 30.0,
          "Seconds the job waits for the trainers' srun to return after every rank recorded "
          "its exit (3 s once Slurm lists the step no more); then it ends srun and takes the job status "
-         "from the ranks' exit records.")
+         "from the ranks' exit records.", min=0)
 register("EDDIS_SERVER_WAIT", "float", 120.0,
          "Seconds a job (eddis-train --job, or --local) waits for every smb-server to publish its "
          "address before it fails "
-         "(with the servers' lines above the message); raise it for a slow node or file system.")
+         "(with the servers' lines above the message); raise it for a slow node or file system.",
+         min=0, above_min=True)
 register("EDDIS_REQUEUE", "bool", True,
          "Whether a Slurm job whose trainers wrote a checkpoint on the job's warning signal "
          "(#SBATCH --signal=B:USR1@N, which eddis submit writes) requeues itself "
@@ -395,33 +457,33 @@ register("EDDIS_REQUEUE", "bool", True,
 register("EDDIS_MAX_REQUEUES", "int", 20,
          "How many times one job may requeue itself after its time-limit warning (Slurm's "
          "SLURM_RESTART_COUNT, less the job's preemptions, which are never refused); a job past it "
-         "ends with its checkpoint kept and says so, instead of cycling through the queue.")
+         "ends with its checkpoint kept and says so, instead of cycling through the queue.", min=0)
 register("EDDIS_CHECKPOINT_GRACE", "float", 120.0,
          "Seconds a job's trainers get, after SIGTERM reaches the job's steps but not its batch "
          "script (Slurm's preemption within the partition's GraceTime, scancel --signal=TERM), to "
          "reach their next step boundary and write a checkpoint into EDDIS_CHECKPOINT_DIR before "
          "eddis-train stops them; the smb-servers, which hold the state the checkpoint reads, stay "
-         "up meanwhile. Only with EDDIS_CHECKPOINT_DIR; keep it below the partition's GraceTime.")
+         "up meanwhile. Only with EDDIS_CHECKPOINT_DIR; keep it below the partition's GraceTime.", min=0)
 register("EDDIS_CHECKPOINT_ON_SIGTERM", "bool", False,
          "Set by eddis-train for its trainer in a Slurm job step with EDDIS_CHECKPOINT_DIR: "
          "eddis.init() makes the first SIGTERM a checkpoint-and-stop request.", internal=True)
 register("EDDIS_MAX_RESTARTS", "int", 0,
          "How many times a job (eddis-train --job or --local) starts its smb-servers and trainers "
          "again after the trainers failed, within the same allocation (as torchrun --max-restarts); "
-         "a script that calls eddis.resume() continues from its last checkpoint. 0: never.")
+         "a script that calls eddis.resume() continues from its last checkpoint. 0: never.", min=0)
 register("EDDIS_SPARE_NODES", "int", 0,
          "Nodes of a Slurm job's allocation its trainers leave unused, so that a restart "
          "(EDDIS_MAX_RESTARTS) can run without a node that failed (DOWN, DRAIN, FAIL, not "
          "responding, or removed from a --no-kill job) and keep the job's layout; the batch host is "
          "the first spare. eddis submit --spare-nodes K writes it, K more nodes and --no-kill. A job "
-         "of one hetjob component only.")
+         "of one hetjob component only.", min=0)
 register("EDDIS_RESTART_COUNT", "int", 0,
          "How many times the launcher has restarted the trainers in this allocation "
-         "(EDDIS_MAX_RESTARTS and EDDIS_START_RETRIES together).", internal=True)
+         "(EDDIS_MAX_RESTARTS and EDDIS_START_RETRIES together).", internal=True, min=0)
 register("EDDIS_LIVENESS_TIMEOUT", "float", 30.0,
          "Seconds a trainer or smb-server may go without a heartbeat to its eddis-train supervisor "
          "(or stay stopped, e.g. by SIGSTOP) before it counts as hung: its Python stack is dumped, it "
-         "is killed and named as the job's root cause. Independent of EDDIS_COMM_TIMEOUT; 0: off.")
+         "is killed and named as the job's root cause. Independent of EDDIS_COMM_TIMEOUT; 0: off.", min=0)
 register("EDDIS_GPU_TYPE", "str", None,
          "GPU generation of the ranks (e.g. a100); eddis-train sets it per rank from the "
          "node's GRES or partition, `cpu` when no GPU is bound. Set it to override.")

@@ -5,6 +5,7 @@ Usage::
     eddis-train --job -- train.py [args]          # the command of a job script (eddis_job.sh)
     srun --mpi=pmix eddis-train train.py [args]   # one rank's supervisor, as the job starts them
     eddis-train --local -n 4 train.py [args]      # one machine, no Slurm: server + 4 ranks
+    eddis-train --local -n 4 -m pkg.train [args]  # a module, as python -m runs it (every form)
     eddis-train train.py [args]                   # the same as --local -n 1
 
 Under srun (or under the mpirun that ``--local`` starts) ``eddis-train`` is the
@@ -23,11 +24,11 @@ exists, before anything is started.
 """
 import argparse
 import os
-import shutil
 import sys
 
 from .. import settings
 from ..errors import ConfigError, EddisError
+from ..slurm.command import missing_script
 
 
 def build_parser():
@@ -39,7 +40,7 @@ def build_parser():
                "and docs/user-guide.md.")
     p.add_argument("--local", action="store_true",
                    help="start an smb-server and N ranks with mpirun on this machine (no Slurm needed)")
-    p.add_argument("-n", "--np", type=int, default=None, metavar="N",
+    p.add_argument("-n", "--np", type=settings.REGISTRY["EDDIS_SIZE"].flag_type("-n"), default=None, metavar="N",
                    help="number of ranks for --local (default 1)")
     p.add_argument("--memory", default=None, metavar="SIZE",
                    help="memory the local smb-server lends, e.g. 1G (default: SMB_MEMORY)")
@@ -81,35 +82,34 @@ def build_parser():
                               "job's outputs")
     helpers.add_argument("--exit-code", type=int, default=None,
                          help="with --report: the job's exit code, for the report")
+    p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE [ARGS]",
+                   help="-m MODULE [ARGS]: run library module MODULE as the training script, as "
+                        "python -m does; the arguments after it are the module's, passed on untouched")
     p.add_argument("script", nargs=argparse.REMAINDER,
-                   help="training script and its arguments (a .py file, -m module, or a program)")
+                   help="training script and its arguments (a .py file, or a program)")
     return p
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The parsed command line; with -m, ``script`` is ``-m MODULE [ARGS]`` as it was given
+    (argparse would take a ``--`` among the module's arguments for its own)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.module is not None:
+        args.script = argv[argv.index("-m"):]
+        if not args.module or args.module[0].startswith("-"):
+            raise ConfigError("-m needs a module name right after it, as python -m does: "
+                              "eddis-train --local -n 2 -m MODULE [ARGS]")
+    return args
+
+
+def main(argv=None):
     try:
+        args = parse_args(argv)
         return _dispatch(args)
     except EddisError as exc:
         print(f"eddis-train: error: {exc}", file=sys.stderr, flush=True)
         return 2
-
-
-def missing_script(script):
-    """Why the training command cannot start (a sentence), or None. Only what can be known
-    without running it: a .py file that is not there, a program that is not on PATH."""
-    if not script:
-        return None
-    first = script[0]
-    if first == "-m":
-        return None if len(script) > 1 else "-m needs a module name"
-    if first.endswith(".py") or os.sep in first:
-        if not os.path.isfile(first):
-            return f"the training script {first} does not exist (working directory {os.getcwd()})"
-        return None
-    if shutil.which(first) is None:
-        return f"the training command {first} is not a file and not on PATH"
-    return None
 
 
 def _script(args):
