@@ -159,3 +159,83 @@ def test_time_limits_are_read_as_sbatch_reads_them(text, seconds):
     from eddis.slurm.script import time_limit_seconds
 
     assert time_limit_seconds(text) == seconds
+
+
+# A value of every option of the renderer, with room for a bad text; server_wait and
+# checkpoint_signal are numbers, which cannot carry one.
+NUMBER_OPTIONS = {"server_wait", "checkpoint_signal"}
+GOOD_OPTIONS = dict(components=[JobComponent("a100", nodes=1, tasks_per_node=2, gpu_type="a100", gpus_per_node=2)],
+                    command=("train.py", "--epochs", "3"), job_name="resnet", time="01:00:00",
+                    output="eddis-%j.out", account="proj42", mode="sync", settings={"SMB_MEMORY": "2G"},
+                    server_wait=60.0, comment="a comment", checkpoint_signal=300)
+BAD_OPTIONS = {
+    "components": [lambda bad: [JobComponent("a100" + bad, nodes=1, tasks_per_node=2)],
+                   lambda bad: [JobComponent("a100", nodes=1, tasks_per_node=2, gpu_type="a100" + bad,
+                                             gpus_per_node=2)]],
+    "command": [lambda bad: ("train.py" + bad,), lambda bad: ("train.py", "--name", "x" + bad)],
+    "job_name": [lambda bad: "x" + bad],
+    "time": [lambda bad: "01:00:00" + bad],
+    "output": [lambda bad: "out" + bad],
+    "account": [lambda bad: "proj" + bad],
+    "mode": [lambda bad: "sync" + bad],
+    "settings": [lambda bad: {"SMB_MEMORY": "2G" + bad}, lambda bad: {"SMB_MEMORY" + bad: "2G"}],
+    "comment": [lambda bad: "a comment" + bad],
+}
+CONTROL_CHARACTERS = ["\necho INJECTED", "\r", "\x00", "\t", "\x1b[2J", "\x7f", "\x85"]
+
+
+def test_every_text_option_is_in_the_control_character_table():
+    # a new option of the renderer must be added to BAD_OPTIONS (or NUMBER_OPTIONS) to be tested
+    assert set(BAD_OPTIONS) | NUMBER_OPTIONS == set(render_job_script.valid_options)
+    render_job_script(**GOOD_OPTIONS)
+
+
+# a comment may span lines, each written as a comment line (the next test)
+@pytest.mark.parametrize("option, bad", [(o, b) for o in sorted(BAD_OPTIONS) for b in CONTROL_CHARACTERS
+                                         if not (o == "comment" and b.startswith("\n"))], ids=repr)
+def test_a_control_character_in_any_option_is_refused(option, bad):
+    for make in BAD_OPTIONS[option]:
+        with pytest.raises(ConfigError) as err:
+            render_job_script(**dict(GOOD_OPTIONS, **{option: make(bad)}))
+        message = str(err.value)
+        assert message.startswith(option) and f"holds the control character {bad[0]!r}" in message, message
+        assert "Remove it" in message
+
+
+def test_a_comment_spans_comment_lines_only():
+    text = render_job_script(**dict(GOOD_OPTIONS, comment="first\necho NOT RUN"))
+    assert "# first\n# echo NOT RUN\n" in text
+    assert [line for line in text.splitlines() if "NOT RUN" in line] == ["# echo NOT RUN"]
+
+
+def test_the_refusal_names_the_eddis_submit_flag():
+    with pytest.raises(ConfigError, match=r"job_name \(eddis submit --job-name\) 'x\\necho INJECTED' holds"):
+        render_job_script(**dict(GOOD_OPTIONS, job_name="x\necho INJECTED"))
+    with pytest.raises(ConfigError, match="in a file instead"):
+        render_job_script(**dict(GOOD_OPTIONS, command=("train.py", "line 1\nline 2")))
+
+
+@pytest.mark.parametrize("exports, message", [
+    ({"EDDIS_LIVENESS_TIMEOUT": "-5"}, "EDDIS_LIVENESS_TIMEOUT must be >= 0"),
+    ({"EDDIS_MOED": "sync"}, "Did you mean EDDIS_MODE"),
+    ({"SMB_MEMORY": "0"}, "SMB_MEMORY must be >= 1"),
+])
+def test_a_setting_the_job_would_refuse_is_refused_when_the_script_is_written(exports, message):
+    with pytest.raises(ConfigError, match=message):
+        render_job_script(**dict(GOOD_OPTIONS, settings=exports))
+    with pytest.raises(ConfigError, match="EDDIS_SERVER_WAIT must be > 0"):
+        render_job_script(**dict(GOOD_OPTIONS, server_wait=0))
+
+
+def test_eddis_submit_flags_of_settings_are_checked_by_the_registry(capsys):
+    from eddis import cli
+
+    for flag, value, message in (("--server-wait", "0", "--server-wait 0 is out of range: EDDIS_SERVER_WAIT "
+                                                          "must be > 0"),
+                                 ("--spare-nodes", "-1", "--spare-nodes -1 is out of range: EDDIS_SPARE_NODES "
+                                                         "must be >= 0"),
+                                 ("--memory", "0", "--memory 0 is out of range: SMB_MEMORY must be >= 1")):
+        with pytest.raises(SystemExit) as exc:  # argparse: before sinfo is asked
+            cli.main(["submit", "--gpus", "a100:1", flag, value, "--dry-run", "train.py"])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err

@@ -46,3 +46,36 @@ def test_far_too_many_gpus_names_the_partition_size_not_a_node_multiple(slurm_cl
     assert ("--gpus a100:99 is more than partition a100 has: 2 a100 GPUs (1 node x 2 per node); "
             "ask for one of 1, 2") in proc.stderr
     assert "multiple of" not in proc.stderr
+
+
+def _queued(cluster, name):
+    return cluster.run(["squeue", "-h", "-n", name, "-o", "%i"], timeout=30).stdout.strip()
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_training_script_is_refused_before_submitting(slurm_cluster, tmp_path):
+    name = "eddis-test-missing-script"
+    proc = slurm_cluster.run([PYTHON, "-m", "eddis.cli", "submit", "--gpus", "a100:1", "--job-name", name,
+                              "no_such_train.py", "--epochs", "1"], timeout=60, check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (f"the training script no_such_train.py does not exist (working directory {tmp_path}); "
+            "nothing was submitted") in proc.stderr
+    assert _queued(slurm_cluster, name) == "", "a job was submitted although its script does not exist"
+    # a dry run prints the script, and says that the job would fail
+    proc = slurm_cluster.run([PYTHON, "-m", "eddis.cli", "submit", "--gpus", "a100:1", "--dry-run",
+                              "no_such_train.py"], timeout=60, check=False, cwd=tmp_path)
+    assert proc.returncode == 0 and "exec eddis-train --job" in proc.stdout
+    assert "warning: the training script no_such_train.py does not exist" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_job_name_with_a_newline_is_refused_and_nothing_is_submitted(slurm_cluster, tmp_path):
+    name = "eddis-test-injected"
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    proc = slurm_cluster.run([PYTHON, "-m", "eddis.cli", "submit", "--gpus", "a100:1", "--job-name",
+                              f"{name}\necho INJECTED", "train.py"], timeout=60, check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (f"job_name (eddis submit --job-name) '{name}\\necho INJECTED' holds the control character '\\n'"
+            in proc.stderr)
+    assert "Submitted" not in proc.stdout
+    assert _queued(slurm_cluster, name) == "", "the job was submitted with the injected line"

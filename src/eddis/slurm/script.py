@@ -12,13 +12,17 @@ itself (the check of settings and script, the run directory, one ``smb-server``
 per node, the trainers, their supervision and the report) is
 :mod:`eddis.launch.jobrun`, so a fix there reaches scripts users copied before it.
 """
+import dataclasses
 import functools
 import inspect
+import os
 import shlex
+import unicodedata
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from ..errors import ConfigError
+from ..settings import check_environment
 
 # Long enough for the slowest checkpoint of a large model to reach a parallel file system;
 # Slurm may send the signal up to a minute earlier than asked.
@@ -85,6 +89,53 @@ exec eddis-train --job -- "$@"
 '''
 
 
+# Where each option comes from in eddis submit, for the user who never called the renderer.
+SUBMIT_SOURCES = {"components": "eddis submit --gpus", "command": "eddis submit's training command",
+                  "job_name": "eddis submit --job-name", "time": "eddis submit --time",
+                  "output": "eddis submit --output", "account": "eddis submit --account", "mode": "eddis submit --mode"}
+
+
+def _texts(label, value):
+    """(label, text) of every text the option ``value`` puts into the script: strings, and
+    those inside sequences, mappings (keys too) and dataclasses (JobComponent), at any depth."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return
+    if isinstance(value, (str, os.PathLike)):
+        yield label, os.fspath(value)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _texts(f"{label} key", key)
+            yield from _texts(f"{label}[{key!r}]", item)
+    elif dataclasses.is_dataclass(value):
+        for field in dataclasses.fields(value):
+            yield from _texts(f"{label}.{field.name}", getattr(value, field.name))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _texts(f"{label}[{i}]", item)
+    else:
+        yield label, str(value)
+
+
+def refuse_control_characters(options, multiline=("comment",)):
+    """Every text of every option is printable: a newline (or CR, NUL, any other control
+    character) in a value written into the script would start a line of its own there, a command
+    the job runs (``eddis submit --job-name $'x\\necho INJECTED'``). ``multiline`` options may
+    hold newlines, since each of their lines is written as a comment line."""
+    for option, value in options.items():
+        allowed = "\n" if option in multiline else ""
+        for label, text in _texts(option, value):
+            bad = [(i, ch) for i, ch in enumerate(text) if unicodedata.category(ch) == "Cc" and ch not in allowed]
+            if bad:
+                where, char = bad[0]
+                source = SUBMIT_SOURCES.get(option)
+                raise ConfigError(
+                    f"{label}{f' ({source})' if source else ''} {text!r} holds the control character "
+                    f"{char!r} at position {where}, and a value written into the job script must hold none "
+                    "(newline, CR, NUL, ...): it would add lines, and commands, of its own to the script. "
+                    "Remove it" + ("; pass multi-line data to the training script in a file instead"
+                                   if option == "command" else ""))
+
+
 def time_limit_seconds(text):
     """Seconds in a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S; "UNLIMITED" is infinite."""
     spec = str(text).strip()
@@ -116,6 +167,7 @@ def render_job_script(*, components: Sequence[JobComponent], command: Sequence[s
     long before its time limit, the trainers write a checkpoint and the job requeues itself
     (:mod:`eddis.launch.jobrun`); the output file is appended to, so that every run of the
     job writes into one file."""
+    refuse_control_characters(dict(locals()))  # first, and every option: no value passes unchecked
     components = list(components)
     if not components:
         raise ConfigError("render_job_script(): components is empty; give one JobComponent per partition")
@@ -138,9 +190,8 @@ def render_job_script(*, components: Sequence[JobComponent], command: Sequence[s
     if mode is not None:
         exports["EDDIS_MODE"] = mode
     if server_wait is not None:
-        if isinstance(server_wait, bool) or not isinstance(server_wait, (int, float)) or server_wait <= 0:
-            raise ConfigError(f"render_job_script(): server_wait must be a number of seconds > 0, "
-                              f"got {server_wait!r}")
+        if isinstance(server_wait, bool) or not isinstance(server_wait, (int, float)):
+            raise ConfigError(f"render_job_script(): server_wait must be a number of seconds, got {server_wait!r}")
         exports["EDDIS_SERVER_WAIT"] = f"{server_wait:g}"
     if checkpoint_signal is not None and (isinstance(checkpoint_signal, bool)
                                           or not isinstance(checkpoint_signal, int) or checkpoint_signal < 0):
@@ -153,6 +204,8 @@ def render_job_script(*, components: Sequence[JobComponent], command: Sequence[s
     for name in exports:
         if not name.startswith(("EDDIS_", "SMB_")):
             raise ConfigError(f"setting {name}: only EDDIS_* and SMB_* settings go into the job script")
+    # what the job would refuse at its start (unknown name, bad value, out of range) is refused now
+    check_environment({name: str(value) for name, value in exports.items()})
 
     head = ["#!/bin/bash"]
     head += [f"# {line}" if line else "#" for line in (comment or "").splitlines()]

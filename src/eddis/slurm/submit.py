@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import settings
 from ..errors import ConfigError
+from .command import missing_script
 from .discovery import Partition, partitions
 from .script import CHECKPOINT_SIGNAL_SECONDS, JobComponent, render_job_script
 
@@ -148,6 +149,17 @@ def _parse_nodes(text):
 
 
 # ---------------------------------------------------------------- the `eddis submit` subcommand
+def _kept_text(check):
+    """An argparse ``type=`` that checks the text with ``check`` and keeps it as written: the job
+    script exports ``--memory 4G`` as SMB_MEMORY=4G, not as a count of bytes."""
+    def kept(text):
+        check(text)
+        return text
+
+    kept.__name__ = check.__name__
+    return kept
+
+
 def add_arguments(parser):
     parser.add_argument("--gpus", required=True, metavar="TYPE:N[,TYPE:N...]",
                         help="GPUs per type (or partition name), one hetjob component each, e.g. a100:4,v100:8")
@@ -159,15 +171,18 @@ def add_arguments(parser):
     parser.add_argument("--job-name", default="eddis")
     parser.add_argument("--output", default="eddis-%j.out", help="sbatch --output pattern")
     parser.add_argument("--account", default=None)
-    parser.add_argument("--memory", default=None, help="memory each smb-server lends (SMB_MEMORY), e.g. 4G")
-    parser.add_argument("--server-wait", type=float, default=None,
+    parser.add_argument("--memory", default=None, type=_kept_text(settings.REGISTRY["SMB_MEMORY"].flag_type()),
+                        help="memory each smb-server lends (SMB_MEMORY), e.g. 4G")
+    parser.add_argument("--server-wait", type=settings.REGISTRY["EDDIS_SERVER_WAIT"].flag_type("--server-wait"),
+                        default=None,
                         help="seconds for the smb-servers to publish (EDDIS_SERVER_WAIT, default "
                              f"{settings.REGISTRY['EDDIS_SERVER_WAIT'].default:g})")
     parser.add_argument("--checkpoint-signal", type=int, default=CHECKPOINT_SIGNAL_SECONDS, metavar="SECONDS",
                         help="Slurm signals the job this long before its time limit; the trainers write a "
                              "checkpoint and the job requeues itself and resumes (default "
                              f"{CHECKPOINT_SIGNAL_SECONDS}; 0: no signal, no requeue)")
-    parser.add_argument("--spare-nodes", type=int, default=0, metavar="K",
+    parser.add_argument("--spare-nodes", type=settings.REGISTRY["EDDIS_SPARE_NODES"].flag_type("--spare-nodes"),
+                        default=0, metavar="K",
                         help="K more nodes than the trainers use, and --no-kill: a restart after a node "
                              "failed (EDDIS_MAX_RESTARTS) runs without it (EDDIS_SPARE_NODES; one GPU type)")
     parser.add_argument("--dry-run", action="store_true", help="print the job script; submit nothing")
@@ -175,20 +190,20 @@ def add_arguments(parser):
                         help="training script and its arguments")
 
 
-def build_script(args, parts=None):
+def _train_command(args):
     command = list(args.train_command)
-    if command and command[0] == "--":
-        command = command[1:]
+    return command[1:] if command and command[0] == "--" else command
+
+
+def build_script(args, parts=None):
+    command = _train_command(args)
     if not command:
         raise ConfigError("give the training script after the options: eddis submit --gpus a100:4 train.py [args]")
     parts = partitions() if parts is None else parts
     per_type_nodes, default_nodes = _parse_nodes(args.nodes)
     components = plan_components(parse_counts(args.gpus, "--gpus"), parts, per_type_nodes, default_nodes,
                                  spare_nodes=args.spare_nodes)
-    extra = {}
-    if args.memory:
-        settings.REGISTRY["SMB_MEMORY"].parse(args.memory)  # a bad size fails here, not in the job
-        extra["SMB_MEMORY"] = args.memory
+    extra = {"SMB_MEMORY": args.memory} if args.memory else {}
     return render_job_script(components=components, command=tuple(command), job_name=args.job_name,
                              time=args.time, output=args.output, account=args.account, mode=args.mode,
                              settings=extra, server_wait=args.server_wait,
@@ -197,9 +212,15 @@ def build_script(args, parts=None):
 
 def run(args):
     script = build_script(args)
+    problem = missing_script(_train_command(args))
     if args.dry_run:
         sys.stdout.write(script)
+        if problem is not None:  # the script may be meant for another directory; say so all the same
+            print(f"eddis submit: warning: {problem}; submitted from here, the job would fail at its start",
+                  file=sys.stderr)
         return 0
+    if problem is not None:  # as eddis-train does before it starts anything: nothing is queued
+        raise ConfigError(f"{problem}; nothing was submitted")
     try:
         proc = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
