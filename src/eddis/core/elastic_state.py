@@ -14,6 +14,13 @@ state ends with its process. Workers never join a running job either. So:
   values in its manifest) into :func:`commit_folder`, and ``run`` on a restarted run
   first restores the newest one, model, optimizer, RNGs and values (epoch, batch, ...), so
   that ``func`` goes on from the last commit;
+- the reset callbacks (``register_reset_callbacks``) run where Horovod runs them: after a
+  reset, never at the first start. Horovod's reset is the restart of ``func`` after a
+  worker was lost, from the last commit, with ``reset()`` and the callbacks before the
+  ``sync()``; EDDIS's is ``run`` going on from a persisted commit (a restarted sync run,
+  or a new job that resumes the commits in EDDIS_CHECKPOINT_DIR), in the same order. The
+  survivors of a lost rank in easgd/hybrid are not interrupted and keep their rank and
+  size, so nothing resets there;
 - ``State.sync()`` broadcasts the state from rank 0, the lowest rank, while all
   ranks live (an MPI broadcast with a lost member never completes: after a loss
   it is refused, saying why);
@@ -80,9 +87,9 @@ def run(func):
     last persisted commit when there is one (a restarted sync run)."""
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        state.restore_commit()
+        if state.restore_commit():
+            state.on_reset()   # Horovod's order after a reset: restore, reset, callbacks, sync
         state.sync()
-        state.on_reset()   # what Horovod does after each (re)start; here the only one
         return func(state, *args, **kwargs)
     return wrapper
 
@@ -94,11 +101,17 @@ class State:
         self._reset_callbacks = []
 
     def register_reset_callbacks(self, callbacks):
+        """Functions ``run`` calls, in this order, after a reset (never at the first start), e.g.
+        to scale the learning rate with ``size()``."""
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self):
+        self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def reset(self):
+        """Subclasses: reset objects and variables after a reset event, before the sync."""
 
     def commit(self):
         """Keep the current state in memory (what ``restore()`` returns to) and, where the

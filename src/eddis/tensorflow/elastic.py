@@ -11,7 +11,8 @@ The calls mean what they mean in ``eddis.torch.elastic`` (``eddis.core.elastic_s
 of the model's and the optimizer's variables that ``restore()`` returns to, and in sync
 also writes it as a checkpoint (``eddis.checkpoint``) when the optimizer is an
 ``eddis.DistributedOptimizer``, from which ``run`` starts a restarted run; ``sync()``
-broadcasts them from rank 0.
+broadcasts them from rank 0. The callbacks of ``register_reset_callbacks`` run, as under
+Horovod, only after a reset: when ``run`` goes on from a commit, never at the first start.
 """
 import numpy as np
 

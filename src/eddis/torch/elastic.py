@@ -12,7 +12,9 @@ and calls the function once, since easgd/hybrid survivors of a lost rank train
 on (EDDIS_ELASTIC=1) and sync runs restart their trainers (EDDIS_MAX_RESTARTS);
 ``commit()`` keeps an in-memory copy that ``restore()`` returns to, and in sync also
 writes it as a checkpoint (``eddis.checkpoint``), from which ``run`` starts a restarted
-run; ``sync()`` broadcasts from rank 0.
+run; ``sync()`` broadcasts from rank 0. The callbacks of ``register_reset_callbacks``
+run, as under Horovod, only after a reset: when ``run`` goes on from a commit, never at
+the first start.
 """
 import copy
 
