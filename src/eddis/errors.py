@@ -118,6 +118,16 @@ class CheckpointError(EddisError, OSError):
     raises it, naming the rank and the cause."""
 
 
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's file is missing, truncated or changed since it was written (its size or
+    SHA-256 differs from its manifest's), or the manifest itself is: it is never loaded.
+    ``problem`` names the file, what was expected and what was found; the message adds the fix."""
+
+    def __init__(self, problem, fix=None):
+        super().__init__(problem if fix is None else f"{problem}; {fix}")
+        self.problem = problem
+
+
 # The exit status of a rank that stopped after writing a requested checkpoint (BSD's
 # EX_TEMPFAIL: try again later). Defined here, in the base layer, so that the launcher,
 # which may not import the runtime, can tell a stop for requeue from a failure.

@@ -5,25 +5,33 @@ A checkpoint is one folder; it counts as complete only under its final name, whi
 rename gives it, and only after every rank's files and the manifest (written last) are in::
 
     <dir>/ckpt-00001200/            complete: step 1200
-        manifest.json               format, EDDIS version, world size, mode, step, settings, files
+        manifest.json               format, EDDIS version, world size, mode, step, settings, files,
+                                    each file's size and SHA-256, and its own SHA-256
         training.h5                 the SMB state (centre, counter values, balance shares, ...)
         rank-00000.h5               rank 0's RNG states and data position (core)
         rank-00000.pt               rank 0's model, optimizer and framework RNG (adapter's format)
         ...
     <dir>/.ckpt-00001300.tmp-<id>/  being written (or left by a crash): never read, removed later
+    <dir>/ckpt-00001400.corrupt/    failed its checksums at a resume that took an older one:
+                                    set aside, never read nor removed by EDDIS
+
+Every file is fsynced before the commit rename, the folder too, and the parent after it, so
+a crash or power loss leaves either the previous checkpoints or this one, complete on disk.
 
 ``request(reason)`` only sets a flag, so a signal handler may call it; the runtime reads
 it at the next step boundary (``eddis.core.checkpoint_run``).
 """
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
 import time
+import uuid
 
 from .. import __version__, settings
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
 from ..smb import rundir
 
 FORMAT = 1
@@ -31,8 +39,12 @@ MANIFEST = "manifest.json"
 TRAINING_STATE = "training.h5"
 PREFIX = "ckpt-"
 TMP_PREFIX = ".ckpt-"
+CORRUPT_SUFFIX = ".corrupt"
+MANIFEST_CHECKSUM = "manifest_sha256"   # of the manifest's other entries (manifest_digest)
+CHECKSUMS = "checksums"                 # {file: {"bytes": n, "sha256": hex}}
 _COMPLETE = re.compile(r"^ckpt-(\d+)$")
 _TEMPORARY = re.compile(r"^\.ckpt-(\d+)\.tmp-")
+_SET_ASIDE = re.compile(r"^ckpt-(\d+)\.corrupt")
 
 
 def folder_name(step):
@@ -49,17 +61,32 @@ def rank_file(rank, ext):
 
 # ---------------------------------------------------------------- the manifest
 def make_manifest(*, framework, world_size, mode, step, epoch, batch, global_step, settings_used,
-                  files, extra=None, reason="explicit", per_rank=None, ranks=None):
+                  files, extra=None, reason="explicit", per_rank=None, ranks=None, checksums=None):
     """The manifest of one checkpoint (a dict, written as JSON); ``files``: names in the folder;
     ``ranks``: the ranks whose state it holds (None: all ``world_size``), the others were lost
-    before it (an elastic run)."""
+    before it (an elastic run); ``checksums``: each file's size and SHA-256
+    (:func:`eddis.core.checkpoint_verify.seal`)."""
     ranks = list(range(int(world_size))) if ranks is None else sorted(int(r) for r in ranks)
     return {"format": FORMAT, "eddis_version": __version__, "framework": framework,
             "world_size": int(world_size), "mode": mode, "step": int(step), "epoch": int(epoch),
             "batch": int(batch), "global_step": int(global_step), "settings": dict(settings_used),
             "files": sorted(files), "extra": dict(extra or {}), "reason": reason,
             "per_rank": list(per_rank or []), "ranks": ranks,
-            "lost_ranks": sorted(set(range(int(world_size))) - set(ranks)), "written_at": time.time()}
+            "lost_ranks": sorted(set(range(int(world_size))) - set(ranks)), "written_at": time.time(),
+            CHECKSUMS: dict(checksums or {})}
+
+
+def manifest_digest(manifest):
+    """The SHA-256 of a manifest's entries but its own checksum, in one canonical JSON form, so
+    that a byte changed in manifest.json is found even where the JSON still parses."""
+    rest = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def has_checksums(manifest):
+    """Whether a manifest carries checksums: every one EDDIS writes since they were added (one
+    written before has neither its own nor its files', and resumes unverified, with a warning)."""
+    return MANIFEST_CHECKSUM in manifest or CHECKSUMS in manifest
 
 
 def ranks_held(manifest):
@@ -77,6 +104,7 @@ def write_manifest(folder, manifest):
     """Write the manifest durably (it is what marks the folder's content as written)."""
     path = os.path.join(folder, MANIFEST)
     try:
+        manifest = {**manifest, MANIFEST_CHECKSUM: manifest_digest(manifest)}
         text = json.dumps(manifest, indent=1, sort_keys=True)
     except TypeError as exc:
         raise CheckpointError(f"the checkpoint's extra values must be JSON values (numbers, strings, "
@@ -96,15 +124,29 @@ def read_manifest(folder):
     except FileNotFoundError:
         raise CheckpointError(f"{folder} is not a checkpoint: it has no {MANIFEST}. Pass a folder "
                               "eddis.checkpoint() wrote, or the folder that holds them.") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    except OSError as exc:
+        raise CheckpointCorruptError(f"cannot read {path} ({exc})", "make it readable, or use an older "
+                                     "checkpoint") from None
+    except ValueError as exc:   # a complete folder's manifest was written whole
+        raise CheckpointCorruptError(f"{path} is not JSON ({exc}): damaged after the checkpoint was "
+                                     "written", "use an older checkpoint") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointCorruptError(f"{path} holds {type(manifest).__name__}, not a manifest: damaged "
+                                     "after the checkpoint was written", "use an older checkpoint")
+    if has_checksums(manifest):
+        expected, found = manifest.get(MANIFEST_CHECKSUM), manifest_digest(manifest)
+        if expected != found or not isinstance(manifest.get(CHECKSUMS), dict):
+            raise CheckpointCorruptError(
+                f"{path} has SHA-256 {found} over its entries, it says {expected}: the manifest was "
+                "changed after the checkpoint was written", "use an older checkpoint")
+    if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} has checkpoint format {manifest.get('format')!r} where this EDDIS "
                               f"({__version__}) reads format {FORMAT}")
     missing = [name for name in manifest.get("files", ()) if not os.path.exists(os.path.join(folder, name))]
     if missing:
-        raise CheckpointError(f"checkpoint {folder} lacks {', '.join(missing[:5])}, which its manifest "
-                              "lists: the folder was changed after it was written; use an older one")
+        raise CheckpointCorruptError(
+            f"checkpoint {folder} lacks {', '.join(missing[:5])}, which its manifest lists: the folder "
+            "was changed after it was written", "use an older checkpoint, or restore the file from a backup")
     return manifest
 
 
@@ -129,19 +171,58 @@ def latest(directory):
     return found[-1][1] if found else None
 
 
-def resolve(path_or_dir):
-    """The checkpoint folder ``path_or_dir`` names: itself when it holds a manifest, else the
-    newest complete checkpoint in it, else None (nothing to resume: a fresh start)."""
+def set_aside_checkpoints(directory):
+    """The names of the checkpoints in ``directory`` that a resume set aside as corrupt."""
+    try:
+        return sorted(name for name in os.listdir(directory) if _SET_ASIDE.match(name))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def set_aside(folder):
+    """Rename the complete checkpoint ``folder`` that failed its checksums to
+    ``<folder>.corrupt`` (kept for inspection: a rename back restores it), so that it neither
+    counts among the newest EDDIS_CHECKPOINT_KEEP (the good ones written after it would be
+    pruned first) nor sorts above them; returns the new path."""
+    target = folder + CORRUPT_SUFFIX
+    if os.path.exists(target):
+        target = f"{target}-{uuid.uuid4().hex[:8]}"
+    os.rename(folder, target)
+    _fsync_dir(os.path.dirname(folder) or ".")
+    return target
+
+
+def candidates(path_or_dir):
+    """What a resume of ``path_or_dir`` may load: ``([folder], True)`` when it names a checkpoint
+    itself, else ``(its complete checkpoints, newest first, False)``; ``([], False)``: nothing
+    to resume, a fresh start. A folder whose every checkpoint was set aside as corrupt is no
+    fresh start: a CheckpointCorruptError."""
     path = os.fspath(path_or_dir)
     if os.path.isfile(os.path.join(path, MANIFEST)):
-        return path
+        return [path], True
     if os.path.basename(os.path.normpath(path)).startswith(TMP_PREFIX):
         raise CheckpointError(f"{path} is a checkpoint that was never completed (its writer stopped "
                               "before the commit); pass the folder that holds the checkpoints instead")
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path} is a file, not a checkpoint folder: pass a folder "
                               "eddis.checkpoint() wrote, or the folder that holds them")
-    return latest(path)
+    found = [folder for _, folder in reversed(complete_checkpoints(path))]
+    aside = set_aside_checkpoints(path)
+    if not found and aside:
+        raise CheckpointCorruptError(
+            f"every checkpoint in {path} failed its checksums at an earlier resume and was set aside "
+            f"({', '.join(aside[:4])}): nothing verifies to resume from, and nothing was trained",
+            "restore them from a backup (and rename one back to ckpt-N), or remove them (or set another "
+            "EDDIS_CHECKPOINT_DIR) to start afresh")
+    return found, False
+
+
+def resolve(path_or_dir):
+    """The checkpoint folder ``path_or_dir`` names: itself when it holds a manifest, else the
+    newest complete checkpoint in it, else None (nothing to resume: a fresh start). Unverified:
+    a resume takes the newest that verifies (:func:`eddis.core.checkpoint_verify.choose`)."""
+    found, _ = candidates(path_or_dir)
+    return found[0] if found else None
 
 
 def prune(directory, keep):
@@ -180,6 +261,7 @@ def commit(tmp_folder, final_folder):
     """Give a fully written folder its final name (atomic on one file system). A checkpoint of
     the same step already there (a periodic one, then the loop's own) is replaced; until the
     new one is in, the older checkpoints are the complete ones."""
+    _fsync_dir(tmp_folder)   # its entries are on disk before its name says it is complete
     old = None
     if os.path.exists(final_folder):
         old = tmp_folder + "-replaced"

@@ -64,6 +64,7 @@ from .. import settings
 from ..errors import CheckpointError, CheckpointStop, SMBTimeoutError, UsageError
 from . import checkpoint as layout
 from . import checkpoint_state as cstate
+from . import checkpoint_verify as verify
 from . import collectives, elastic, progress, runtime
 
 log = logging.getLogger("eddis.core.checkpoint")
@@ -263,14 +264,18 @@ def _write(ranks, rank, size, directory, state, participant, position, extra, re
         raise CheckpointError(f"eddis.checkpoint(): {error}")
     folder = os.path.join(directory, tmp_name)
     include_model = rank == 0 or mode not in SYNC_MODES
+    checksums = {}
 
     def write_mine():
-        with h5py.File(os.path.join(folder, layout.rank_file(rank, ".h5")), "w") as h5:
+        names = (layout.rank_file(rank, ".h5"), layout.rank_file(rank, participant.ext))
+        with h5py.File(os.path.join(folder, names[0]), "w") as h5:
             cstate.write_rank(h5, state, position["epoch"], position["batch"])
-        participant.write(os.path.join(folder, layout.rank_file(rank, participant.ext)), include_model)
+        participant.write(os.path.join(folder, names[1]), include_model)
+        checksums.update(verify.seal_all(folder, names))   # every rank its own, in parallel
 
+    error = _attempt(write_mine)
     mine = {"rank": rank, **position, "model": include_model, "progress": cstate.progress_of_rank(),
-            "error": _attempt(write_mine)}
+            "checksums": checksums, "error": error}
     # only the committer reads every rank's part; it tells the others how it went
     per_rank = ranks.gather(mine, "checkpoint: every rank's files and position",
                             sources=None if rank == committer else [committer])
@@ -310,12 +315,15 @@ def _write_job(folder, final_folder, state, participant, position, per_rank, siz
     # a rank that wrote its files, then was lost before it said so: not in the checkpoint
     mine = {layout.rank_file(r, ext) for r in held for ext in (".h5", participant.ext)}
     files = [name for name in os.listdir(folder) if not name.startswith("rank-") or name in mine]
+    checksums = {name: entry for r in held for name, entry in per_rank[r]["checksums"].items()}
+    checksums.update(verify.seal_all(folder, [name for name in files if name not in checksums]))
     manifest = layout.make_manifest(
         framework=participant.framework, world_size=size, mode=_mode(state), step=position["step"],
         epoch=position["epoch"], batch=position["batch"], global_step=progress.global_step(),
         settings_used=math_settings(state), files=files, extra=extra, reason=reason,
-        per_rank=[{k: v for k, v in per_rank[r].items() if k not in ("progress", "error")} for r in held],
-        ranks=held)
+        per_rank=[{k: v for k, v in per_rank[r].items() if k not in ("progress", "error", "checksums")}
+                  for r in held],
+        ranks=held, checksums=checksums)
     layout.write_manifest(folder, manifest)
     before_commit(folder)
     layout.commit(folder, final_folder)
@@ -325,24 +333,16 @@ def _write_job(folder, final_folder, state, participant, position, per_rank, siz
 
 # ---------------------------------------------------------------- resume
 def resume(path_or_dir, state, participant):
-    """Collective: restore the newest complete checkpoint ``path_or_dir`` names (or that one);
-    returns a :class:`Start` (all zeros when there is none)."""
+    """Collective: restore the newest complete checkpoint ``path_or_dir`` names (or that one)
+    whose files verify against their checksums (:mod:`eddis.core.checkpoint_verify`); returns a
+    :class:`Start` (all zeros when there is none)."""
     import h5py
 
     rt = runtime.require("eddis.resume()")
     rank, size = rt.rank, rt.size
     _remember(state, participant)
-    found = error = manifest = None
-    if rank == 0:
-        try:
-            found = layout.resolve(path_or_dir)
-            manifest = None if found is None else layout.read_manifest(found)
-        except CheckpointError as exc:
-            error = str(exc)
-    found, manifest, error = collectives.broadcast_object((found, manifest, error), root=0,
-                                                          what="resume: finding the checkpoint")
-    if error is not None:
-        raise CheckpointError(error)
+    # the newest that verifies; a corrupt one is never loaded
+    found, manifest = verify.choose(path_or_dir)
     if found is None:
         return Start()
     mode = _mode(state)
