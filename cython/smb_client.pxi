@@ -884,8 +884,14 @@ def memcpy_nogil(uintptr_t dst, uintptr_t src, size_t nbytes):
         memcpy(<void*>dst, <const void*>src, nbytes)
 
 
-def local_fetch_add(uintptr_t addr, int64_t value):
-    return smb_fetch_add64(<int64_t*>addr, value)
+def local_fetch_add(uintptr_t addr, int64_t value, str what="counter"):
+    """fetch_add on a mapped counter, refused (SMBValueError naming ``what``) where the sum
+    would leave the int64 range: the server's own check, for the same-node path."""
+    cdef int64_t old
+    if checked_fetch_add64(<int64_t*>addr, value, &old) != 0:
+        text = (<bytes>FETCH_ADD_OVERFLOW).replace(b"%lld", b"%d") % (value, old, INT64_MIN, INT64_MAX, old)
+        raise _errors.SMBValueError(f"{what}: {text.decode()}")
+    return old
 
 
 def local_compare_swap(uintptr_t addr, int64_t expected, int64_t desired):

@@ -10,11 +10,12 @@ to answer on; replies go to ``AM_REPLY``. The first request on a connection must
 be HELLO carrying the job token; anything else before it is refused and the
 connection closed.
 """
-from libc.stdint cimport uint8_t, uint16_t, int16_t, uint32_t, int32_t, uint64_t, int64_t, uintptr_t
+from libc.stdint cimport (uint8_t, uint16_t, int16_t, uint32_t, int32_t, uint64_t, int64_t, uintptr_t,
+                          INT64_MIN, INT64_MAX)
 from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.string cimport memcpy, memset, strlen, memcmp
-from libc.errno cimport errno
-from libc.stdio cimport FILE, fclose
+from libc.errno cimport errno, EINTR, EAGAIN, EINVAL
+from libc.stdio cimport FILE, fclose, snprintf
 from posix.mman cimport (mmap, munmap, shm_open, shm_unlink, madvise, PROT_READ, PROT_WRITE,
                          MAP_SHARED, MAP_FAILED, MADV_HUGEPAGE)
 from posix.fcntl cimport O_RDWR, O_CREAT, O_EXCL, open as open_fd
@@ -160,6 +161,28 @@ WIRE_MAX_VEC_SEGMENTS = MAX_VEC_SEGMENTS
 WIRE_STATUS = {"no_memory": ucp.UCS_ERR_EXCEEDS_LIMIT, "invalid": ucp.UCS_ERR_INVALID_PARAM,
                "no_elem": ucp.UCS_ERR_NO_ELEM, "bounds": ucp.UCS_ERR_OUT_OF_RANGE,
                "rejected": ucp.UCS_ERR_REJECTED}
+
+
+cdef inline int checked_fetch_add64(int64_t *p, int64_t n, int64_t *old) noexcept nogil:
+    """Atomically add n to *p unless the sum leaves the int64 range; *old is the value
+    before (or the one that refused the add). Returns 0, or -1 (and *p keeps its value)."""
+    cdef int64_t seen = smb_load64(p)
+    cdef int64_t before
+    while True:
+        if (n > 0 and seen > INT64_MAX - n) or (n < 0 and seen < INT64_MIN - n):
+            old[0] = seen
+            return -1
+        before = smb_cas64(p, seen, seen + n)
+        if before == seen:
+            old[0] = seen
+            return 0
+        seen = before
+
+
+# what a refused fetch_add says, on the server (C, no GIL) and on a same-node client alike
+cdef const char *FETCH_ADD_OVERFLOW = (
+    b"fetch_add of %lld to %lld would leave the signed 64-bit range %lld..%lld; refused, the counter "
+    b"keeps %lld (start it lower, or count in larger units)")
 
 
 cdef inline ucs_status_t _ptr_status(ucs_status_ptr_t p) noexcept nogil:

@@ -281,6 +281,7 @@ cdef void handle_counter(server_t *st, int ci, uint64_t req_id, const char *payl
     cdef region_t *r
     cdef int64_t *p
     cdef int64_t old
+    cdef char message[320]
     if plen != sizeof(counter_req_t):
         server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, b"counter: malformed request")
         return
@@ -299,7 +300,12 @@ cdef void handle_counter(server_t *st, int ci, uint64_t req_id, const char *payl
     # atomics on the target, which is why counters do not use them.
     p = <int64_t*>(st.arena + r.offset) + q.index
     if q.kind == COUNTER_FETCH_ADD:
-        old = smb_fetch_add64(p, q.a)
+        if checked_fetch_add64(p, q.a, &old) != 0:
+            # a counter that wrapped would hand out a value it handed out before
+            snprintf(message, sizeof(message), FETCH_ADD_OVERFLOW, <long long>q.a, <long long>old,
+                     <long long>INT64_MIN, <long long>INT64_MAX, <long long>old)
+            server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, message)
+            return
     elif q.kind == COUNTER_COMPARE_SWAP:
         old = smb_cas64(p, q.a, q.b)
     elif q.kind == COUNTER_READ:

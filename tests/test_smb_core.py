@@ -284,6 +284,28 @@ def test_counter_barrier_event_single(client):
     assert event.notify() == 2
 
 
+@pytest.mark.timeout(120)
+def test_fetch_add_that_would_wrap_is_refused_and_the_counter_keeps_its_value(client):
+    # issue 44: 2**62 + 2**62 gave -2**63, and the counter handed out its values again
+    top = client.counter("near-top", initial=1 << 62)
+    with pytest.raises(SMBValueError) as refused:
+        top.fetch_add(1 << 62)
+    text = str(refused.value)
+    assert "counter 'near-top'" in text and str(1 << 62) in text and str((1 << 63) - 1) in text
+    assert top.read() == 1 << 62
+    assert top.fetch_add((1 << 62) - 1) == 1 << 62          # up to the limit itself is fine
+    assert top.read() == (1 << 63) - 1
+    with pytest.raises(SMBValueError, match="counter 'near-top'"):
+        top.fetch_add(1)
+    assert top.read() == (1 << 63) - 1
+    bottom = client.counter("near-bottom", initial=-(1 << 63) + 1)
+    with pytest.raises(SMBValueError, match=str(-(1 << 63))):
+        bottom.fetch_add(-2)
+    assert bottom.fetch_add(-1) == -(1 << 63) + 1
+    assert bottom.read() == -(1 << 63)
+    assert top.fetch_add(-5) == (1 << 63) - 1                # a refusal leaves it usable
+
+
 CONCURRENT = r"""
 import json, sys
 import numpy as np

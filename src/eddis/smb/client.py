@@ -444,12 +444,13 @@ class Counter:
         self._client.check_alive([self.server], f"counter {self.name!r}")
 
     def fetch_add(self, n=1):
-        """Add n; returns the value before."""
+        """Add n; returns the value before. SMBValueError, the counter unchanged, where the
+        sum would leave the signed 64-bit range (a wrapped counter repeats its values)."""
         n = counter_value(n, self.name, "fetch_add n")
         if self._local:
             with self._client._mapped_access("counter", self.name):
                 self._check()
-                return self._core.local_fetch_add(self._local, n)
+                return self._core.local_fetch_add(self._local, n, f"counter {self.name!r}")
         return self._remote(self._core.COUNTER_FETCH_ADD, n)
 
     def compare_swap(self, expected, desired):
