@@ -21,6 +21,7 @@ LAYERS = {
     "smb": (("eddis.smb",), ("base", "timeline")),
     "core": (("eddis.core",), ("base", "timeline", "smb")),
     "slurm": (("eddis.slurm",), ("base",)),
+    "plan": (("eddis.plan",), ("base", "timeline", "smb")),
     "launch": (("eddis.launch",), ("base", "timeline", "smb", "slurm")),
     "torch": (("eddis.torch",), ("base", "timeline", "smb", "core")),
     "tensorflow": (("eddis.tensorflow",), ("base", "timeline", "smb", "core")),
