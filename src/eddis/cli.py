@@ -24,6 +24,7 @@ SUBCOMMANDS = [
     ("settings", "eddis.cli:SettingsCommand", "list every EDDIS_/SMB_ setting (markdown table) or check the environment"),
     ("prof", "eddis.timeline.cli", "merge timelines (prof merge DIR) and report training profiles (prof report RUN.h5)"),
     ("submit", "eddis.slurm.submit", "write the sbatch script for GPU partitions (--gpus a100:4,v100:8) and submit it"),
+    ("plan", "eddis.plan.command", "predict every mode's step time on a cluster (calibrated) and recommend one"),
 ]
 
 
