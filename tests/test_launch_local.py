@@ -319,3 +319,24 @@ def test_the_trainer_takes_a_doubly_delivered_interrupt_once(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and out.strip() == "handler done", (out, err)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("when,error", [
+    ("trace", r"    ValueError: Cannot reshape a tensor with 16 elements to shape \[3,5\]"),
+    ("run", r"indices\[0\] = 7 is not in \[0, 4\)\n\s+\[\[\{\{node GatherV2\}\}\]\] \[Op:__inference_running_step_\d+\]")])
+def test_a_tensorflow_error_in_a_tf_function_is_reported_with_the_users_line_and_the_error(tmp_path, when, error):
+    """TensorFlow's errors name the real error and the user's line after their first line
+    ("in user code:", "Graph execution error:"): the report keeps them."""
+    script = REPO / "tests" / "launch_scripts" / "tf_function_error.py"
+    proc = eddis_train(tmp_path, "--local", "-n", "2", script, "--when", when, timeout=220)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = proc.stderr[proc.stderr.index("ROOT CAUSE"):]
+    assert re.search(r"ROOT CAUSE: rank 1 on host \S+ exited with code 1", report), report
+    failing = "y = tf.reshape(x, [3, 5])" if when == "trace" else "in running_step"
+    user_line = next(n for n, text in enumerate(script.read_text().splitlines(), 1)
+                     if ("tf.reshape" if when == "trace" else "tf.gather") in text)
+    assert re.search(rf'File "{re.escape(str(script))}", line {user_line}, in \w+_step', report), report
+    assert failing in report and re.search(error, report), report
+    assert "stopped by the launcher: rank 0" in report
+    assert_clean(tmp_path)
