@@ -5,7 +5,9 @@ Each optional C library has a three-state switch, read from the environment:
 ``EDDIS_WITHOUT_<X>=1`` skips it, and leaving both unset (or false) auto-detects
 it. The switches take the same words as every boolean setting of EDDIS
 (1/0, true/false, yes/no, on/off). The build prints a configuration summary
-either way.
+either way. Auto-detection stops the build, rather than leave an extension out,
+where the system has the library but the build lacks the part it needs to use
+it: MPI (mpicc) without an importable mpi4py.
 """
 import importlib.util
 import os
@@ -76,6 +78,10 @@ class Dependency:
         self.state = None  # "required" | "skipped" | "auto"
         self.found = False
         self.reason = ""
+        # Set when the system has the library but the build lacks a part it needs to use it (MPI
+        # without mpi4py): auto-detection stops the build with this, rather than leave the
+        # extension out with nothing said until `eddis doctor`.
+        self.stop = None
 
     def switch_state(self):
         want = switch_on("EDDIS_WITH_" + self.key)
@@ -169,6 +175,14 @@ def detect_mpi(dep):
         import mpi4py
     except ImportError:
         dep.reason = "mpi4py is not importable (pip install --no-binary=mpi4py mpi4py)"
+        dep.stop = (
+            f"mpi4py is not importable by the Python that builds EDDIS ({sys.executable}), while this "
+            f"system has MPI ({mpicc}): eddis._mpi (the MPI library's version for `eddis doctor`, the "
+            "allreduce baseline) would be left out.\n"
+            "  Install mpi4py built for this MPI into that environment, then install EDDIS again:\n"
+            f"    MPICC={mpicc} {sys.executable} -m pip install --no-binary=mpi4py mpi4py\n"
+            "  (pip install --no-build-isolation builds against the environment's packages)"
+        )
         return False
     show = subprocess.run([mpicc, "--showme:compile"], capture_output=True, text=True)
     link = subprocess.run([mpicc, "--showme:link"], capture_output=True, text=True)
@@ -240,6 +254,10 @@ def configure():
         if dep.state == "skipped":
             continue
         dep.found = DETECTORS.get(dep.key, detect_c_library)(dep)
+        if dep.stop and not dep.found:
+            if dep.state == "required":
+                sys.exit(f"error: EDDIS_WITH_{dep.key}={os.environ['EDDIS_WITH_' + dep.key]} but {dep.stop}.")
+            sys.exit(f"error: {dep.stop},\n  or set EDDIS_WITHOUT_{dep.key}=1 to build without it.")
         if dep.state == "required" and not dep.found:
             sys.exit("error: EDDIS_WITH_%s=%s but %s" % (dep.key, os.environ["EDDIS_WITH_" + dep.key],
                                                         dep.missing_message()))

@@ -20,6 +20,7 @@ project venv need not carry ``build`` for this test.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -50,37 +51,56 @@ def run(argv, cwd, timeout, **extra_env):
     return proc
 
 
-def dependency_farm(target):
-    """Symlinks to the project venv's site-packages, minus its own eddis (see the docstring)."""
+def dependency_farm(target, leave_out=()):
+    """Symlinks to the project venv's site-packages, minus its own eddis (see the docstring) and
+    the distributions named in ``leave_out``."""
     site = sysconfig.get_paths()["purelib"]
     target.mkdir()
     for name in os.listdir(site):
         if name == "eddis" or name.startswith(("eddis-", "__editable__")) or name.endswith(".pth"):
             continue
+        if any(name == d or name.startswith(d + "-") for d in leave_out):
+            continue
         os.symlink(os.path.join(site, name), target / name)
     return target
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """sdist built, then installed into a fresh venv; returns (venv, sdist, pip output)."""
-    root = tmp_path_factory.mktemp("sdist")
-    dist = root / "dist"
-    dist.mkdir()
-    proc = run([sys.executable, "-c", "import sys; from setuptools import build_meta as b;"
-                " print(b.build_sdist(sys.argv[1]))", str(dist)], cwd=REPO, timeout=300)
-    sdist = dist / proc.stdout.strip().splitlines()[-1]
+def fresh_venv(root, leave_out=()):
+    """A new venv under root that sees the project venv's packages (less ``leave_out``); its python."""
     venv = root / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=root, timeout=120)
     py = venv / "bin" / "python"
     venv_site = run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                     cwd=root, timeout=60).stdout.strip()
-    (root / "venv" / venv_site / "project-deps.pth").write_text(str(dependency_farm(root / "deps")) + "\n")
+    (venv / venv_site / "project-deps.pth").write_text(str(dependency_farm(root / "deps", leave_out)) + "\n")
+    return py
+
+
+def pip_install(py, sdist, cwd, check=True, **env):
     # -v: pip shows the build's stderr, where setup.py prints its configuration summary.
-    pip = run([str(py), "-m", "pip", "install", "-v", "--no-build-isolation", "--no-index", "--no-deps",
-               str(sdist)], cwd=root, timeout=900, EDDIS_WITH_UCX="1", EDDIS_WITH_MPI="1",
-              PIP_DISABLE_PIP_VERSION_CHECK="1")
-    return venv, sdist, pip.stdout + pip.stderr
+    argv = [str(py), "-m", "pip", "install", "-v", "--no-build-isolation", "--no-index", "--no-deps", str(sdist)]
+    if check:
+        return run(argv, cwd=cwd, timeout=900, PIP_DISABLE_PIP_VERSION_CHECK="1", **env)
+    return subprocess.run(argv, cwd=cwd, env=clean_env(PIP_DISABLE_PIP_VERSION_CHECK="1", **env),
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+    """The sdist, built through setuptools' PEP 517 hook."""
+    dist = tmp_path_factory.mktemp("dist")
+    proc = run([sys.executable, "-c", "import sys; from setuptools import build_meta as b;"
+                " print(b.build_sdist(sys.argv[1]))", str(dist)], cwd=REPO, timeout=300)
+    return dist / proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def installed(sdist, tmp_path_factory):
+    """sdist installed into a fresh venv; returns (venv, sdist, pip output)."""
+    root = tmp_path_factory.mktemp("sdist")
+    py = fresh_venv(root)
+    pip = pip_install(py, sdist, root, EDDIS_WITH_UCX="1", EDDIS_WITH_MPI="1")
+    return root / "venv", sdist, pip.stdout + pip.stderr
 
 
 def test_sdist_carries_the_sources_modulefiles_and_job_script(installed):
@@ -143,3 +163,29 @@ def test_module_loads_from_the_installed_prefix(installed, tmp_path):
     report = json.loads((tmp_path / "doctor.json").read_text())
     assert "DOCTOR_RC=0" in proc.stdout, json.dumps(report, indent=1)[-4000:]
     assert report["checks"]["eddis"]["data"]["location"].startswith(str(prefix) + os.sep)
+
+
+def test_a_venv_without_mpi4py_stops_the_build_naming_it(sdist, tmp_path):
+    """Where the system has MPI, an install that cannot build eddis._mpi stops and says why, instead
+    of a package without it that only `eddis doctor` notices (issue 44)."""
+    mpicc = shutil.which("mpicc")
+    assert mpicc, "mpicc is not on PATH: apt-get install libopenmpi-dev openmpi-bin (make test does it)"
+    py = fresh_venv(tmp_path, leave_out=("mpi4py",))
+    assert subprocess.run([str(py), "-c", "import mpi4py"], env=clean_env(), capture_output=True,
+                          timeout=60).returncode != 0, "the venv should not see mpi4py"
+    proc = pip_install(py, sdist, tmp_path, check=False)  # auto-detection: no EDDIS_WITH_/WITHOUT_MPI
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    assert (f"mpi4py is not importable by the Python that builds EDDIS ({py}), while this system has MPI "
+            f"({mpicc})") in output, output[-4000:]
+    assert f"MPICC={mpicc} {py} -m pip install --no-binary=mpi4py mpi4py" in output
+    assert "or set EDDIS_WITHOUT_MPI=1 to build without it." in output
+    assert subprocess.run([str(py), "-c", "import eddis"], env=clean_env(), cwd=tmp_path, capture_output=True,
+                          timeout=60).returncode != 0, "a failed build installed eddis"
+    # the way out the message names: the sdist's setup.py configures without MPI
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp_path / "src")
+    (unpacked,) = (tmp_path / "src").iterdir()
+    proc = run([str(py), "-c", "import setup; setup.configure(); setup.summary([])"], cwd=unpacked, timeout=120,
+               EDDIS_WITHOUT_MPI="1")
+    assert "MPI (mpicc and mpi4py)     [ skipped] skipped (EDDIS_WITHOUT_MPI=1)" in proc.stderr, proc.stderr
