@@ -56,6 +56,8 @@ cdef struct server_t:
     sk.pollfd *pfds
     int *pfd_conns
     char *scratch           # sink for data of a refused put
+    const char *failed_call # the call that ended the request loop on its own (NULL: none)
+    int failed_errno
 
 
 cdef void _free_cb(void *request, ucs_status_t status, void *user_data) noexcept nogil:
@@ -601,6 +603,18 @@ cdef void drop_silent_conns(server_t *st, double now) noexcept nogil:
             st.pending_close = 1
 
 
+cdef bint loop_failed(server_t *st, const char *call) noexcept nogil:
+    """After a failed call of the request loop: whether it must end (not an interruption).
+    Spinning on a call that keeps failing would leave a server that looks alive and
+    answers nothing; ended, the loop is named by ServerCore.loop_failure()."""
+    cdef int err = errno
+    if err == EINTR or err == EAGAIN:
+        return False
+    st.failed_errno = err
+    st.failed_call = call
+    return True
+
+
 cdef void server_loop(server_t *st) noexcept nogil:
     cdef unsigned n
     cdef ucs_status_t s
@@ -623,7 +637,8 @@ cdef void server_loop(server_t *st) noexcept nogil:
         s = ucp.ucp_worker_arm(st.worker)
         if s == ucp.UCS_OK:
             # Bounded sleep: the stop flag is seen within 100 ms even without a wakeup.
-            smb_poll_fd(st.efd, 10 if st.pending_close else 100)
+            if smb_poll_fd(st.efd, 10 if st.pending_close else 100) < 0 and loop_failed(st, b"poll()"):
+                return
 
 
 # ------------------------------------------------------ server: socket transport
@@ -789,6 +804,8 @@ cdef void server_loop_sock(server_t *st) noexcept nogil:
         # little longer, which saves a wakeup per request of a burst.
         timeout = 0 if now - last_busy < 50e-6 else 100
         n = sk.poll(st.pfds, k, timeout)
+        if n < 0 and loop_failed(st, b"poll()"):
+            return
         if n <= 0:
             continue
         busy = 0
@@ -1039,6 +1056,20 @@ cdef class ServerCore:
     def run_in_thread(self):
         self.thread = _threading.Thread(target=self._run, name="smb-server-progress", daemon=True)
         self.thread.start()
+
+    def loop_failure(self):
+        """None while the request loop runs (or after stop()); else why it ended on its own."""
+        thread = self.thread
+        if thread is None or thread.is_alive() or self.st.stop:
+            return None
+        if self.st.failed_call == NULL:
+            return "it returned without being asked to stop"
+        err = self.st.failed_errno
+        why = f"{(<bytes>self.st.failed_call).decode()} failed: {_os.strerror(err)} (errno {err})"
+        if err == EINVAL and self.st.worker == NULL:
+            why += (": it polls one descriptor per connection, more than its open-files limit "
+                    "(ulimit -n) allows")
+        return why
 
     def stop(self):
         """Stop the loop, close every endpoint and release UCX state."""

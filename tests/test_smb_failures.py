@@ -5,6 +5,8 @@ others; a SIGKILLed server must give clients an error, never a hang. Both
 transports between fake nodes (proven sockets, and UCX over TCP), and the same-node path.
 """
 import os
+import re
+import resource
 import signal
 import socket
 import subprocess
@@ -16,6 +18,7 @@ import pytest
 
 from conftest import python_env
 from launch_helpers import stop_every_thread
+from test_liveness_local import SMB_TRAINER, assert_nothing_left, finish, server_record, start, started_ranks
 
 from eddis.errors import (SMBBoundsError, SMBConnectionError, SMBError, SMBKeyError, SMBMemoryError,
                           SMBPermissionError, SMBTimeoutError, SMBValueError, UsageError)
@@ -382,3 +385,30 @@ def test_use_of_a_closed_client_raises_usage_error_never_crashes(transport):
     closed = [(name, "UsageError") for name in names]
     later = sorted(closed + [("close again", "no error"), ("free", "UsageError"), ("pool", "UsageError")])
     assert proc.stdout.strip() == f"{closed} {later}", proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_a_server_whose_request_loop_ends_is_the_root_cause_not_a_rank(tmp_path):
+    """Issue 44: a thread of the server died, the process lived on, and the job failed
+    later with a rank's handshake timeout as its root cause. Here the request loop's poll()
+    fails for real: the server's open-files limit is lowered below its connections (the
+    loop used to spin on that error, answering nothing). The server must exit naming the
+    thread, and the job's report must name the server."""
+    from eddis.smb.server import SERVER_FAILED_STATUS
+
+    proc = start(tmp_path, "-n", "2", SMB_TRAINER, "--steps", "3000")
+    started_ranks(tmp_path, 2)
+    server = server_record(tmp_path)
+    time.sleep(3)       # into the training: both ranks hold a connection to the server
+    hard = resource.prlimit(server["pid"], resource.RLIMIT_NOFILE)[1]
+    resource.prlimit(server["pid"], resource.RLIMIT_NOFILE, (2, hard))
+    code, out, err, took = finish(proc)
+    assert code == SERVER_FAILED_STATUS, err
+    assert re.search(r"smb-server: SMBServerError: smb-server 0 stops: its request loop \(thread "
+                     r"smb-server-progress\) ended: poll\(\) failed: Invalid argument", err), err
+    report = err[err.index("ROOT CAUSE"):]
+    assert re.search(rf"ROOT CAUSE: smb-server 0 on host \S+ \(pid {server['pid']}\) exited with code "
+                     rf"{SERVER_FAILED_STATUS}", report), report
+    assert "ROOT CAUSE: rank" not in err
+    assert_nothing_left(tmp_path)

@@ -8,6 +8,8 @@ count and time.
 import os
 import pwd
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -286,3 +288,94 @@ def test_a_ucx_server_binds_its_address_and_restricts_ucx_to_that_interface(tmp_
     finally:
         server.stop()
         os.environ.pop("UCX_NET_DEVICES", None)
+
+
+def _still_open(sockets):
+    """The sockets the server has not closed: their challenge is read, no EOF follows."""
+    open_ones = []
+    for s in sockets:
+        s.setblocking(False)
+        closed = False
+        try:
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    closed = True
+                    break
+        except BlockingIOError:
+            pass
+        except ConnectionResetError:
+            closed = True
+        if closed:
+            s.close()
+        else:
+            open_ones.append(s)
+    return open_ones
+
+
+@pytest.mark.timeout(180)
+def test_crowding_out_a_peer_whose_byte_is_in_the_same_batch_leaves_the_gate_serving():
+    """Issue 44: 256 silent peers, then 64 new ones and one byte on the oldest. The accept
+    of the new ones drops the oldest while its read event is still in the same select
+    batch; the gate's thread died of the KeyError, and no client could connect any more.
+    The server is stopped (SIGSTOP) while the round is set up, so that the listener's
+    event and the oldest's byte always reach the gate in one batch, in that order."""
+    rounds, crowd = 5, 64
+    env = {"SMB_LOCAL_MAP": "0", "SMB_HANDSHAKE_TIMEOUT": "120"}
+    with LocalServers(1, memory="16M", env=env) as servers:
+        port, proc = servers.records[0]["port"], servers.procs[0]
+        held = []
+        try:
+            for _ in range(handshake.DEFAULT_MAX_PENDING):
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            with Client(servers.run_dir, expected_servers=1, timeout=10) as watcher:
+                for done in range(rounds):
+                    held = _still_open(held)
+                    oldest = held[0]
+                    proc.send_signal(signal.SIGSTOP)
+                    try:
+                        held += [socket.create_connection(("127.0.0.1", port), timeout=5)
+                                 for _ in range(crowd)]
+                        oldest.sendall(b"x")
+                    finally:
+                        proc.send_signal(signal.SIGCONT)
+                    # the job's own client gets in, and is served, every round
+                    with Client(servers.run_dir, expected_servers=1, timeout=10) as client:
+                        assert client.counter("rounds").fetch_add(1) == done
+                    assert _server_alive(servers)
+                held = _still_open(held)
+                gate = watcher.stats(0)["handshake"]
+            dropped = handshake.DEFAULT_MAX_PENDING + rounds * crowd - len(held)
+            assert dropped >= rounds * crowd - rounds     # the oldest of every round among them
+            assert gate["dropped_crowded"] == dropped and gate["dropped_silent"] == 0
+            assert gate["dropped_failed"] == 0            # no peer's trouble was caught either
+            assert gate["proven"] == rounds + 1
+        finally:
+            for s in held:
+                s.close()
+        with Client(servers.run_dir, expected_servers=1, timeout=10) as last:
+            assert last.counter("rounds").read() == rounds
+        assert _server_alive(servers)
+
+
+@pytest.mark.timeout(60)
+def test_a_gate_whose_thread_ends_is_named_by_the_server(tmp_path):
+    """Should the gate's thread end after all (here its select() fails: the epoll descriptor
+    is replaced under it, as a stray close elsewhere in the process would), the server says
+    which thread and why; smb-server exits on it (test_smb_failures: the job's report)."""
+    from eddis.smb import Server, create_run_dir
+
+    server = Server(create_run_dir(tmp_path / "run"), memory=1 << 20, host="127.0.0.1",
+                    transport="socket").start()
+    try:
+        assert server.failure() is None
+        with open(os.devnull, "rb") as null:
+            os.dup2(null.fileno(), server.gate._selector.fileno())
+        deadline = time.monotonic() + 10
+        while server.failure() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert re.match(r"its handshake thread \(smb-server-gate\) died: select\(\) failed: .*; no new "
+                        r"client could connect", server.failure() or ""), server.failure()
+    finally:
+        server.stop()
+    assert server.failure() is None   # stopped as asked: nothing to name

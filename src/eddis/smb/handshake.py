@@ -14,6 +14,12 @@ The server's answer proves to the client that it reached this job's server,
 not a stale one of another job on a recycled port. A peer that stays silent is
 dropped after ``deadline`` seconds, and unproven peers never hold more than
 ``max_pending`` places, so they cannot lock out the job's own clients.
+
+Nothing a peer does may end the gate's thread: what goes wrong with one peer
+drops that peer (counted in ``stats``). Should the thread end all the same (its
+``select`` failed, or a bug), :meth:`Gate.failure` says why, and the smb-server
+exits naming it: a gate that no longer accepts would fail every later client
+with a handshake timeout that blames the client.
 """
 import hashlib
 import hmac
@@ -24,6 +30,7 @@ import socket
 import struct
 import threading
 import time
+import traceback
 
 from ..errors import SMBConnectionError, SMBPermissionError, SMBTimeoutError
 
@@ -36,6 +43,10 @@ CHALLENGE_BYTES = len(PROTOCOL) + NONCE_BYTES
 ANSWER_BYTES = PROOF_BYTES + NONCE_BYTES
 ACCEPTED, REFUSED = 0, 1
 DEFAULT_MAX_PENDING = 256
+# accept() failed (out of descriptors, memory): the listener rests this long, so that the
+# backlog waits instead of the gate spinning on a readable listener it cannot serve
+ACCEPT_PAUSE = 0.25
+ACCEPT_WARNING_EVERY = 10.0
 REFUSAL_TEXT = b"wrong job token (use the token file of this job's run directory)"
 
 
@@ -53,7 +64,8 @@ class Gate:
         self.deadline = float(deadline)
         self.max_pending = int(max_pending)
         self.stats = {"accepted": 0, "proven": 0, "refused": 0, "left_unproven": 0,
-                      "dropped_silent": 0, "dropped_crowded": 0}
+                      "dropped_silent": 0, "dropped_crowded": 0, "dropped_failed": 0,
+                      "accept_failed": 0}
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, int(port)))
@@ -65,10 +77,20 @@ class Gate:
         self._pending = {}      # socket -> (opened, nonce, bytes received)
         self._stop = threading.Event()
         self._thread = None
+        self._died = None           # why the thread ended on its own
+        self._accept_resumes = None  # when a listener paused after a failed accept() listens again
+        self._accept_warned = -ACCEPT_WARNING_EVERY
 
     def start(self):
         self._thread = threading.Thread(target=self._run, name="smb-server-gate", daemon=True)
         self._thread.start()
+
+    def failure(self):
+        """None while the gate serves (or was stopped); else why its thread ended on its own."""
+        thread = self._thread
+        if thread is None or thread.is_alive() or self._stop.is_set():
+            return None
+        return self._died or "its thread ended without being asked to stop"
 
     def stop(self):
         self._stop.set()
@@ -86,17 +108,32 @@ class Gate:
 
     # ------------------------------------------------------------ loop
     def _run(self):
+        try:
+            self._serve()
+        except BaseException as exc:   # a bug of ours: the server must end, naming it
+            self._died = f"{type(exc).__name__}: {exc} (at {_where(exc)})"
+            log.error("smb-server: the handshake thread died", exc_info=True)
+
+    def _serve(self):
         while not self._stop.is_set():
             try:
                 events = self._selector.select(timeout=0.25)
-            except OSError:
-                break
+            except OSError as exc:
+                self._died = f"select() failed: {exc}"
+                return
             for key, _ in events:
-                if key.fileobj is self._listener:
+                sock = key.fileobj
+                if sock is self._listener:
                     self._accept()
-                else:
-                    self._receive(key.fileobj)
-            self._sweep(time.monotonic())
+                elif sock in self._pending:
+                    # (not pending any more: dropped earlier in this batch, crowded out by an
+                    # accept; its descriptor may already belong to a newer socket)
+                    self._receive_or_drop(sock)
+            now = time.monotonic()
+            self._sweep(now)
+            if self._accept_resumes is not None and now >= self._accept_resumes:
+                self._accept_resumes = None
+                self._selector.register(self._listener, selectors.EVENT_READ, None)
 
     def _accept(self):
         for _ in range(64):
@@ -105,25 +142,52 @@ class Gate:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                # out of descriptors: the backlog waits, the loop keeps serving
-                log.warning("smb-server: accept failed: %s", exc)
+                self._pause_accepting(exc)
                 return
             self.stats["accepted"] += 1
-            nonce = os.urandom(NONCE_BYTES)
-            try:
-                sock.setblocking(False)
-                sent_whole = sock.send(PROTOCOL + nonce) == CHALLENGE_BYTES
-            except OSError:
-                sent_whole = False
-            if not sent_whole:
-                sock.close()
+            if not self._challenge(sock):
                 continue
-            self._pending[sock] = (time.monotonic(), nonce, b"")
-            self._selector.register(sock, selectors.EVENT_READ, None)
             if len(self._pending) > self.max_pending:
                 oldest = min(self._pending, key=lambda s: self._pending[s][0])
                 self.stats["dropped_crowded"] += 1
                 self._drop(oldest)
+
+    def _challenge(self, sock):
+        """Send a new peer its challenge and wait for its answer; False if it is gone already."""
+        nonce = os.urandom(NONCE_BYTES)
+        try:
+            sock.setblocking(False)
+            if sock.send(PROTOCOL + nonce) != CHALLENGE_BYTES:
+                sock.close()
+                return False
+            self._selector.register(sock, selectors.EVENT_READ, None)
+        except (OSError, ValueError, KeyError) as exc:
+            log.debug("smb-server: a new peer is gone before its challenge: %s", exc)
+            sock.close()
+            return False
+        self._pending[sock] = (time.monotonic(), nonce, b"")
+        return True
+
+    def _pause_accepting(self, exc):
+        """accept() failed (out of descriptors, memory): the backlog waits a moment, the
+        peers already pending are served on."""
+        self.stats["accept_failed"] += 1
+        now = time.monotonic()
+        if now - self._accept_warned >= ACCEPT_WARNING_EVERY:
+            self._accept_warned = now
+            log.warning("smb-server: accept failed: %s; new connections wait (%d failed accepts "
+                        "so far; raise the open-files limit, ulimit -n, if this goes on)", exc,
+                        self.stats["accept_failed"])
+        self._selector.unregister(self._listener)
+        self._accept_resumes = now + ACCEPT_PAUSE
+
+    def _receive_or_drop(self, sock):
+        try:
+            self._receive(sock)
+        except Exception:   # one peer's trouble must not end the gate for every later client
+            log.exception("smb-server: the handshake of a peer failed; dropping it")
+            self.stats["dropped_failed"] += 1
+            self._drop(sock)
 
     def _receive(self, sock):
         opened, nonce, got = self._pending[sock]
@@ -179,6 +243,12 @@ class Gate:
         except (KeyError, ValueError):
             pass
         sock.close()
+
+
+def _where(exc):
+    """file:line of the innermost frame of exc's traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown place"
 
 
 def connect(host, port, token, timeout):

@@ -4,6 +4,12 @@ The native core (eddis.smb._core) owns the UCX state and runs the request loop
 in a GIL-free progress thread; it answers HELLO, counters and vector ops itself
 and hands the named, stateful requests (regions, barriers, events, reductions)
 to :meth:`Server._handle` here, on that same thread.
+
+A server whose handshake or request thread ended on its own cannot serve the job
+any more, though its process would live on: ``smb-server`` then exits with
+SERVER_FAILED_STATUS and an SMBServerError naming the thread and why, so that the
+job ends with this server as its root cause rather than with the clients that
+time out on it.
 """
 import atexit
 import hashlib
@@ -18,7 +24,7 @@ from pathlib import Path
 
 from .. import identity, settings
 from ..errors import (ConfigError, EddisError, SMBBoundsError, SMBKeyError, SMBMemoryError, SMBPermissionError,
-                      SMBValueError)
+                      SMBServerError, SMBValueError)
 from .. import timeline
 from . import arena_limits, handshake, rundir
 from .hugepages import MODES as HUGEPAGE_MODES, arena_pages, describe as describe_pages, plan as hugepage_plan
@@ -32,6 +38,8 @@ SMALL_ALIGN = 64
 PAGE_ALIGN = 4096
 MAX_REDUCE_THREADS = 256   # SMB_VECPOOL_MAX_THREADS of the native core
 TRANSPORTS = ("socket", "ucx")
+SERVER_FAILED_STATUS = 70   # EX_SOFTWARE: a thread of the server died (see Server.failure)
+WATCH_SECONDS = 0.2         # how often the CLI checks its threads and the stop signals
 
 
 class ArenaAllocator:
@@ -300,6 +308,23 @@ class Server:
         if self.gate is not None:
             self.gate.stop()
             self.gate = None
+
+    def failure(self):
+        """None while the server serves; else which of its threads ended on its own, and why.
+
+        The reduction threads are not watched here: they end only when the core stops them,
+        and a fault in one ends the whole process (the supervisor names its signal)."""
+        if not self.started:
+            return None
+        why = self.gate.failure() if self.gate is not None else None
+        if why is not None:
+            return (f"its handshake thread (smb-server-gate) died: {why}; no new client could "
+                    f"connect any more")
+        why = self.core.loop_failure()
+        if why is not None:
+            return (f"its request loop (thread smb-server-progress) ended: {why}; no request "
+                    f"would be answered any more")
+        return None
 
     def __enter__(self):
         return self.start()
@@ -592,12 +617,27 @@ def main(argv=None):
     print(f"smb-server {index} ready on {server.address} ({server.memory} bytes, "
           f"{server.reduce_threads} reduction thread(s), "
           f"{describe_pages(server.page_kind, server.page_size, None)})", flush=True)
+    failure = None
     try:
-        while not stop:
-            time.sleep(0.2)
+        while not stop and failure is None:
+            time.sleep(WATCH_SECONDS)
+            failure = server.failure()
     finally:
-        server.stop()
-    return 0
+        if failure is not None:
+            # said first: the stop below may itself fail on what broke the thread
+            error = SMBServerError(f"smb-server {index} stops: {failure}. Its job cannot go on "
+                                   f"without it: remove the cause named here and start the job "
+                                   f"again (a cause that names no limit of this node is a bug of "
+                                   f"EDDIS: report it with the lines above)")
+            print(f"smb-server: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        try:
+            server.stop()
+        except Exception as exc:
+            if failure is None:
+                raise
+            print(f"smb-server {index}: stopping after the failure failed too: {exc!r}", file=sys.stderr,
+                  flush=True)
+    return 0 if failure is None else SERVER_FAILED_STATUS
 
 
 if __name__ == "__main__":
