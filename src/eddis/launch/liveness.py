@@ -1,4 +1,4 @@
-"""Liveness of the processes a supervisor runs: trainers and smb-servers.
+"""Liveness of the processes a supervisor runs (trainers, smb-servers), and of the supervisors.
 
 A process that is stopped (SIGSTOP), deadlocked or wedged in the kernel makes no
 error and no exit: its peers would only notice when their own wait times out
@@ -25,12 +25,32 @@ supervisor, not the process, decides that it has stopped making progress.
   then SIGCONT so that a stopped process runs its handler, then a bounded wait
   for the file; the native dump only where the safe one wrote nothing.
 
+The supervisors are watched the same way, from below: a supervisor that is stopped
+or wedged would keep its child (and the job) waiting for ever, and nothing above it
+may be on its node. So a supervisor also beats to its child, through a second pipe
+(``LivenessWatch(verdict=...)``, or ``watched=True``), and the child's beat thread
+watches it by the same rule (:class:`ParentWatch`: no beat, or kernel-stopped, for
+``EDDIS_LIVENESS_TIMEOUT``). Finding it hung, the child carries out the verdict the
+supervisor handed it at the start (:func:`end_hung_parent`): it writes the records that
+name the supervisor as the failure, as the supervisor would have named the child, asks
+the run dir's ranks to stop where the verdict says so, and kills the supervisor, which
+takes the child with it (``PR_SET_PDEATHSIG``; an smb-server stops itself cleanly
+first, freeing its shared memory). A child that was handed no verdict (the sentinel of
+the top ``eddis-train``, :mod:`.topwatch`) polls the watch itself. A supervisor is so
+watched while its child runs: one stopped in the moment before its child started, or
+after the child ended and before its own exit, is not found this way.
+
+A watcher that was itself stopped as long as half the timeout (stopped with the process
+it watches: Ctrl-Z on a process group, ``scontrol suspend``) counts the time from when it
+runs again, so that a pause of the whole group kills nothing.
+
 The heartbeat is a pipe to the parent, not a file in the run directory: both ends
 are on one node, and thousands of ranks beating into a shared file system would
 load its metadata server for nothing.
 """
 import ctypes
 import faulthandler
+import json
 import os
 import signal
 import tempfile
@@ -42,12 +62,21 @@ from .. import settings
 HEARTBEAT_FD_VARIABLE = "EDDIS_HEARTBEAT_FD"
 STACK_FD_VARIABLE = "EDDIS_STACK_FD"
 BEAT_INTERVAL_VARIABLE = "EDDIS_HEARTBEAT_INTERVAL"
+# the other direction: the supervisor's beats to its child, its pid, and what to do when it hangs
+PARENT_BEAT_FD_VARIABLE = "EDDIS_PARENT_HEARTBEAT_FD"
+PARENT_PID_VARIABLE = "EDDIS_PARENT_PID"
+PARENT_TIMEOUT_VARIABLE = "EDDIS_PARENT_LIVENESS_TIMEOUT"
+VERDICT_VARIABLE = "EDDIS_PARENT_VERDICT"
+# the status a supervisor found hung ends with: it is killed, as a hung child is
+HUNG_SIGNAL = signal.SIGKILL
 # Real-time signals: SIGUSR1/2 are the user's (sbatch --signal) and reach the trainer as they are.
 STACK_DUMP_SIGNAL = signal.SIGRTMIN + 7
 NATIVE_STACK_DUMP_SIGNAL = signal.SIGRTMIN + 6
 # A main thread in Python or in a system call runs the safe handler within milliseconds.
 SAFE_STACK_WAIT_SECONDS = 1.0
 STACK_WAIT_SECONDS = 3.0
+# a child that stops itself cleanly after its supervisor was found hung (end_hung_parent)
+STOP_SELF_SECONDS = 10.0
 
 _PROCESS_STATES = {"R": "running", "S": "sleeping (waiting for an event)",
                    "D": "in uninterruptible sleep (blocked in the kernel, e.g. on I/O)",
@@ -90,12 +119,18 @@ def _signal_main_thread(pid, sig):
 
 def start_in_child():
     """Beat to the supervisor and answer stack dumps; a no-op unless a supervisor asked for it.
+    Where the supervisor beats to us too, watch it: with its verdict (trainers, smb-servers)
+    in the beat thread, which carries the verdict out when the supervisor hangs; without one,
+    the :class:`ParentWatch` is returned, for the caller to poll (else None).
 
     The variables are removed from the environment: the settings check of the
     runtime would not know them, and the user's subprocesses must not beat for us."""
     beat_fd = os.environ.pop(HEARTBEAT_FD_VARIABLE, None)
     stack_fd = os.environ.pop(STACK_FD_VARIABLE, None)
     interval = float(os.environ.pop(BEAT_INTERVAL_VARIABLE, "1.0") or 1.0)
+    parent = ParentWatch.from_environment()
+    verdict = os.environ.pop(VERDICT_VARIABLE, None)
+    verdict = json.loads(verdict) if verdict and parent is not None else None
     if stack_fd is not None:
         stack_file = int(stack_fd)
         faulthandler.register(NATIVE_STACK_DUMP_SIGNAL, file=stack_file, all_threads=True)
@@ -104,59 +139,102 @@ def start_in_child():
             faulthandler.dump_traceback(file=stack_file, all_threads=True)
 
         signal.signal(STACK_DUMP_SIGNAL, dump_stacks_under_the_gil)
-    if beat_fd is None:
-        return
-    fd = int(beat_fd)
-    os.set_blocking(fd, False)
+    if beat_fd is None and verdict is None:
+        return parent
+    fd = int(beat_fd) if beat_fd is not None else None
+    if fd is not None:
+        os.set_blocking(fd, False)
 
     def beat():
         while True:
-            try:
-                os.write(fd, b".")
-            except BlockingIOError:
-                pass  # the supervisor is behind; a full pipe already says we are alive
-            except OSError:
-                return  # the supervisor is gone
+            if fd is not None:
+                try:
+                    os.write(fd, b".")
+                except BlockingIOError:
+                    pass  # the supervisor is behind; a full pipe already says we are alive
+                except OSError:
+                    return  # the supervisor is gone
+            if verdict is not None:
+                why = parent.hung()
+                if why is not None:
+                    end_hung_parent(verdict, parent.pid, why)
+                    return
             time.sleep(interval)
 
     threading.Thread(target=beat, name="eddis-heartbeat", daemon=True).start()
+    return None if verdict is not None else parent
 
 
-class LivenessWatch:
-    """The supervisor's end of one child's heartbeat.
+def end_hung_parent(verdict, pid, why):
+    """Carry out a supervisor's verdict on itself, found hung by its child: write its records
+    (``verdict["records"]``: paths, each given ``verdict["record"]`` with the time and why),
+    ask every rank of ``verdict["stop_run_dir"]`` to stop where given, kill the supervisor.
+    ``verdict["lost_if_exists"]``: an elastic rank's training-started file; the rank counts
+    as lost (its peers train on) once it exists.
 
-    Use: ``env = watch.child_env()`` and ``pass_fds=watch.pass_fds`` for Popen,
-    then ``watch.started(pid)``; ``watch.hung()`` once in a while, ``watch.stack()``
-    before killing a hung child, ``watch.close()`` at the end."""
+    The child dies with its supervisor (PR_SET_PDEATHSIG; else of the same signal here), at
+    once, unless ``verdict["stop_signal"]`` names the signal of its own clean stop (an
+    smb-server frees its shared memory): then it gets that first, and the supervisor is killed
+    as the child exits, or STOP_SELF_SECONDS later."""
+    import atexit
 
-    def __init__(self, timeout=None, stack_dir=None):
-        self.timeout = settings.get("EDDIS_LIVENESS_TIMEOUT") if timeout is None else float(timeout)
-        self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._read_fd, False)
-        self._stack = tempfile.TemporaryFile(dir=stack_dir, prefix="eddis-stack-")
-        self.pid = None
+    from .report import describe_failure, request_stop, write_json_atomic
+
+    record = dict(verdict["record"], time=time.time(), why="hung", hung=why, signal=int(HUNG_SIGNAL), code=None)
+    if verdict.get("lost_if_exists"):
+        record["lost"] = os.path.exists(verdict["lost_if_exists"])
+    try:
+        for path in verdict["records"]:
+            write_json_atomic(path, record)
+        if verdict.get("stop_run_dir"):
+            request_stop(verdict["stop_run_dir"], describe_failure(record))
+    except OSError:
+        pass  # a full or failing file system: the supervisor's death still ends its part of the job
+
+    def kill_supervisor():
+        try:
+            os.kill(pid, HUNG_SIGNAL)
+        except OSError:
+            pass
+
+    if verdict.get("stop_signal"):
+        atexit.register(kill_supervisor)
+        os.kill(os.getpid(), signal.Signals[verdict["stop_signal"]])
+        time.sleep(STOP_SELF_SECONDS)
+    kill_supervisor()
+    time.sleep(1.0)  # PR_SET_PDEATHSIG has ended this process by now; unsupervised, it must not go on
+    os.kill(os.getpid(), HUNG_SIGNAL)
+
+
+def supervisor_verdict(records, key, record, stop_run_dir=None, lost_if_exists=None, stop_signal=None):
+    """The verdict a supervisor hands its child (:func:`end_hung_parent`): ``record`` as its
+    failure and its exit under ``records`` (a :class:`~.report.LaunchRecords`), file ``key``."""
+    return {"records": [str(records.failures / f"{key}.json"), str(records.exits / f"{key}.json")],
+            "record": dict(record, supervisor=SUPERVISOR_KIND, pid=os.getpid()),
+            "stop_run_dir": None if stop_run_dir is None else str(stop_run_dir),
+            "lost_if_exists": None if lost_if_exists is None else str(lost_if_exists),
+            "stop_signal": None if stop_signal is None else signal.Signals(stop_signal).name}
+
+
+SUPERVISOR_KIND = "eddis-train supervisor"
+
+
+class _BeatReader:
+    """One end of a heartbeat pipe: the beats of process ``pid``, and its kernel state."""
+
+    def __init__(self, read_fd, pid, timeout):
+        self.timeout = timeout
+        self._read_fd = read_fd
+        self.pid = pid
         self.beats = 0
         self._last_sign = None  # monotonic time of the last beat (or of the start)
         self._stopped_since = None
         self._beating = True
+        self._last_look = None  # monotonic time of the last hung()
 
     @property
     def enabled(self):
         return self.timeout > 0
-
-    @property
-    def pass_fds(self):
-        return (self._write_fd, self._stack.fileno())
-
-    def child_env(self):
-        return {HEARTBEAT_FD_VARIABLE: str(self._write_fd), STACK_FD_VARIABLE: str(self._stack.fileno()),
-                BEAT_INTERVAL_VARIABLE: f"{beat_interval(self.timeout or 30.0):g}"}
-
-    def started(self, pid):
-        self.pid = pid
-        self._last_sign = time.monotonic()
-        os.close(self._write_fd)  # so that the pipe ends (EOF) when the child and its heirs are gone
-        self._write_fd = -1
 
     def _drain(self):
         while self._beating:
@@ -166,18 +244,24 @@ class LivenessWatch:
                 return
             except OSError:
                 data = b""
-            if not data:  # the child closed its end (exec'd or closed its fds): no beats to expect
+            if not data:  # the other end closed (it exec'd, closed its fds, or ended the watch)
                 self._beating = False
                 return
             self.beats += len(data)
             self._last_sign = time.monotonic()
 
     def hung(self):
-        """None while the child shows signs of life; else why it counts as hung (a sentence)."""
+        """None while the process shows signs of life; else why it counts as hung (a sentence)."""
         if not self.enabled or self.pid is None:
             return None
         self._drain()
         now = time.monotonic()
+        if self._last_look is not None and now - self._last_look > self.timeout / 2:
+            # the watcher did not run for that long itself: stopped with the watched process
+            # (Ctrl-Z on a process group, scontrol suspend) and continued before it; time
+            # counts from now, or the watched process would be killed for the pause
+            self._last_sign, self._stopped_since = now, None
+        self._last_look = now
         state = process_state(self.pid)
         if state in ("T", "t"):
             self._stopped_since = self._stopped_since or now
@@ -186,11 +270,104 @@ class LivenessWatch:
         if self._stopped_since is not None and now - self._stopped_since > self.timeout:
             return (f"{describe_state(state)} for {now - self._stopped_since:.0f} s, "
                     f"EDDIS_LIVENESS_TIMEOUT={self.timeout:g}")
-        # Before its first beat a child is still starting (or sends none): only the state counts.
+        # Before its first beat a process is still starting (or sends none): only the state counts.
         if self._beating and self.beats and now - self._last_sign > self.timeout:
             return (f"no heartbeat for {now - self._last_sign:.0f} s, EDDIS_LIVENESS_TIMEOUT={self.timeout:g}; "
                     f"it is {describe_state(state)}")
         return None
+
+
+class ParentWatch(_BeatReader):
+    """A child's end of its supervisor's beats (see :func:`start_in_child`)."""
+
+    def __init__(self, read_fd, pid, timeout):
+        super().__init__(read_fd, pid, timeout)
+        os.set_blocking(read_fd, False)
+        os.set_inheritable(read_fd, False)  # the user's subprocesses must not hold it open
+        self._last_sign = time.monotonic()
+
+    @classmethod
+    def from_environment(cls):
+        fd = os.environ.pop(PARENT_BEAT_FD_VARIABLE, None)
+        pid = os.environ.pop(PARENT_PID_VARIABLE, None)
+        timeout = os.environ.pop(PARENT_TIMEOUT_VARIABLE, None)
+        if fd is None or pid is None or timeout is None:
+            return None
+        return cls(int(fd), int(pid), float(timeout))
+
+    @property
+    def closed(self):
+        """Whether the supervisor closed its end: it has ended the watch (or is gone)."""
+        self._drain()
+        return not self._beating
+
+
+class LivenessWatch(_BeatReader):
+    """The supervisor's end of one child's heartbeat.
+
+    Use: ``env = watch.child_env()`` and ``pass_fds=watch.pass_fds`` for Popen,
+    then ``watch.started(pid)``; ``watch.hung()`` once in a while, ``watch.stack()``
+    before killing a hung child, ``watch.close()`` at the end.
+
+    With ``verdict`` (see :func:`supervisor_verdict`) or ``watched``, this process beats to
+    the child too, from a thread, and the child watches it (:func:`start_in_child`)."""
+
+    def __init__(self, timeout=None, stack_dir=None, verdict=None, watched=False):
+        timeout = settings.get("EDDIS_LIVENESS_TIMEOUT") if timeout is None else float(timeout)
+        read_fd, self._write_fd = os.pipe()
+        super().__init__(read_fd, None, timeout)
+        os.set_blocking(self._read_fd, False)
+        self._stack = tempfile.TemporaryFile(dir=stack_dir, prefix="eddis-stack-")
+        self._verdict = verdict
+        # this process's beats to the child: (read end, the child's; write end, our beat thread's)
+        self._to_child = os.pipe() if self.enabled and (watched or verdict is not None) else None
+        self._beater = None
+        self._stop_beating = threading.Event()
+
+    @property
+    def pass_fds(self):
+        fds = (self._write_fd, self._stack.fileno())
+        return fds + ((self._to_child[0],) if self._to_child else ())
+
+    def child_env(self):
+        env = {HEARTBEAT_FD_VARIABLE: str(self._write_fd), STACK_FD_VARIABLE: str(self._stack.fileno()),
+               BEAT_INTERVAL_VARIABLE: f"{beat_interval(self.timeout or 30.0):g}"}
+        if self._to_child:
+            env.update({PARENT_BEAT_FD_VARIABLE: str(self._to_child[0]), PARENT_PID_VARIABLE: str(os.getpid()),
+                        PARENT_TIMEOUT_VARIABLE: f"{self.timeout:g}"})
+            if self._verdict is not None:
+                env[VERDICT_VARIABLE] = json.dumps(self._verdict)
+        return env
+
+    def started(self, pid):
+        self.pid = pid
+        self._last_sign = time.monotonic()
+        os.close(self._write_fd)  # so that the pipe ends (EOF) when the child and its heirs are gone
+        self._write_fd = -1
+        if self._to_child:
+            os.close(self._to_child[0])
+            self._beater = threading.Thread(target=self._beat_to_child, args=(self._to_child[1],),
+                                            name="eddis-heartbeat-to-child", daemon=True)
+            self._to_child = None
+            self._beater.start()
+
+    def _beat_to_child(self, fd):
+        """This process's beats to the child; the thread closes its fd itself (no other thread
+        may close a descriptor that it could still write to: the number may be reused)."""
+        os.set_blocking(fd, False)
+        interval = beat_interval(self.timeout)
+        try:
+            while True:
+                try:
+                    os.write(fd, b".")
+                except BlockingIOError:
+                    pass  # the child is behind; a full pipe already says we are alive
+                except OSError:
+                    return  # the child and its heirs are gone
+                if self._stop_beating.wait(interval):
+                    return
+        finally:
+            os.close(fd)
 
     def stack(self):
         """Every thread's Python stack of the (hung) child, or None where it cannot be had.
@@ -231,6 +408,13 @@ class LivenessWatch:
         return size
 
     def close(self):
+        """Ends the watch both ways: the child, if it still runs, reads the end of our beats."""
+        self._stop_beating.set()
+        if self._beater is not None:
+            self._beater.join(timeout=5.0)
+        for fd in (self._to_child or ()):
+            os.close(fd)
+        self._to_child = None
         for fd in (self._read_fd, self._write_fd):
             if fd >= 0:
                 try:

@@ -10,6 +10,7 @@ Layout under the run directory, one folder per launch (a Slurm step or one
     launch/<key>/initialized/<rank>.json  written by the trainer once eddis.init() returned
     launch/<key>/beats/<rank>.json     elastic runs: its supervisor's beat until the training started
     launch/smb-servers/started|exits|failures/<index>.json   the same for the smb-servers
+    launch/supervisors/failures/<name>.json   the top eddis-train (--local, --job), found hung (.topwatch)
     launch/stop                        written by a launcher that wants every rank to stop
 
 A rank that the launcher stopped because a peer failed is not a failure. The
@@ -33,6 +34,9 @@ STOP_FILE = "stop"  # <run dir>/launch/stop: every supervisor of the run dir sto
 # step with status 0 (a step cancelled with scancel makes slurmstepd print an error line)
 SERVERS_STOP_FILE = "smb-servers-stop"
 SERVERS_KEY = "smb-servers"  # launch/smb-servers/: the records of the smb-server supervisors
+# launch/supervisors/: the failure of a top eddis-train (--local, --job) that its sentinel found hung;
+# a rank's or a server's supervisor found hung is recorded as its rank's or server's, with "supervisor"
+SUPERVISORS_KEY = "supervisors"
 # A rank that fails this soon before a server's failure is recorded failed because of it: the
 # error of a dead server's connection reaches a rank about as fast as the exit reaches the
 # server's supervisor, and a hung server is found only after EDDIS_LIVENESS_TIMEOUT anyway.
@@ -133,10 +137,26 @@ def finished_ranks(exits):
 
 
 def who(record):
-    """'rank 3 on host n2' or 'smb-server 1 on host n2 (pid 4711)'."""
+    """'rank 3 on host n2', 'smb-server 1 on host n2 (pid 4711)', 'the eddis-train supervisor of
+    rank 3 on host n2 (pid 4712)' or 'eddis-train --job on host n1 (pid 4700)'."""
+    kind = record.get("supervisor")
     if "server" in record:
-        return f"smb-server {record['server']} on host {record.get('host')} (pid {record.get('pid')})"
-    return f"rank {record.get('rank')} on host {record.get('host')}"
+        what = f"smb-server {record['server']} on host {record.get('host')}"
+    elif "rank" in record:
+        what = f"rank {record.get('rank')} on host {record.get('host')}"
+    else:
+        return f"{kind} on host {record.get('host')} (pid {record.get('pid')})"
+    if kind:
+        return f"the {kind} of {what} (pid {record.get('pid')})"
+    return f"{what} (pid {record.get('pid')})" if "server" in record else what
+
+
+def _name(record):
+    """'rank 3', 'smb-server 1', 'the supervisor of rank 3' or 'eddis-train --job'."""
+    if "server" not in record and "rank" not in record:
+        return record.get("supervisor")
+    name = f"smb-server {record['server']}" if "server" in record else f"rank {record.get('rank')}"
+    return f"the supervisor of {name}" if record.get("supervisor") else name
 
 
 def describe_failure(record):
@@ -150,7 +170,7 @@ def describe_failure(record):
 
 
 def _short(record):
-    name = f"smb-server {record['server']}" if "server" in record else f"rank {record.get('rank')}"
+    name = _name(record)
     what = record.get("why") if record.get("why") in ("hung", VANISHED) else \
         describe_exit(record.get("code"), record.get("signal"))
     return f"{name}@{record.get('host')} ({what})"
@@ -223,7 +243,7 @@ def launches(run_dir):
     """Launch record folders of a run dir, oldest first."""
     root = Path(run_dir) / LAUNCH_DIR
     try:
-        keys = [p for p in root.iterdir() if p.is_dir() and p.name != SERVERS_KEY]  # (not the stop file)
+        keys = [p for p in root.iterdir() if p.is_dir() and p.name not in (SERVERS_KEY, SUPERVISORS_KEY)]
     except OSError:
         return []
     return [LaunchRecords(run_dir, p.name) for p in sorted(keys, key=lambda p: p.stat().st_mtime)]
@@ -239,6 +259,10 @@ class ServerRecords(LaunchRecords):
 
 def server_records(run_dir):
     return ServerRecords(run_dir)
+
+
+def supervisor_records(run_dir):
+    return LaunchRecords(run_dir, SUPERVISORS_KEY)
 
 
 def _latest_failed(every):
@@ -266,7 +290,8 @@ def _root_cause_and_launch(run_dir):
     every = launches(run_dir)
     latest, ranks = _latest_failed(every)
     exits = read_records((latest or every[-1]).exits) if every else []
-    failures = sorted(servers + ranks, key=lambda r: r.get("time", 0.0))
+    tops = read_records(supervisor_records(run_dir).failures)
+    failures = sorted(servers + ranks + tops, key=lambda r: r.get("time", 0.0))
     if not failures:
         return None, [], exits, latest
     first = failures[0]
@@ -299,13 +324,13 @@ def format_report(first, failures, exits, run_dir=None, job_code=None):
         return "\n".join(lines)
     stamp = time.strftime("%H:%M:%S", time.localtime(first.get("time", 0)))
     lines.append(f"eddis-train: ROOT CAUSE: {describe_failure(first)} at {stamp}")
-    name = f"smb-server {first['server']}" if "server" in first else f"rank {first.get('rank')}"
+    name = _name(first)
     if first.get("command"):
         lines.append(f"  command: {' '.join(first['command'])}")
     if first.get("stack"):
         lines.append(f"  its Python stack when it was found hung ({name}):")
         lines.extend("    " + t for t in first["stack"].splitlines())
-    elif first.get("why") == "hung":
+    elif first.get("why") == "hung" and not first.get("supervisor"):  # (a supervisor's is not taken)
         lines.append(f"  no Python stack could be had from {name} (not a Python process, or it never started)")
     fatal = (first.get("traceback") or "").startswith(FATAL_START)
     if first.get("traceback"):

@@ -36,7 +36,7 @@ import time
 
 from .. import identity
 from . import mpishm
-from .liveness import LivenessWatch
+from .liveness import LivenessWatch, supervisor_verdict
 from .preemption import checkpoint_on_sigterm, server_wait_seconds
 from .report import describe_failure, request_stop, server_records, servers_stop_requested
 
@@ -120,7 +120,10 @@ class ServerSupervisor:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # inherited by the server (see above)
-        liveness = LivenessWatch()
+        # the server watches this supervisor in turn: hung, it is the root cause, as a hung server is
+        verdict = supervisor_verdict(self.records, self.index, {"server": self.index, "host": self.host},
+                                     stop_run_dir=self.run_dir, stop_signal=SERVER_STOP_SIGNAL)
+        liveness = LivenessWatch(verdict=verdict)
         env = dict(os.environ, **liveness.child_env())
         try:
             self.child = subprocess.Popen(

@@ -22,7 +22,10 @@ supervisor killed with SIGKILL.
 A trainer that stops making progress (stopped, deadlocked: no heartbeat for
 ``EDDIS_LIVENESS_TIMEOUT`` s, see :mod:`.liveness`) is a failure of its own: the
 supervisor dumps its Python stack, kills it and records it as hung, so that the
-rank that hangs is the one named, not a peer whose wait ran out later.
+rank that hangs is the one named, not a peer whose wait ran out later. The supervisor
+beats to the trainer in turn, and the trainer, finding it stopped or wedged as long,
+records this rank as failed by its hung supervisor and kills the supervisor (and so
+itself): a stopped supervisor would hold its trainer's output, and the step, for ever.
 
 In an elastic easgd/hybrid run (EDDIS_ELASTIC, :mod:`.elastic`) a failed rank is a lost
 one: it is recorded the same way, its peers are not stopped, and its supervisor exits 0.
@@ -44,7 +47,7 @@ import time
 from .. import settings
 from ..errors import REQUEUE_EXIT_STATUS
 from .elastic import elastic_run
-from .liveness import LivenessWatch
+from .liveness import LivenessWatch, supervisor_verdict
 from .mpishm import MpiShm
 from .output import LinePump, TracebackCatcher
 from .preemption import checkpoint_on_sigterm
@@ -261,8 +264,9 @@ class Supervisor:
                  + (f" CUDA_VISIBLE_DEVICES={self.info.gpu}" if self.info.gpu is not None else ""), "out")
         catcher = TracebackCatcher()
         # only the Python runner (.child) beats; other programs are watched by their state alone
-        self.liveness = LivenessWatch()
         beats = self.command[1:3] == ["-m", "eddis.launch.child"]
+        # and only it watches this supervisor in turn, which it names and kills when it hangs
+        self.liveness = LivenessWatch(verdict=self._verdict() if beats else None)
         if beats:
             child_env.update(self.liveness.child_env())
         try:
@@ -404,6 +408,14 @@ class Supervisor:
             self.say(f"eddis-train: the trainer wrote no checkpoint within {self.checkpoint_grace:g} s of "
                      "SIGTERM (EDDIS_CHECKPOINT_GRACE)")
             self.stop_signal = signal.SIGTERM
+
+    def _verdict(self):
+        """What the trainer records and does when it finds this supervisor hung (.liveness):
+        the rank fails, as when its trainer hangs; in an elastic run it is lost once its
+        training started."""
+        started = self.records.started_file(self.info.rank) if self.elastic else None
+        return supervisor_verdict(self.records, self.info.rank, self._record(None, None, 0, "hung", None, []),
+                                  lost_if_exists=started)
 
     def _end_hung_child(self, hung):
         """Name the hung trainer, dump its stack, kill it; returns the stack (or None)."""
