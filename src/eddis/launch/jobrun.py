@@ -60,6 +60,7 @@ from . import jobsteps, mpirun_step, placement, preemption
 from .hostlist import expand_hostlist
 from .elastic import elastic_run, elastic_status, survives_server_loss
 from .report import LAUNCH_DIR, describe_failure, request_servers_stop, request_stop, root_cause, start_up_crash
+from .topwatch import TopWatch
 
 SERVER_STEP_NAME = "smb-server"
 TRAINER_STEP_NAME = jobsteps.TRAINER_STEP_NAME
@@ -369,6 +370,7 @@ class Job:
         self.trainer_by_mpirun = False   # an elastic run's mpirun, not srun (trainer_step_command)
         self.checkpoint_requested = False  # passed on to the trainers
         self.answer = None  # the checkpoint the trainers wrote on request, then stopped
+        self.topwatch = None  # this process's sentinel (.topwatch), once the run dir exists
 
     def _first_placement(self):
         """Where the steps run at first: every node, or all but EDDIS_SPARE_NODES of them."""
@@ -385,6 +387,13 @@ class Job:
                               batch_host=self.batch_host)
 
     def run(self):
+        try:
+            return self._supervise()
+        finally:
+            if self.topwatch is not None:
+                self.topwatch.close()
+
+    def _supervise(self):
         self.signals.install()
         try:
             status = self._run()
@@ -490,6 +499,9 @@ class Job:
             say(f"eddis_job: error: cannot create the run directory {run_dir}: {exc}", sys.stderr)
             return 1
         say(f"eddis_job: job {self.job_id}, {len(self.components)} component(s), run dir {run_dir}")
+        # stopped or wedged, this process would hold the allocation until the time limit: its
+        # sentinel then ends the job in its place
+        self.topwatch = TopWatch("eddis-train --job", self.run_dir).start()
         if self.placement is not None:
             spares = [n for n in self.nodes_started if n not in self.placement.nodes]
             say(f"eddis_job: the smb-servers and trainers run on {','.join(self.placement.nodes)}; "

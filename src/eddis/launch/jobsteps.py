@@ -163,7 +163,7 @@ def every_rank_interrupted(path):
 TRAINERS_STATUS_FILE = "trainers.status"
 
 
-def _descendants(pid):
+def descendants(pid):
     """pid and every process below it, from /proc."""
     children = {}
     for entry in os.listdir("/proc"):
@@ -319,7 +319,7 @@ def process_name(pid):
 
 def kill_tree(pid):
     """SIGKILL to ``pid`` and every process below it, the deepest first."""
-    for found in reversed(_descendants(pid)):
+    for found in reversed(descendants(pid)):
         try:
             os.kill(found, signal.SIGKILL)
         except OSError:

@@ -24,6 +24,7 @@ from ..smb import rundir
 from . import jobsteps
 from .elastic import MPIRUN_OPTIONS, elastic_run, elastic_status
 from .report import LAUNCH_DIR, STOP_FILE, exit_status, format_report, request_stop, root_cause
+from .topwatch import TopWatch
 
 SERVER_STOP_SECONDS = 10.0
 _STRIPPED_PREFIXES = ("SLURM_", "SLURMD_", "PMIX_", "PMI_", "OMPI_COMM_WORLD_")
@@ -66,6 +67,12 @@ def _stop(proc, sig=signal.SIGTERM, timeout=SERVER_STOP_SECONDS):
 def run_local(argv, ranks=1, memory=None):
     if ranks < 1:
         raise ConfigError(f"-n {ranks}: give at least one rank")
+    # stopped or wedged, this process would keep the server for ever: its sentinel ends the run then
+    with TopWatch("eddis-train --local", jobsteps.run_dir()):
+        return _run_attempts(argv, ranks, memory)
+
+
+def _run_attempts(argv, ranks, memory):
     limit = settings.get("EDDIS_MAX_RESTARTS")
     restarts = 0
     while True:
