@@ -29,7 +29,14 @@ def ranks_from_profile(path, skip=None):
     from ..timeline.profile import load_profile
     from ..timeline.report import summarize
 
-    run_attrs, ranks = load_profile(path)
+    if not Path(path).exists():
+        raise ConfigError(f"--from-profile {path}: no such profile; record one with eddis-train --profile "
+                          "(EDDIS_PROFILE=1): it is <run dir>/profile.h5")
+    try:
+        _, ranks = load_profile(path)
+    except OSError as exc:   # h5py's word for a file that is not HDF5
+        raise ConfigError(f"--from-profile {path}: not an EDDIS profile ({exc}); give the profile.h5 of a run "
+                          "or its run directory") from None
     summary = summarize(ranks, skip)
     nodes = {}
     for row in summary["ranks"]:

@@ -53,6 +53,7 @@ def add_arguments(p):
 def run(args):
     if args.calibrate:
         return run_calibration(args)
+    counts = _counts(args.plot_nodes) if args.plot else None
     cluster, workload = assemble(args)
     modes = _modes(args.modes)
     tau = args.tau or settings.get("EDDIS_EASGD_TAU")
@@ -66,7 +67,6 @@ def run(args):
     if args.plot:
         from .plot import plot_nodes
 
-        counts = _counts(args.plot_nodes)
         path = plot_nodes(args.plot, cluster, workload, modes, counts, tau)
         print(f"plot: {path}")
     return 0
@@ -116,12 +116,14 @@ def assemble(args):
         if not (args.profile or args.timeline):
             raise ConfigError("eddis plan needs a model: --model model.json, or a run's --from-profile/--timeline")
         workload = calibrate.workload_from_run(args.profile, args.timeline)
-    if args.nodes:
+    if args.nodes is not None:
         cluster = cluster.with_nodes(args.nodes)
     if args.link or args.latency_us is not None:
         cluster = cluster.with_link(spec.parse_rate(args.link, "--link") if args.link else None,
                                     None if args.latency_us is None else args.latency_us * 1e-6)
-    if args.local_batch:
+    if args.local_batch is not None:
+        if args.local_batch < 1:
+            raise ConfigError(f"--local-batch {args.local_batch}: a rank needs a sample or more a step")
         workload = replace(workload, local_batch=args.local_batch)
     spec.check_pair(cluster, workload, args.cluster or "the cluster")
     return cluster, workload

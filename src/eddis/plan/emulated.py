@@ -1,0 +1,70 @@
+"""``bench/cluster.py``'s configurations as planner inputs, and its records beside the model.
+
+A configuration of the bench (``{"link", "nodes", "ranks_per_node", "slowdowns",
+"model", "local_batch"}``, as its ``--json`` records hold it) becomes a
+:class:`~.spec.Cluster`: rank r's seconds a sample are the calibrated CPU time plus
+``slowdowns[r] x device_ms`` (the bench's simulated device sleeps that long a sample),
+its node's link the configuration's rate, and the SMB, reduce and cast rates those of a
+calibrated ``base`` cluster. A contender's name is a mode of :mod:`.modes`, with the
+bench's suffixes: ``-overlap``/``-nooverlap`` force the elastic exchange in the
+background or not, ``horovod`` moves what MPI's allreduce moves.
+"""
+from dataclasses import replace
+
+from .evaluate import step_of
+from .modes import MODES
+from .spec import TCP_PAYLOAD_SHARE, Cluster, Node, Rank, parse_rate
+from .timing import per_sample_times
+
+
+def bench_cluster(config, cpu_s_per_sample, device_ms=0.0, base=None):
+    """The cluster of one bench configuration (see the module docstring)."""
+    nodes, per_node = int(config["nodes"]), int(config["ranks_per_node"])
+    factors = [float(c) for c in str(config.get("slowdowns", "1"))]
+    link = parse_rate(config["link"], "the configuration's link") * TCP_PAYLOAD_SHARE / 8
+    built = []
+    for j in range(nodes):
+        ranks = []
+        for m in range(per_node):
+            f = factors[(j * per_node + m) % len(factors)]
+            ranks.append(Rank(samples_per_s=1.0 / (cpu_s_per_sample + f * device_ms / 1000.0), kind=f"x{f:g}"))
+        built.append(Node(f"n{j + 1}", tuple(ranks), link, 0.0))
+    base = base or Cluster(nodes=())
+    return replace(base, nodes=tuple(built), source=f"bench/cluster.py {config}")
+
+
+def contender_mode(contender):
+    """(mode name, overlap or None) of a bench contender."""
+    if contender == "horovod":
+        return "eddis-allreduce", None
+    for suffix, overlap in (("-nooverlap", False), ("-overlap", True)):
+        if contender.endswith(suffix):
+            return contender[:-len(suffix)], overlap
+    return contender, None
+
+
+def predict(contender, cluster, workload, tau=4, run_steps=None):
+    """The model's Step for a bench contender on ``cluster`` (``solo``: the ideal)."""
+    from .timing import solo
+
+    per_sample = per_sample_times(cluster, workload)
+    if contender == "solo":
+        return solo(cluster, workload, per_sample)
+    mode, overlap = contender_mode(contender)
+    return step_of(MODES[mode], cluster, workload, per_sample, tau, overlap, run_steps)
+
+
+def side_by_side(records, cluster_of, workload_of, tau=4, run_steps=80):
+    """Rows of predicted against measured for bench/cluster.py ``--json`` records.
+    ``cluster_of(config)`` and ``workload_of(config)`` give the model's inputs."""
+    rows = []
+    for record in records:
+        config = record["config"]
+        cluster, workload = cluster_of(config), workload_of(config)
+        step = predict(record["contender"], cluster, workload, tau, run_steps)
+        S = record["gradient_bytes"]
+        rows.append({"config": config, "contender": record["contender"],
+                     "samples_per_s": {"measured": record["samples_per_s"], "predicted": step.samples_per_s},
+                     "bytes_per_step_over_S": {"measured": record["cross_node_bytes_per_step"] / S,
+                                               "predicted": step.bytes_per_node_way / workload.gradient_bytes}})
+    return rows
