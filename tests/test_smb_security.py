@@ -379,3 +379,33 @@ def test_a_gate_whose_thread_ends_is_named_by_the_server(tmp_path):
     finally:
         server.stop()
     assert server.failure() is None   # stopped as asked: nothing to name
+
+
+@pytest.mark.timeout(60)
+def test_a_server_out_of_descriptors_lets_new_peers_wait_and_serves_them_later():
+    """accept() failing (EMFILE) used to leave the listener readable and the gate spinning
+    on it, a warning per turn; now the listener rests between tries and warns once."""
+    import resource
+
+    hold = 2.0
+    with LocalServers(1, memory="8M", env={"SMB_LOCAL_MAP": "0"}) as servers:
+        pid, port = servers.procs[0].pid, servers.records[0]["port"]
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        highest = max(int(fd) for fd in os.listdir(f"/proc/{pid}/fd"))
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (highest, hard))   # no descriptor left to accept
+        try:
+            waiting = socket.create_connection(("127.0.0.1", port), timeout=5)
+            time.sleep(hold)
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        with Client(servers.run_dir, expected_servers=1, timeout=10) as client:
+            assert client.counter("after").fetch_add(1) == 0
+            gate = client.stats(0)["handshake"]
+        # the peer that waited got its challenge once the limit was back
+        waiting.settimeout(5)
+        assert waiting.recv(handshake.CHALLENGE_BYTES).startswith(handshake.PROTOCOL)
+        waiting.close()
+        assert 1 <= gate["accept_failed"] <= hold / handshake.ACCEPT_PAUSE + 2
+        assert _server_alive(servers)
+        err = servers.stop()[0]
+    assert err.count("accept failed") == 1, err
