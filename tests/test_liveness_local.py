@@ -140,3 +140,39 @@ def test_missing_script_is_refused_before_anything_starts(tmp_path):
     assert code == 2
     assert "the training script no_such_train.py does not exist" in err and "nothing was started" in err, err
     assert "smb-server" not in out + err and not (tmp_path / "run").exists()
+
+
+
+# a stopped supervisor, the report's name for it and the run's status: a supervisor found hung is
+# killed by its child (137, as a hung trainer or server); the top's sentinel kills the top (-9)
+SUPERVISORS = {"rank": (TRAINER, r"the eddis-train supervisor of rank 1 on host \S+", 137),
+               "server": (SMB_TRAINER, r"the eddis-train supervisor of smb-server 0 on host \S+", 137),
+               "top": (TRAINER, r"eddis-train --local on host \S+", -signal.SIGKILL)}
+
+
+def supervisor_pid(tmp_path, proc, which):
+    if which == "rank":
+        return started_ranks(tmp_path, 2)[1]["supervisor_pid"]
+    if which == "server":
+        path = tmp_path / "run" / "launch" / "smb-servers" / "started" / "0.json"
+        return json.loads(path.read_text())["supervisor_pid"]
+    return proc.pid
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("which", sorted(SUPERVISORS),
+                         ids=["rank supervisor", "server supervisor", "eddis-train --local"])
+def test_a_stopped_supervisor_is_the_root_cause_and_the_run_ends(tmp_path, which):
+    trainer, name, status = SUPERVISORS[which]
+    proc = start(tmp_path, "-n", "2", trainer, "--steps", "3000", "--step-seconds", "0.05")
+    started_ranks(tmp_path, 2)
+    time.sleep(2)  # into the training loop, with heartbeats flowing both ways
+    pid = supervisor_pid(tmp_path, proc, which)
+    os.kill(pid, signal.SIGSTOP)
+    code, out, err, took = finish(proc)
+    assert took < BOUND
+    assert err.count("ROOT CAUSE") == 1, err
+    report = err[err.index("ROOT CAUSE"):]
+    assert re.search(rf"ROOT CAUSE: {name} \(pid {pid}\) hung \(.*stopped by a signal \(SIGSTOP", report), report
+    assert code == status, err
+    assert_nothing_left(tmp_path)   # the stopped supervisor too

@@ -146,3 +146,51 @@ def test_missing_script_is_refused_before_the_servers(slurm_cluster, job_env, tm
     assert state == "FAILED" and code == "2:0", (state, code, text)
     assert text.count("the training script no_such_train.py does not exist") == 1, text
     assert "smb-server" not in text and "eddis-train: rank" not in text
+
+
+def job_supervisor_pid(run_dir):
+    """The pid of the job's eddis-train --job (the batch step's one command; not its sentinel's)."""
+    found = wait_until(lambda: [pid for pid, cmd in processes_with_env("EDDIS_RUN_DIR", str(run_dir))
+                                if "--job" in cmd.split() and "eddis.launch.topwatch" not in cmd], 30,
+                       what="eddis-train --job")
+    assert len(found) == 1, found
+    return found[0]
+
+
+def supervisor_pid(run_dir, which, ranks):
+    if which == "rank":
+        return ranks[2]["supervisor_pid"]
+    if which == "server":
+        return json.loads((Path(run_dir) / "launch" / "smb-servers" / "started" / "1.json").read_text())[
+            "supervisor_pid"]
+    return job_supervisor_pid(run_dir)
+
+
+# a stopped supervisor, the report's name for it and Slurm's state and exit code of the job: a
+# supervisor found hung is killed by its child (137, as a hung trainer or server); the --job
+# supervisor by its sentinel (signal 9 ends the batch step)
+SUPERVISORS = {"rank": (TRAINER, r"the eddis-train supervisor of rank 2 on host n2", ("FAILED", "137:0")),
+               "server": (SMB_TRAINER, r"the eddis-train supervisor of smb-server 1 on host n2",
+                          ("FAILED", "137:0")),
+               "job": (TRAINER, r"eddis-train --job on host n1", ("FAILED", "0:9"))}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("which", sorted(SUPERVISORS),
+                         ids=["eddis-train --job", "rank supervisor", "server supervisor"])
+def test_a_stopped_supervisor_is_the_root_cause_and_the_job_ends(slurm_cluster, job_env, tmp_path, which):
+    trainer, name, ended = SUPERVISORS[which]
+    out = tmp_path / "job.out"
+    job_id = sbatch(slurm_cluster, job_env, out, trainer, "--steps", "3000", "--step-seconds", "0.1")
+    run_dir = Path(job_env["EDDIS_RUN_DIR"])
+    ranks = rank_records(run_dir)
+    wait_until(lambda: stepping(out), 90, interval=0.5, what="all ranks to be training")
+    pid = supervisor_pid(run_dir, which, ranks)
+    os.kill(pid, signal.SIGSTOP)
+    assert wait_job_end(slurm_cluster, job_id, BOUND, out) == ended, out.read_text()
+    text = out.read_text()
+    assert text.count("ROOT CAUSE") == 1, text
+    assert re.search(rf"ROOT CAUSE: {name} \(pid {pid}\) hung \(.*stopped by a signal \(SIGSTOP", text), text
+    listed = slurm_cluster.run(["squeue", "-h", "-j", job_id], check=False).stdout.strip()
+    assert listed == "", listed   # the allocation is released
+    assert_no_processes_left(run_dir)   # the stopped supervisor too
