@@ -98,21 +98,28 @@ class TopWatch:
         self.watch.started(self.proc.pid)
 
     def _watch(self):
-        """Restart a sentinel that hangs or ends. Threads of this process that start one are
-        its parents for PR_SET_PDEATHSIG: this one lives until close() ends the sentinel."""
-        while self.proc is not None and not self._closing.wait(beat_interval(self.timeout)):
-            hung = self.watch.hung()
-            if hung is None and self.proc.poll() is None:
-                continue
-            what = f"hung ({hung})" if hung is not None else f"ended (status {self.proc.returncode})"
-            self._end_sentinel(wait=hung is None)
-            if self.restarts >= MAX_RESTARTS:
-                say(f"the sentinel that watches {self.kind} {what}, after {self.restarts} restart(s); "
-                    "it goes unwatched from here")
-                return
-            self.restarts += 1
-            say(f"the sentinel that watches {self.kind} {what}; starting another")
-            self._spawn()
+        """Restart a sentinel that hangs or ends; at close(), end it. This thread ends it, as
+        the parent of the sentinels it started for PR_SET_PDEATHSIG, which would kill them at
+        its exit."""
+        try:
+            while not self._closing.wait(beat_interval(self.timeout)):
+                hung = self.watch.hung()
+                if hung is None and self.proc.poll() is None:
+                    continue
+                what = f"hung ({hung})" if hung is not None else f"ended (status {self.proc.returncode})"
+                self._end_sentinel(wait=hung is None)
+                if self.restarts >= MAX_RESTARTS:
+                    say(f"the sentinel that watches {self.kind} {what}, after {self.restarts} restart(s); "
+                        "it goes unwatched from here")
+                    return
+                self.restarts += 1
+                say(f"the sentinel that watches {self.kind} {what}; starting another")
+                self._spawn()
+                if self.proc is None:
+                    return
+        finally:
+            if self.proc is not None and self.proc.returncode is None:
+                self._end_sentinel()
 
     def _end_sentinel(self, wait=True):
         """The end of our beats, which a running sentinel answers by exiting; killed if it does not."""
@@ -128,9 +135,7 @@ class TopWatch:
     def close(self):
         self._closing.set()
         if self._thread is not None:
-            self._thread.join(timeout=CLOSE_SECONDS + 2 * beat_interval(self.timeout))
-        if self.proc is not None and self.proc.returncode is None:
-            self._end_sentinel()
+            self._thread.join(timeout=CLOSE_SECONDS + 2 * beat_interval(self.timeout) + 1)
 
 
 def _die_with_parent():
