@@ -251,6 +251,82 @@ def test_the_name_check_catches_a_missing_horovod_name(tmp_path):
     assert unresolved_horovod_names(manual) == [(6, "elastic.no_such_call")]
 
 
+# Horovod's public API, typed out from Horovod 0.28.1's horovod/torch/__init__.py,
+# horovod/tensorflow/__init__.py, horovod/tensorflow/keras/__init__.py and the elastic and
+# callbacks modules they export (none of them has an __all__ but torch.elastic). Left out:
+# what those files import for their own use (check_extension, gpu_available, split_list,
+# handle_average_backwards_compatibility, check_num_rank_power_of_2, vars_to_refs,
+# refs_to_vars, LocalGradientAggregationHelper, is_version_greater_equal_than), modules
+# (os, tf, keras, version, warnings, inspect) and underscore names.
+HOROVOD_COMMON = """
+    init shutdown is_initialized start_timeline stop_timeline size local_size cross_size rank local_rank cross_rank
+    mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built ddl_built ccl_built cuda_built
+    rocm_built ProcessSet global_process_set add_process_set remove_process_set Average Sum Compression
+    Compression.none Compression.fp16 elastic DistributedOptimizer allreduce allgather broadcast
+    """.split()
+HOROVOD_API = {
+    "eddis.torch": HOROVOD_COMMON + """
+        Adasum Min Max Product allgather_object broadcast_object broadcast_optimizer_state broadcast_parameters
+        allreduce_async allreduce_ allreduce_async_ grouped_allreduce grouped_allreduce_async grouped_allreduce_
+        grouped_allreduce_async_ sparse_allreduce_async allgather_async grouped_allgather grouped_allgather_async
+        broadcast_async broadcast_ broadcast_async_ alltoall alltoall_async reducescatter reducescatter_async
+        grouped_reducescatter grouped_reducescatter_async join barrier poll synchronize HorovodInternalError
+        SyncBatchNorm elastic.run elastic.TorchState elastic.ElasticSampler
+        """.split(),
+    "eddis.tensorflow": HOROVOD_COMMON + """
+        Adasum Min Max Product allgather_object broadcast_object broadcast_object_fn broadcast_variables
+        grouped_allgather broadcast_ alltoall is_homogeneous rank_op local_rank_op size_op local_size_op
+        process_set_included_op join SyncBatchNormalization reducescatter grouped_allreduce grouped_reducescatter
+        broadcast_global_variables BroadcastGlobalVariablesHook DistributedGradientTape
+        PartialDistributedGradientTape elastic.run elastic.TensorFlowKerasState elastic.TensorFlowState
+        elastic.ObjectState
+        """.split(),
+    "eddis.tensorflow.keras": HOROVOD_COMMON + """
+        broadcast_global_variables reducescatter load_model callbacks callbacks.BroadcastGlobalVariablesCallback
+        callbacks.MetricAverageCallback callbacks.LearningRateScheduleCallback callbacks.LearningRateWarmupCallback
+        callbacks.BestModelCheckpoint elastic.run elastic.TensorFlowKerasState elastic.KerasState
+        elastic.CommitStateCallback elastic.UpdateBatchStateCallback elastic.UpdateEpochStateCallback
+        """.split(),
+}
+CONVERSION_MANUAL = {"eddis.torch": "pytorch-conversion.md", "eddis.tensorflow": "tensorflow-conversion.md",
+                     "eddis.tensorflow.keras": "tensorflow-conversion.md"}
+
+
+def horovod_column_names(doc):
+    """The names in the first column of the doc's ``| Horovod |`` tables: every dotted name
+    in its code spans, without a leading ``hvd.`` (``hvd.reducescatter(t)``: reducescatter)."""
+    prose = dict(parse(doc)[1])
+    names = set()
+    for line, text in prose.items():
+        for span in INLINE.finditer(text):
+            if in_horovod_column(prose, line, span):
+                names.update(re.sub(r"^hvd\.", "", name) for name in re.findall(r"[A-Za-z_][\w.]*\w", span.group("code")))
+    return names
+
+
+def horovod_names_eddis_lacks(module, names, doc):
+    """The Horovod names that ``module`` lacks and the doc's differences table does not name."""
+    listed = horovod_column_names(doc)
+    return [name for name in names if lookup(module, name.split(".")) is None and name not in listed]
+
+
+@pytest.mark.parametrize("module", sorted(HOROVOD_API))
+def test_every_horovod_name_eddis_lacks_is_in_the_differences_table(module):
+    doc = REPO / "docs" / CONVERSION_MANUAL[module]
+    missing = horovod_names_eddis_lacks(module, HOROVOD_API[module], doc)
+    assert not missing, (f"{module} lacks Horovod's {', '.join(missing)}, and the differences table of "
+                         f"docs/{doc.name} does not say what to do instead: add a row for each")
+
+
+def test_the_table_check_catches_a_horovod_name_in_neither(tmp_path):
+    manual = tmp_path / "manual.md"
+    manual.write_text("| Horovod | EDDIS |\n|---|---|\n| `hvd.alltoall(tensor)`, `elastic.ElasticSampler` | not provided |\n"
+                      "\nProse naming `hvd.reducescatter` is no row.\n")
+    assert horovod_column_names(manual) == {"alltoall", "tensor", "elastic.ElasticSampler"}
+    assert horovod_names_eddis_lacks("eddis.torch", ["alltoall", "reducescatter", "elastic.ElasticSampler",
+                                                     "allreduce", "elastic.run"], manual) == ["reducescatter"]
+
+
 def test_runnable_blocks_are_found():
     blocks = runnable_blocks()
     docs = {block.doc.name for block in blocks}
