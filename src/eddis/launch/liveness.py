@@ -52,6 +52,7 @@ import ctypes
 import faulthandler
 import json
 import os
+import select
 import signal
 import tempfile
 import threading
@@ -300,6 +301,16 @@ class ParentWatch(_BeatReader):
         """Whether the supervisor closed its end: it has ended the watch (or is gone)."""
         self._drain()
         return not self._beating
+
+    def wait(self, seconds):
+        """Sleep ``seconds``, or until a beat or the end of the beats comes."""
+        if not self._beating:
+            time.sleep(seconds)
+            return
+        try:
+            select.select([self._read_fd], [], [], seconds)
+        except (InterruptedError, OSError, ValueError):
+            time.sleep(seconds)
 
 
 class LivenessWatch(_BeatReader):

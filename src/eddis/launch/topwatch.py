@@ -159,7 +159,7 @@ def main(argv=None):
         say("the sentinel runs only under eddis-train --local or --job, which start it")
         return 2
     while True:
-        time.sleep(beat_interval(top.timeout))
+        top.wait(beat_interval(top.timeout))   # woken at once when the top ends the watch
         why = top.hung()
         if why is not None:
             return end_job(args.kind, top.pid, args.run_dir, why)
