@@ -38,6 +38,12 @@ def echoes(text):
                   key=lambda e: e["rank"])
 
 
+# what each of 2 ranks must print: MODULE_ARGS, run as __main__ from its file, the working
+# directory first on sys.path
+RAN_AS_PYTHON_M = [{"argv": MODULE_ARGS, "name": "__main__", "file": "argv.py", "rank": str(rank), "size": "2",
+                    "cwd_first": True} for rank in (0, 1)]
+
+
 def test_the_module_and_its_arguments_are_the_command_as_given():
     args = parse_args(["--local", "-n", "2", "-m", "pkg.train", *MODULE_ARGS])
     assert (args.local, args.np, args.script) == (True, 2, ["-m", "pkg.train", *MODULE_ARGS])
@@ -60,8 +66,7 @@ def test_local_runs_a_module_on_every_rank_as_python_m_does(tmp_path):
     proc = run_process_group(["eddis-train", "--local", "-n", "2", "-m", "echo_pkg.argv", *MODULE_ARGS],
                              local_env(tmp_path), 120, cwd=str(work))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert echoes(proc.stdout) == [{"argv": MODULE_ARGS, "name": "__main__", "file": "argv.py", "rank": str(rank),
-                                    "size": "2", "cwd_first": True} for rank in (0, 1)], proc.stdout
+    assert echoes(proc.stdout) == RAN_AS_PYTHON_M, proc.stdout
     assert_clean(tmp_path)
 
 
@@ -70,19 +75,20 @@ def test_local_runs_a_module_on_every_rank_as_python_m_does(tmp_path):
 def test_local_runs_pytest_as_a_module(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    (work / "test_on_a_rank.py").write_text(
-        "import os\n\ndef test_the_rank_is_one_of_two():\n"
-        "    assert os.environ['EDDIS_SIZE'] == '2' and os.environ['EDDIS_RANK'] in ('0', '1')\n")
-    proc = run_process_group(["eddis-train", "--local", "-n", "2", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              "test_on_a_rank.py"], local_env(tmp_path), 120, cwd=str(work))
+
+    def pytest_on_2_ranks(test, name):
+        (work / "test_on_a_rank.py").write_text(test)
+        return run_process_group(["eddis-train", "--local", "-n", "2", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  "test_on_a_rank.py"], local_env(tmp_path / name), 120, cwd=str(work))
+
+    proc = pytest_on_2_ranks("import os\n\ndef test_the_rank_is_one_of_two():\n"
+                             "    assert os.environ['EDDIS_SIZE'] == '2' and os.environ['EDDIS_RANK'] in ('0', '1')\n",
+                             "passes")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in (0, 1):
         assert re.search(rf"^\[{rank}@\S+\] 1 passed", proc.stdout, re.M), proc.stdout
     # a failing test fails the rank, and so the job, as pytest's status
-    (work / "test_on_a_rank.py").write_text("def test_fails():\n    assert False\n")
-    failed = run_process_group(["eddis-train", "--local", "-n", "2", "-m", "pytest", "-q", "-p",
-                                "no:cacheprovider", "test_on_a_rank.py"], local_env(tmp_path / "again"), 120,
-                               cwd=str(work))
+    failed = pytest_on_2_ranks("def test_fails():\n    assert False\n", "fails")
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert re.search(r"ROOT CAUSE: rank \d on host \S+ exited with code 1", failed.stderr), failed.stderr
 
@@ -106,5 +112,4 @@ def test_a_job_runs_a_module_on_every_rank(slurm_cluster, tmp_path):
     state = wait_job_end(slurm_cluster, job_id, 240, log)
     text = log.read_text(errors="replace")
     assert state == ("COMPLETED", "0:0"), text[-4000:]
-    assert echoes(text) == [{"argv": MODULE_ARGS, "name": "__main__", "file": "argv.py", "rank": str(rank),
-                             "size": "2", "cwd_first": True} for rank in (0, 1)], text[-4000:]
+    assert echoes(text) == RAN_AS_PYTHON_M, text[-4000:]
