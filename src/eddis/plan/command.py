@@ -190,7 +190,7 @@ def describe_inputs(cluster, workload):
 def format_plan(cluster, workload, outcomes, advice, tau):
     lines = ["eddis plan (predicted, not measured)"] + describe_inputs(cluster, workload) + [""]
     head = (f"{'mode':24s} {'step ms':>9s} {'samples/s':>10s} {'x ring':>7s} {'x ideal':>8s} "
-            f"{'MB/node/way':>12s} {'/ S':>5s} {'link busy':>9s} {'to target':>10s} {'s to target':>11s}")
+            f"{'MB/node/way':>12s} {'/ S':>5s} {'link busy':>9s} {'target smp':>10s} {'target s':>9s}")
     lines += [head, "-" * len(head)]
     S = workload.gradient_bytes
     for name, o in outcomes.items():
@@ -201,7 +201,7 @@ def format_plan(cluster, workload, outcomes, advice, tau):
         lines.append(f"{label:24s} {st.step_s * 1e3:9.1f} {st.samples_per_s:10.1f} "
                      f"{'-' if o.x_ring is None else f'{o.x_ring:.2f}':>7s} {o.x_ideal:8.2f} "
                      f"{_mb(st.bytes_per_node_way):>12s} {st.bytes_per_node_way / S:5.2f} {st.link_busy:9.0%} "
-                     f"{target:>10s} {when:>11s}")
+                     f"{target:>10s} {when:>9s}")
     lines.append(f"(a step: one global batch; elastic modes at tau {tau}, their exchanges "
                  f"{'in the background' if cluster.num_nodes > 1 else 'inline (one node)'}; samples to target "
                  "only where the model gives them and, for easgd/hybrid, their measured sample efficiency)")
