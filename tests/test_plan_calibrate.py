@@ -140,12 +140,31 @@ def worker(steps):
     eddis.shutdown()
 
 
-def local_job(tmp_path, name, *argv, env=None, timeout=300):
+LINK_PROBE = """
+import time
+from mpi4py import MPI
+from eddis.plan import probe
+comm = MPI.COMM_WORLD
+hosts = probe._hosts(comm, time.monotonic() + 60)
+figures = probe.link_probe(comm, 1, 1 << 20, 3, time.monotonic() + 120)
+print("RESULT", comm.Get_rank(), len(set(hosts)), figures is not None and all(f > 0 for f in figures))
+"""
+
+
+def test_the_link_probe_between_two_ranks(run_mpi):
+    # one machine, so this measures MPI between two processes, not a link: what it checks is that
+    # both ends take part, finish within the deadline and report positive rates and a latency
+    proc = run_mpi(2, [PYTHON, "-c", LINK_PROBE], timeout=180, check=True)
+    results = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    assert results == [["0", "1", "True"], ["1", "1", "True"]], proc.stdout + proc.stderr
+
+
+def local_job(tmp_path, name, *argv, env=None, timeout=300, status=0):
     run_env = python_env({"PATH": f"{make_bin(tmp_path / 'bin')}:{python_env()['PATH']}",
                           "SMB_MEMORY": "64M", **(env or {})})
     proc = run_process_group(["eddis-train", "--local", "-n", "2", "--run-dir", str(tmp_path / name), *argv],
                              run_env, timeout, cwd=str(REPO))
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert (proc.returncode == 0) == (status == 0), f"{proc.stdout}\n{proc.stderr}"
     return proc
 
 
@@ -174,6 +193,11 @@ def test_calibrate_from_a_real_run_and_the_probes(tmp_path, capsys):
                        str(tmp_path / "cal" / "model.json"), "--nodes", "4"])
     out = capsys.readouterr().out
     assert status == 0 and "recommendation:" in out and "cluster: 4 nodes, 8 ranks" in out
+    # one node and no --link: nothing to measure the link with, and the job says so
+    proc = local_job(tmp_path, "nolink", PYTHON, "-m", "eddis.cli", "plan", "--calibrate", "--out",
+                     str(tmp_path / "nolink-out"), status=1)
+    assert "one node, so there is no link to measure" in proc.stdout + proc.stderr
+    assert not (tmp_path / "nolink-out" / "cluster.json").exists()
 
 
 if __name__ == "__main__":

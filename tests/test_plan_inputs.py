@@ -31,6 +31,16 @@ def with_field(data, path, value):
     return data
 
 
+def assert_refused(parse, data, where, names):
+    """``parse`` refuses ``data`` with a message that starts with the file and holds ``names``."""
+    with pytest.raises(ConfigError) as info:
+        parse(data, where)
+    message = str(info.value)
+    assert message.startswith(where), message
+    for name in names:
+        assert name in message, message
+
+
 def test_a_whole_cluster_reads_as_written():
     c = spec.cluster_from_dict(CLUSTER)
     assert c.num_nodes == 16 and c.size == 64
@@ -79,12 +89,7 @@ def test_link_rates(text, bits):
     (["pcie_gbs"], "fast", ["pcie_gbs", "not a number"]),
 ])
 def test_a_bad_cluster_field_is_named_with_its_fix(path, value, names):
-    with pytest.raises(ConfigError) as info:
-        spec.cluster_from_dict(with_field(CLUSTER, path, value), "c.json")
-    message = str(info.value)
-    assert message.startswith("c.json"), message
-    for name in names:
-        assert name in message, message
+    assert_refused(spec.cluster_from_dict, with_field(CLUSTER, path, value), "c.json", names)
 
 
 @pytest.mark.parametrize("path,value,names", [
@@ -101,12 +106,7 @@ def test_a_bad_cluster_field_is_named_with_its_fix(path, value, names):
     (["samples_to_targets"], 5, ["samples_to_targets", "samples_to_target"]),
 ])
 def test_a_bad_model_field_is_named_with_its_fix(path, value, names):
-    with pytest.raises(ConfigError) as info:
-        spec.model_from_dict(with_field(MODEL, path, value), "m.json")
-    message = str(info.value)
-    assert message.startswith("m.json"), message
-    for name in names:
-        assert name in message, message
+    assert_refused(spec.model_from_dict, with_field(MODEL, path, value), "m.json", names)
 
 
 def test_ranks_by_speed_need_the_compute_per_sample():

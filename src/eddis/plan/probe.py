@@ -29,12 +29,16 @@ HOST_BYTES = 256
 REDUCE_SLOTS = 4
 
 
-def _wait(requests, deadline, what):
-    """Wait (polling, so that MPI progresses at full speed) for every request, or raise."""
+def _wait(requests, deadline, what, pause=0.0):
+    """Wait for every request, or raise at ``deadline``. A timed transfer polls without a
+    pause, so that MPI progresses at full speed; a rank that only waits for the others
+    pauses, so that it leaves the CPUs to their probes."""
     from mpi4py import MPI
 
     requests = list(requests)
     while not MPI.Request.Testall(requests):
+        if pause:
+            time.sleep(pause)
         if time.monotonic() > deadline:
             raise CollectiveTimeoutError(f"eddis plan --calibrate: {what} did not finish in time; a rank "
                                          "is stuck or the link is far slower (raise --probe-timeout)")
@@ -47,7 +51,7 @@ def _hosts(comm, deadline):
     name = identity.node_name().encode()[:HOST_BYTES]
     mine[:len(name)] = np.frombuffer(name, dtype=np.uint8)
     every = np.zeros(HOST_BYTES * comm.Get_size(), dtype=np.uint8)
-    _wait([comm.Iallgather([mine, MPI.BYTE], [every, MPI.BYTE])], deadline, "the ranks' host names")
+    _wait([comm.Iallgather([mine, MPI.BYTE], [every, MPI.BYTE])], deadline, "the ranks' host names", pause=0.001)
     return [bytes(row).rstrip(b"\0").decode() for row in every.reshape(-1, HOST_BYTES)]
 
 
@@ -147,6 +151,11 @@ def run(nbytes=64 << 20, repeats=4, timeout=120.0, link_bits=None, ranks=None):
     hosts = _hosts(comm, deadline)
     nodes = list(dict.fromkeys(hosts))
     peer = next((r for r, h in enumerate(hosts) if h != hosts[0]), None)
+    if peer is None and link_bits is None:   # known to every rank: rank 0 says it, the others end
+        if rank == 0:
+            raise ConfigError("eddis plan --calibrate: the job has one node, so there is no link to measure; "
+                              "give its rate (--link 200gbit) or run the probes on two nodes or more")
+        return None
     link = None if peer is None else link_probe(comm, peer, nbytes, repeats, deadline)
     smb = None
     if rank == 0:
@@ -155,12 +164,9 @@ def run(nbytes=64 << 20, repeats=4, timeout=120.0, link_bits=None, ranks=None):
             smb = smb_probe(client, hosts[0], nbytes, repeats, timeout)
         finally:
             client.close()
-    _wait([comm.Ibarrier()], deadline, "the end of the probes")
+    _wait([comm.Ibarrier()], deadline, "the end of the probes", pause=0.01)
     if rank != 0:
         return None
-    if link is None and link_bits is None:
-        raise ConfigError("eddis plan --calibrate: the job has one node, so there is no link to measure; give "
-                          "its rate (--link 200gbit) or run the probes on two nodes or more")
     if link is not None:
         one_way, both, latency = link
         link_bps, latency_s = both, latency
