@@ -19,8 +19,9 @@ def write(tmp_path, name, data):
 
 def cluster_file(tmp_path, link="1gbit", nodes=(2, 2), rates=(40.0,), **extra):
     k, r = nodes
-    entries = [{"ranks": [{"samples_per_s": rates[(j * r + m) % len(rates)], "kind": f"k{rates[(j * r + m) % len(rates)]:g}"}
-                          for m in range(r)]} for j in range(k)]
+    speeds = [rates[i % len(rates)] for i in range(k * r)]
+    entries = [{"ranks": [{"samples_per_s": speed, "kind": f"k{speed:g}"} for speed in speeds[j * r:(j + 1) * r]]}
+               for j in range(k)]
     return write(tmp_path, "cluster.json", dict({"format": spec.CLUSTER_FORMAT, "link": {"rate": link},
                                                  "nodes": entries}, **extra))
 

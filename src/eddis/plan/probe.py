@@ -178,7 +178,8 @@ def run(nbytes=64 << 20, repeats=4, timeout=120.0, link_bits=None, ranks=None):
     put, get, reduce, crossed = smb
     measured += (f"; SMB {'across the link' if crossed else 'on the own node (mapped)'}: put {put / 1e9:.3f} GB/s, "
                  f"get {get / 1e9:.3f} GB/s; server reduce {reduce / 1e9:.3f} GB/s of input "
-                 f"({REDUCE_SLOTS} slots); {nbytes} bytes x {repeats}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+                 f"({REDUCE_SLOTS} slots); {nbytes} bytes x {repeats}, "
+                 f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     if ranks is None:
         gpu = identity.gpu_type() or "rank"
         ranks = [(node, [Rank(speed=1.0, kind=gpu)] * hosts.count(node)) for node in nodes]
