@@ -79,8 +79,9 @@ class TopWatch:
         if self.timeout <= 0:
             return self   # EDDIS_LIVENESS_TIMEOUT=0: no liveness watch anywhere
         self._spawn()
-        self._thread = threading.Thread(target=self._watch, name="eddis-sentinel-watch", daemon=True)
-        self._thread.start()
+        if self.proc is not None:
+            self._thread = threading.Thread(target=self._watch, name="eddis-sentinel-watch", daemon=True)
+            self._thread.start()
         return self
 
     def _spawn(self):
