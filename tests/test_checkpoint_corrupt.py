@@ -6,7 +6,8 @@ the size and SHA-256 of each of its files. With 64 bytes flipped in the newest c
 rank-00000.pt, half of rank-00001.h5 cut off, or training.h5 removed, a resume of that folder
 takes the checkpoint before it (step 4, not 6), says in the job output which one it skipped and
 why, sets it aside as ckpt-00000006.corrupt, writes its own step 6 and 8 beside it, and ends with
-the same parameters whichever file was damaged. With every checkpoint damaged the launch fails
+the same parameters whichever file was damaged; checkpoints whose manifests have no checksums
+(written before EDDIS kept them) resume from the newest, with a warning. With every checkpoint damaged the launch fails
 with CheckpointCorruptError naming each, before any rank trained a step, and so does the next
 one. TensorFlow: 64 bytes flipped in the newest checkpoint's rank-00000.keras.h5 make the
 resume take the one before.
@@ -79,6 +80,18 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_one_before_resumed(tmp_p
         params[damage.__name__] = results(out)[0]["params"]
     assert relative_error(params["truncated"], params["flipped"]) < 1e-6
     assert relative_error(params["missing"], params["flipped"]) < 1e-6
+
+    # checkpoints written before EDDIS kept checksums: the newest resumed unverified, with a warning
+    old = tmp_path / "old"
+    shutil.copytree(ckpt, old)
+    for name in complete(old):
+        manifest = json.loads((old / name / "manifest.json").read_text())
+        del manifest["checksums"], manifest["manifest_sha256"]
+        (old / name / "manifest.json").write_text(json.dumps(manifest))
+    proc = checked(launch(tmp_path, tmp_path / "out-old", "--steps", 8, EDDIS_CHECKPOINT_DIR=old))
+    text = proc.stdout + proc.stderr
+    assert f"checkpoint {old / 'ckpt-00000006'} was written before EDDIS kept checksums" in text, text[-4000:]
+    assert [r["start"]["step"] for r in results(tmp_path / "out-old")] == [6, 6]
 
 
 @pytest.mark.timeout(400)
