@@ -7,10 +7,10 @@ rank-00000.pt, half of rank-00001.h5 cut off, or training.h5 removed, a resume o
 takes the checkpoint before it (step 4, not 6), says in the job output which one it skipped and
 why, sets it aside as ckpt-00000006.corrupt, writes its own step 6 and 8 beside it, and ends with
 the same parameters whichever file was damaged; checkpoints whose manifests have no checksums
-(written before EDDIS kept them) resume from the newest, with a warning. With every checkpoint damaged the launch fails
-with CheckpointCorruptError naming each, before any rank trained a step, and so does the next
-one. TensorFlow: 64 bytes flipped in the newest checkpoint's rank-00000.keras.h5 make the
-resume take the one before.
+(written before EDDIS kept them) resume from the newest, with a warning. With every checkpoint
+damaged the launch fails with CheckpointCorruptError naming each, before any rank trained a
+step, and so does the next one. TensorFlow: 64 bytes flipped in the newest checkpoint's
+rank-00000.keras.h5 make the resume take the one before.
 """
 import hashlib
 import json
