@@ -116,6 +116,7 @@ class PyEddis(PythonPackage, CudaPackage):
         "eddis",
         "eddis.core",
         "eddis.launch",
+        "eddis.plan",
         "eddis.slurm",
         "eddis.smb",
         "eddis.tensorflow",
