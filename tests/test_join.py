@@ -115,13 +115,14 @@ def test_join_in_easgd_is_a_counted_barrier_naming_the_last_rank(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,who", [("sync", "rank(s) [1]"), ("allreduce", "some ranks"),
-                                      ("easgd", "1 of the 2 ranks")])
-def test_a_collective_that_waits_for_a_joined_rank_fails_naming_it(tmp_path, mode, who):
+@pytest.mark.parametrize("mode", ["sync", "allreduce", "easgd"])
+def test_a_joined_rank_serves_an_allreduce_and_refuses_a_broadcast_naming_itself(tmp_path, mode):
     proc = eddis_train(tmp_path, "--local", "-n", "2", SCRIPT, "--framework", "torch", "--mode", mode,
                        "--misuse", timeout=280)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-6000:]
+    served = re.search(r"JOIN-SERVED (.*)", proc.stdout)
+    assert served and float(served.group(1)) == 0.5, output[-6000:]   # (1 + 0) / 2 ranks, as Horovod
     line = re.search(r"JOIN-MISUSE (.*)", proc.stdout)
     assert line, output[-6000:]
-    assert f"eddis.allreduce(loss): {who} called eddis.join()" in line.group(1), line.group(1)
+    assert "eddis.broadcast(loss): rank(s) [1] called eddis.join()" in line.group(1), line.group(1)

@@ -14,9 +14,10 @@ Each --run is one training, one after the other in the same ranks (starting a fr
 on every rank costs more than the training), with its settings in the environment for
 that run only; its JOIN-RESULT line carries the run's index.
 
---misuse: rank 1 joins after one step while rank 0 takes a second one and then asks for
-a metric allreduce, which no joined rank answers: rank 0 prints JOIN-MISUSE and the
-error, and exits 3.
+--misuse: rank 1 joins after one step while rank 0 takes a second one, then averages a
+metric (rank 1 takes part with zeros, as in Horovod: rank 0 prints JOIN-SERVED and the
+value) and asks for a broadcast, which a joined rank refuses: rank 0 prints JOIN-MISUSE and
+the error, and exits 3.
 """
 import argparse
 import json
@@ -133,12 +134,13 @@ def misuse(mode):
     if hvd.rank() != 0:
         hvd.join()
         sys.exit(0)
+    print(f"JOIN-SERVED {hvd.allreduce(torch.tensor([1.0]), name='loss').item()}", flush=True)
     try:
-        hvd.allreduce(torch.tensor([1.0]), name="loss")
+        hvd.broadcast(torch.tensor([1.0]), root_rank=0, name="loss")
     except UsageError as exc:
         print(f"JOIN-MISUSE {exc}", flush=True)
         sys.exit(3)
-    print("JOIN-MISUSE the allreduce returned", flush=True)
+    print("JOIN-MISUSE the broadcast returned", flush=True)
     sys.exit(4)
 
 

@@ -16,9 +16,9 @@ import importlib
 import functools
 import os
 
-from .. import settings
+from .. import settings, timeline
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import (adasum, checkpoint, checkpoint_run, checkpoint_state, collectives, elastic, hetero,
+from . import (adasum, checkpoint, checkpoint_run, checkpoint_state, collectives, elastic, engine, hetero,
                join as _join, progress, reducer, runtime, sampler)
 from .ops import Average, resolve_op
 
@@ -106,17 +106,28 @@ class EddisBasics:
         return False
 
     # ------------------------------------------------------------ object collectives
+    # The collectives a script calls run on eddis.core.engine's thread, each announced
+    # first: a rank inside join() takes part where Horovod's would, and every rank that
+    # called one refuses it alike where it cannot run (eddis.core.negotiate).
     def broadcast_object(self, obj, root_rank=0, name=None):
         self.require("eddis.broadcast_object()")
-        return collectives.broadcast_object(obj, root=root_rank, what=f"eddis.broadcast_object({name or ''})")
+        return engine.broadcast_object(obj, root_rank, name).wait()
 
     def allgather_object(self, obj, name=None):
         self.require("eddis.allgather_object()")
-        return collectives.allgather_object(obj, what=f"eddis.allgather_object({name or ''})")
+        return engine.allgather_object(obj, name).wait()
 
     def barrier(self):
         self.require("eddis.barrier()")
-        collectives.barrier(what="eddis.barrier()")
+        with timeline.span(timeline.BARRIER, args={"what": "eddis.barrier()"}):
+            engine.barrier().wait()
+
+    def announce(self, kind, root_rank=None):
+        """Before a composite collective (``broadcast_parameters``...) moves its data over the
+        runtime's communicator: returns once every rank made the same call; a UsageError on
+        every caller while some rank is inside join()."""
+        self.require(f"eddis.{kind}()")
+        engine.announce(kind, root_rank)
 
     # ------------------------------------------------------------ shares of a batch
     # Pure functions of (sizes, weights): a script sizes its batches and cuts its
@@ -124,36 +135,37 @@ class EddisBasics:
     split_sizes = staticmethod(sampler.split_sizes)
     batch_slice = staticmethod(sampler.batch_slice)
 
-    # ------------------------------------------------------------ tensor reductions (metrics)
-    def allreduce_array(self, data, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0,
+    # ------------------------------------------------------------ tensor collectives
+    # numpy in, a Handle out (eddis.core.engine): ``.wait()`` for the blocking calls, a
+    # handle number (``handle_number``) for Horovod's *_async ones.
+    def allreduce_async(self, data, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0,
                         name=None):
         """``data`` (numpy) reduced over all ranks, in its dtype and shape: the numeric rules of
         every adapter's ``allreduce``. Floats are summed in float64 (metrics, not gradients:
         exactness over speed); an integer average is refused rather than truncated.
         op=Adasum combines the ranks' tensors in Adasum's tree (float64, the whole tensor
         one vector; a power-of-2 number of ranks), floats only."""
-        import numpy as np
-
         self.require("eddis.allreduce()")
         op = resolve_op(op, average)
-        data = np.asarray(data)
-        floating = data.dtype.kind == "f" or data.dtype.name == "bfloat16"
-        if not floating and op.name == "adasum":
-            raise ConfigError(f"allreduce of an integer tensor ({data.dtype.name}) with op=Adasum: Adasum "
-                              "combines float tensors by their directions; reduce a float tensor, or "
-                              "use op=Sum")
-        if not floating and (op.name == "average" or prescale_factor != 1.0 or postscale_factor != 1.0):
-            raise ConfigError(f"allreduce of an integer tensor ({data.dtype.name}) with op={op!r} and "
-                              f"scale factors {prescale_factor}, {postscale_factor} would have to round: "
-                              "use op=Sum without factors, or reduce a float tensor")
-        work = data.astype(np.float64) if floating else np.array(data, copy=True)
-        if prescale_factor != 1.0:
-            work *= prescale_factor
-        out = collectives.allreduce_array(np.ascontiguousarray(work), op=op.name, out=None,
-                                          what=f"eddis.allreduce({name or ''})")
-        if postscale_factor != 1.0:
-            out *= postscale_factor
-        return np.asarray(out).reshape(data.shape).astype(data.dtype, copy=False)
+        return engine.allreduce(data, op.name, prescale_factor, postscale_factor, name)
+
+    def allreduce_array(self, data, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0,
+                        name=None):
+        return self.allreduce_async(data, op, average, prescale_factor, postscale_factor, name).wait()
+
+    def allgather_async(self, data, name=None):
+        """Every rank's ``data`` concatenated along the first dimension."""
+        self.require("eddis.allgather()")
+        return engine.allgather(data, name)
+
+    def broadcast_async(self, data, root_rank=0, name=None):
+        """root_rank's ``data``, as a new array."""
+        self.require("eddis.broadcast()")
+        return engine.broadcast(data, root_rank, name)
+
+    handle_number = staticmethod(engine.number)
+    poll = staticmethod(engine.poll)
+    synchronize = staticmethod(engine.synchronize)
 
     # ------------------------------------------------------------ uneven batches
     @staticmethod
@@ -161,9 +173,10 @@ class EddisBasics:
         """Collective: this rank has no data left. Until every rank has joined it keeps
         taking part in the others' gradient reductions with zeros (and weight 0, so
         ``Average`` is the mean over the ranks that still had data) and steps its
-        optimizer with their result; returns the rank that joined last, the same on
-        every rank. ``device`` (Horovod's, for its zero tensors) is not needed: the
-        reduction runs on the host. See eddis.core.join."""
+        optimizer with their result, and in their ``allreduce`` and ``barrier`` calls
+        (their allgather, broadcast... are refused on the ranks that make them); returns
+        the rank that joined last, the same on every rank. ``device`` (Horovod's, for its
+        zero tensors) is not needed: the reduction runs on the host. See eddis.core.join."""
         return _join.join()
 
     # ------------------------------------------------------------ reduction ops

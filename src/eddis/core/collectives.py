@@ -10,6 +10,7 @@ MPI job instead of finalizing it.
 - ``broadcast_array(array, root=0)``: in place, any numpy dtype MPI knows.
 - ``allreduce_array(array, op="sum"|"average"|"min"|"max", out=None)``.
 - ``broadcast_object(obj, root=0)``, ``allgather_object(obj)``: pickled.
+- ``allgatherv_bytes(payload, lengths)``: bytes of known lengths, concatenated.
 - ``barrier()``.
 - ``check_same(text, what)``: raise ConfigError on every rank unless ``text``
   is identical everywhere (naming the ranks and the first line that differs).
@@ -41,10 +42,12 @@ def add_wait_probe(fn):
         _wait_probes.append(fn)
 
 
-def wait_request(request, timeout, what):
-    """Poll an MPI request until done; raise CollectiveTimeoutError after ``timeout`` s."""
+def wait_request(request, timeout, what, deadline=None):
+    """Poll an MPI request until done; raise CollectiveTimeoutError after ``timeout`` s, or
+    once ``deadline()`` (a callable: a monotonic time that may move later while the caller
+    sees the others alive) has passed."""
     start = time.monotonic()
-    deadline = start + timeout
+    end = start + timeout
     probed = False
     delay = 2e-6
     while True:
@@ -57,7 +60,7 @@ def wait_request(request, timeout, what):
             probed = True
             for probe in _wait_probes:
                 probe(what)
-        if now > deadline:
+        if now > (end if deadline is None else deadline()):
             runtime.mark_broken(what)
             raise CollectiveTimeoutError(
                 f"{what}: not every rank joined within {timeout:g} s. Another rank failed, "
@@ -141,20 +144,29 @@ def broadcast_object(obj, root=0, comm=None, timeout=None, what="broadcast_objec
 
 def allgather_object(obj, comm=None, timeout=None, what="allgather_object"):
     """List of every rank's ``obj``, in rank order."""
-    from mpi4py import MPI
-
     comm = _comm(comm)
     t = _timeout(timeout)
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-    size = comm.Get_size()
-    lengths = np.empty(size, dtype=np.int64)
+    lengths = np.empty(comm.Get_size(), dtype=np.int64)
     mine = np.array([payload.size], dtype=np.int64)
     wait_request(_start(comm.Iallgather, mine, lengths), t, what)
-    displs = np.zeros(size, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=displs[1:])
+    data, offsets = allgatherv_bytes(payload, lengths, comm=comm, timeout=t, what=what)
+    return [pickle.loads(data[d:d + n].tobytes()) for d, n in zip(offsets, lengths)]
+
+
+def allgatherv_bytes(payload, lengths, comm=None, timeout=None, what="allgather"):
+    """Every rank's ``payload`` (uint8, ``lengths[rank]`` bytes; every rank knows all the
+    lengths) concatenated in rank order, and where each rank's part starts."""
+    from mpi4py import MPI
+
+    comm = _comm(comm)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(lengths.size, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=offsets[1:])
     data = np.empty(int(lengths.sum()), dtype=np.uint8)
-    wait_request(_start(comm.Iallgatherv, payload, [data, (lengths, displs), MPI.BYTE]), t, what)
-    return [pickle.loads(data[d:d + n].tobytes()) for d, n in zip(displs, lengths)]
+    wait_request(_start(comm.Iallgatherv, [payload, MPI.BYTE], [data, (lengths, offsets), MPI.BYTE]),
+                 _timeout(timeout), what)
+    return data, offsets
 
 
 def barrier(comm=None, timeout=None, what="barrier"):

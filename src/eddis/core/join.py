@@ -41,15 +41,28 @@ normal step's path:
   conclusion after the same step. The training ranks never touch the board.
 - ``easgd`` (and ``hybrid`` with one rank a group): no rank waits for another in
   a step, so ``join()`` is a counted barrier on an SMB counter (bounded by
-  EDDIS_COMM_TIMEOUT), then the rank that arrived last is agreed over MPI.
+  EDDIS_COMM_TIMEOUT); the rank that arrived last is the one the last joined round
+  names (its key is its place at the counter).
 
-Every wait is bounded: a join step is a reduction step (EDDIS_COMM_TIMEOUT), the
-easgd barrier counts with the same limit. A collective other than the gradient
-reduction that a training rank calls while some rank has joined (``allreduce`` of
-a metric, ``broadcast``, ``allgather``, ``barrier``) cannot be answered by a joined
-rank, which only knows the reducer's steps; it fails on the training rank with a
-:class:`UsageError` naming the joined ranks (easgd: how many) within a second or
-so (``probe``), instead of waiting out EDDIS_COMM_TIMEOUT.
+The collectives a script calls beside a joined rank (``eddis.allreduce`` of a metric,
+``barrier``, ``allgather``, ``broadcast``, their ``*_async`` forms, the object
+collectives, ``broadcast_parameters``...) are announced before they run
+(:mod:`eddis.core.engine`, :mod:`eddis.core.negotiate`): while the joined rank's
+optimizer takes its idle steps, its collectives thread announces ``joined`` and takes its
+part in what the others call, as Horovod's joined ranks do: zeros in an allreduce
+(``Average`` is then divided by all ranks, as in Horovod), nothing in a barrier; an
+allgather, a broadcast or any call that moves a particular rank's data is refused with a
+:class:`UsageError` on every rank that called it, as Horovod refuses it. The last round,
+in which every rank announces ``joined``, carries every rank's join key (the step it
+joined at, then the rounds it took part in before), so every rank names the same last one.
+
+Every wait is bounded: a join step is a reduction step (EDDIS_COMM_TIMEOUT), the easgd
+barrier counts with the same limit, and the joined rounds wait at most EDDIS_COMM_TIMEOUT
+for the others' next call, a limit each of the joined rank's steps pushes back. A
+collective that is not announced (``final_model``, a checkpoint) and that a training rank
+calls while some rank has joined cannot be answered by the joined rank; it fails on the
+training rank with a :class:`UsageError` naming the joined ranks (easgd: how many) within
+a second or so (``probe``), instead of waiting out EDDIS_COMM_TIMEOUT.
 """
 import logging
 import sys
@@ -57,7 +70,7 @@ import weakref
 
 from .. import settings
 from ..errors import CollectiveTimeoutError, ConfigError, SMBTimeoutError, UsageError
-from . import collectives, runtime
+from . import collectives, engine, runtime
 
 log = logging.getLogger("eddis.core.join")
 
@@ -144,8 +157,8 @@ def probe(what):
     script makes (``eddis.allreduce(...)``, ``eddis.barrier()``, ``eddis.shutdown``: their
     descriptions start with ``eddis.``): the collectives of a step (the drift check,
     balanced sync's exchange) are made by joined ranks too, and may just be slow."""
-    if not str(what).startswith("eddis."):
-        return
+    if not str(what).startswith("eddis.") or engine.on_engine_thread():
+        return   # the engine's calls are announced: a joined rank takes part or all refuse
     for reducer, _ in _live():
         try:
             joined = _joined_elsewhere(reducer)
@@ -195,11 +208,12 @@ def _pick(live, what):
     return live[0] if live else (None, None)
 
 
-def last_joined(join_steps):
-    """The rank that joined last: the one that took the most steps before joining
-    (among several, the highest rank), so that every rank names the same one."""
-    latest = max(join_steps)
-    return max(r for r, s in enumerate(join_steps) if s == latest)
+def last_joined(join_keys):
+    """The rank that joined last: the one with the greatest join key (the steps it took
+    before joining, then the collective rounds it took part in; of equals, the highest
+    rank), so that every rank names the same one."""
+    latest = max(join_keys)
+    return max(r for r, key in enumerate(join_keys) if key == latest)
 
 
 def join(what="eddis.join()"):
@@ -215,9 +229,8 @@ def join(what="eddis.join()"):
     if mode in ("easgd", "hybrid") or (reducer is None and state is not None and state.averager is not None):
         return _join_elastic(state, what)
     if reducer is None:
-        # nothing reduces gradients: every rank is here with 0 steps; a barrier is all
-        steps = collectives.allgather_object(0, what=what)
-        return last_joined(steps)
+        # nothing reduces gradients: the joined rounds alone, until every rank has joined
+        return last_joined(engine.join((0,), what).handle.wait())
     return _join_synchronous(reducer, idle_step, what)
 
 
@@ -228,6 +241,7 @@ def _join_synchronous(reducer, idle_step, what):
     start = reducer.step
     board = getattr(reducer, "join_board", None)
     saved_weight = reducer._weight
+    ticket = engine.join((start,), what)
     reducer.joined = True
     if board is not None:
         board.publish(start)
@@ -236,6 +250,7 @@ def _join_synchronous(reducer, idle_step, what):
         while True:
             reducer.set_weight(JOINED_WEIGHT)
             reduce_zeros()
+            ticket.alive()   # the others stepped with this rank: its joined rounds wait on
             step = reducer.step - 1
             if board is not None:
                 if board.everyone_joined_by(step):
@@ -243,6 +258,9 @@ def _join_synchronous(reducer, idle_step, what):
             elif reducer.active_ranks == 0:
                 break
             apply_result()   # a step some rank had data for: take it as they do
+    except BaseException:
+        ticket.abandon()
+        raise
     finally:
         reducer.joined = False
         reducer.active_ranks = None   # the last step's count would read as ranks joined
@@ -250,9 +268,8 @@ def _join_synchronous(reducer, idle_step, what):
             reducer.set_weight(saved_weight)
     if board is not None:
         board.since = step
-    # every rank is here now, after the same step: a collective is safe again
-    steps = collectives.allgather_object(start, what="join: who joined last")
-    last = last_joined(steps)
+    # every rank is here now, after the same step; the last joined round names them all
+    last = last_joined(ticket.handle.wait())
     log.info("join: this rank joined at step %d, %d join step(s); last to join: rank %d",
              start, step + 1 - start, last)
     return last
@@ -285,12 +302,14 @@ def _join_elastic(state, what):
     size = runtime.size()
     board.calls += 1
     order = board.counter.fetch_add(1) - board.base
+    ticket = engine.join((order,), what)   # the others' metric collectives meanwhile
     target = board.base + board.calls * size
     timeout = settings.get("EDDIS_COMM_TIMEOUT")
     board.waiting = True
     try:
         board.counter.wait_for(target, timeout)
     except SMBTimeoutError as exc:
+        ticket.abandon()
         missing = target - board.counter.read()
         raise CollectiveTimeoutError(
             f"{what} (mode {state.mode}): {missing} of the {size} ranks did not join within "
@@ -298,5 +317,4 @@ def _join_elastic(state, what):
             "longer) or failed; every rank must call join() as often as the others.") from exc
     finally:
         board.waiting = False
-    orders = collectives.allgather_object(order, what="join: who joined last")
-    return max(range(size), key=lambda r: orders[r])
+    return last_joined(ticket.handle.wait())

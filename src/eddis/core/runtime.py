@@ -49,6 +49,9 @@ class _Runtime:
         self.MPI = MPI
         world = MPI.COMM_WORLD
         self.comm = world.Dup()
+        # the script's collectives (eddis.core.engine) run on a thread of their own: on this
+        # communicator they keep their order whatever the runtime's other collectives do
+        self.api_comm = world.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.thread_multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
@@ -170,6 +173,11 @@ def hostname():
 def comm():
     """The runtime's private communicator (a duplicate of MPI COMM_WORLD)."""
     return require("eddis collectives").comm
+
+
+def api_comm():
+    """The communicator of the collectives a script calls (eddis.core.engine)."""
+    return require("eddis collectives").api_comm
 
 
 def thread_multiple():
@@ -332,10 +340,11 @@ def shutdown():
                 st.server = None
             if st.owned_run_dir is not None:
                 shutil.rmtree(st.owned_run_dir, ignore_errors=True)
-            try:
-                st.comm.Free()
-            except Exception:
-                pass
+            for communicator in (st.api_comm, st.comm):
+                try:
+                    communicator.Free()
+                except Exception:
+                    pass
             _state = None
         if errors:
             raise errors[0]

@@ -1,9 +1,9 @@
 """Tensor collectives for metrics and set-up: allreduce, broadcast, allgather,
 and ``broadcast_variables``.
 
-They run over MPI on the host through :mod:`eddis.core.collectives` (every wait
-times out instead of hanging). Eagerly they act at once; inside ``tf.function``
-they become ``tf.numpy_function`` ops. They are meant for losses, accuracies and
+They run over MPI on the host on EDDIS's collectives thread (:mod:`eddis.core.engine`:
+each announced first, every wait timing out instead of hanging). Eagerly they act at
+once; inside ``tf.function`` they become ``tf.numpy_function`` ops. They are meant for losses, accuracies and
 start-up synchronization; gradients go through ``DistributedGradientTape`` or
 ``DistributedOptimizer``.
 """
@@ -56,12 +56,9 @@ def broadcast(tensor, root_rank=0, name=None):
     """A new tensor holding root_rank's ``tensor``."""
     _basics.require("eddis.broadcast()")
     tensor = _as_tensor(tensor)
-    what = f"eddis.broadcast({name or ''})"
 
     def bcast(array):
-        data, original = _wire(np.array(array, copy=True))
-        collectives.broadcast_array(data, root=root_rank, what=what)
-        return data if original is None else data.view(original)
+        return _basics.broadcast_async(array, root_rank=root_rank, name=name).wait()
 
     if tf.executing_eagerly():
         return tf.convert_to_tensor(bcast(tensor.numpy()))
@@ -72,9 +69,7 @@ def broadcast(tensor, root_rank=0, name=None):
 
 def allgather(tensor, name=None):
     """Concatenation of every rank's ``tensor`` along axis 0 (sizes may differ). Eager only."""
-    _basics.require("eddis.allgather()")
-    parts = collectives.allgather_object(_as_tensor(tensor).numpy(), what=f"eddis.allgather({name or ''})")
-    return tf.convert_to_tensor(np.concatenate(parts, axis=0))
+    return tf.convert_to_tensor(_basics.allgather_async(_as_tensor(tensor).numpy(), name=name).wait())
 
 
 broadcast_object = _basics.broadcast_object
@@ -125,6 +120,7 @@ def broadcast_variables(variables, root_rank=0):
     what = "eddis.broadcast_variables"
     signature = "\n".join(f"{i}:{tuple(v.shape)}:{tf.as_dtype(v.dtype).name}" for i, v in enumerate(variables))
     if tf.executing_eagerly():
+        _basics.announce("broadcast_variables", root_rank)   # refused on every caller beside a joined rank
         collectives.check_same(signature, "broadcast_variables: the variables (shapes, dtypes, in order)",
                                "Build the same model (and optimizer) on every rank before broadcasting; "
                                "build the optimizer first (optimizer.build(model.trainable_variables)) "
@@ -137,6 +133,7 @@ def broadcast_variables(variables, root_rank=0):
     dtypes = [t.dtype for t in values]
 
     def bcast(*arrays):
+        _basics.announce("broadcast_variables", root_rank)
         return _broadcast_arrays([np.asarray(a) for a in arrays], root_rank, what)
 
     new = tf.numpy_function(bcast, values, dtypes, stateful=True, name="eddis_broadcast_variables")

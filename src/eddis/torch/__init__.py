@@ -29,8 +29,9 @@ from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .hetero import (BalancedBatchSampler, balanced_slice, configure_progress, final_model,
                      global_step, progress_counts, reset_progress, save_checkpoint, should_stop)
-from .ops import (Adasum, Average, Max, Min, ReduceOp, Sum, allgather, allgather_object, allreduce,
-                  allreduce_, barrier, broadcast, broadcast_, broadcast_object)
+from .ops import (Adasum, Average, Max, Min, ReduceOp, Sum, allgather, allgather_async, allgather_object,
+                  allreduce, allreduce_, allreduce_async, allreduce_async_, barrier, broadcast, broadcast_,
+                  broadcast_async, broadcast_async_, broadcast_object, poll, synchronize)
 from .optimizer import DistributedOptimizer
 from .sampler import DistributedSampler
 from .timeline_hooks import trace_module  # FORWARD/BACKWARD events; EDDIS_TIMELINE_MODULE_HOOKS
@@ -46,6 +47,8 @@ __all__ = [
     "DistributedOptimizer", "Compression", "Average", "Sum", "Min", "Max", "Adasum", "ReduceOp",
     "broadcast_parameters", "broadcast_optimizer_state", "allreduce", "allreduce_", "broadcast",
     "broadcast_", "allgather", "allgather_object", "broadcast_object", "barrier",
+    "allreduce_async", "allreduce_async_", "allgather_async", "broadcast_async", "broadcast_async_", "poll",
+    "synchronize",
     "DistributedSampler",
     "should_stop", "global_step", "configure_progress", "progress_counts", "reset_progress", "final_model",
     "save_checkpoint", "checkpoint", "resume", "balanced_slice", "BalancedBatchSampler", "start_timeline", "stop_timeline", "trace_module",

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from ..core import collectives, runtime
+from ..core.basics import basics as _basics
 from ..errors import ConfigError
 
 
@@ -25,6 +26,7 @@ def broadcast_parameters(params, root_rank=0):
     must agree on every rank (checked; a mismatch raises ConfigError on all ranks).
     """
     runtime.require("eddis.broadcast_parameters()")
+    _basics.announce("broadcast_parameters", root_rank)   # refused on every caller beside a joined rank
     named = [(n, t) for n, t in _named_tensors(params) if torch.is_tensor(t)]
     signature = "\n".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in named)
     collectives.check_same(signature, "broadcast_parameters: the tensors (names, shapes, dtypes)",
@@ -73,6 +75,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"broadcast_optimizer_state needs a torch.optim.Optimizer, got "
                           f"{type(optimizer).__name__}")
+    _basics.announce("broadcast_optimizer_state", root_rank)
     is_root = runtime.rank() == root_rank
     state = _to_cpu(optimizer.state_dict()) if is_root else None
     shape = [len(g["params"]) for g in optimizer.param_groups]
