@@ -13,6 +13,7 @@ This file is also the worker: ``mpirun -n N python tests/test_join_collectives.p
 """
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -157,10 +158,16 @@ def case_torch_training(mode):
         losses.append(hvd.allreduce(torch.tensor([float(step)]), op=hvd.Sum, name="loss").item())
         counts.append(hvd.synchronize(pending).item())
         hvd.barrier()
+    saved = None
+    if r == n - 1:   # the others have joined: a save is refused before rank 0 writes anything
+        import tempfile
+
+        path = Path(tempfile.mkdtemp()) / "model.pt"
+        saved = [_refused(lambda: hvd.save_checkpoint(path, model, optimizer)), path.exists()]
     last = hvd.join()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
     print("RESULT " + json.dumps({"rank": r, "size": n, "mode": mode, "last": last, "losses": losses,
-                                  "counts": counts, "params": flat}), flush=True)
+                                  "counts": counts, "params": flat, "saved": saved}), flush=True)
     optimizer.close()
     hvd.shutdown()
 
@@ -269,5 +276,9 @@ def test_metrics_and_barriers_between_steps_are_served_by_joined_ranks(run_mpi, 
         assert result["counts"] == with_data, result
         assert result["losses"] == [s * c for s, c in enumerate(with_data)], result
         assert result["last"] == size - 1, result   # the rank with the most steps
+    if framework == "torch":
+        message, written = found[-1]["saved"]
+        assert f"eddis.save_checkpoint(): rank(s) {list(range(size - 1))} {REFUSED}" in message, message
+        assert not written
     params = {tuple(np.round(result["params"], 6)) for result in found}
     assert len(params) == 1, found                   # the joined ranks stepped with the others

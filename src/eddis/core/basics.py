@@ -254,6 +254,7 @@ class EddisBasics:
         members = elastic.current()
         if members is not None:
             return self._save_on_first_live_rank(members, path, write, what)
+        engine.announce(what, 0)   # refused on every caller, before rank 0 writes, beside a joined rank
         error = None
         if runtime.rank() == 0:
             base, ext = os.path.splitext(path)
