@@ -211,7 +211,10 @@ class Engine:
             try:
                 op.run(self)
             except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
-                self._break(op, exc)
+                if _leaves_the_communicator_usable(exc):
+                    op.handle._complete(error=exc)   # e.g. an object that does not unpickle here
+                else:
+                    self._break(op, exc)
             finally:
                 self.current = None
                 self.beat = time.monotonic()
@@ -270,6 +273,15 @@ class Engine:
 
 _engine = None
 _engine_lock = threading.Lock()
+
+
+def _leaves_the_communicator_usable(exc):
+    """An error of this rank's own after (or instead of) its part of the MPI calls: the
+    others saw a complete collective. A timeout, an MPI failure or an interruption leave
+    requests posted, which nothing can match any more."""
+    from mpi4py import MPI
+
+    return isinstance(exc, Exception) and not isinstance(exc, (CollectiveTimeoutError, MPI.Exception))
 
 
 def current():
@@ -341,10 +353,23 @@ def broadcast(data, root, name=None):
     return engine.submit(Operation(engine, call, move))
 
 
+def _pickled(obj, kind, name):
+    """``obj`` pickled, or the Call that tells every rank why it cannot be."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as exc:  # noqa: BLE001 - any pickling failure; every rank must hear of it
+        what = Call(kind, name=name).what
+        return None, Call(negotiate.INVALID, name=name, message=(
+            f"{what}: the object does not pickle ({type(exc).__name__}: {exc}); pass plain "
+            "values (numbers, strings, lists, dicts, numpy arrays, tensors on the CPU)"))
+
+
 def broadcast_object(obj, root, name=None):
     engine = current()
     is_root = engine.rank == root
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_root else b""
+    payload, invalid = _pickled(obj, "broadcast_object", name) if is_root else (b"", None)
+    if invalid is not None:
+        return engine.submit(Operation(engine, invalid))
     call = Call("broadcast_object", name=name, root=int(root), nbytes=len(payload))
 
     def move(engine, outcome):
@@ -360,7 +385,10 @@ def broadcast_object(obj, root, name=None):
 
 def allgather_object(obj, name=None):
     engine = current()
-    payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    pickled, invalid = _pickled(obj, "allgather_object", name)
+    if invalid is not None:
+        return engine.submit(Operation(engine, invalid))
+    payload = np.frombuffer(pickled, dtype=np.uint8)
     call = Call("allgather_object", name=name, nbytes=payload.size)
 
     def move(engine, outcome):
