@@ -1,15 +1,19 @@
-"""The bucket plan: where each gradient lives in one flat float32 buffer.
+"""The bucket plan: where each gradient lives in one flat buffer.
 
 Parameters are given in the order the model defines them, which is roughly
 the order the forward pass uses them; their gradients become ready in the
 opposite order during the backward pass. The plan therefore lays parameters
 out in *reverse* order and cuts that sequence into buckets of about
-``bucket_bytes`` (fp32) each, so bucket 0 is the first one ready and can be
+``bucket_bytes`` each, so bucket 0 is the first one ready and can be
 on the wire while the backward pass still computes the others. A parameter
 larger than ``bucket_bytes`` gets a bucket of its own.
 
+The buffer holds ``dtype``: float32, or float64 for a model with float64
+parameters, whose gradients a float32 buffer would round (the adapters pass
+float64 when any parameter is float64; every reducer then sums in float64).
+
     plan = BucketPlan([("fc1.weight", (256, 64)), ("fc1.bias", (256,))], bucket_bytes=1 << 20)
-    plan.buffer            # np.float32 array of plan.total elements
+    plan.buffer            # array of plan.total elements of plan.dtype
     plan.view(i)           # the slice of parameter i (in the caller's order)
     plan.buckets[k].start, plan.buckets[k].count, plan.buckets[k].params
 
@@ -44,30 +48,46 @@ class Bucket:
     start: int
     count: int
     params: List[int] = field(default_factory=list)  # caller's parameter indices
+    itemsize: int = 4
 
     @property
     def nbytes(self):
-        return self.count * 4
+        return self.count * self.itemsize
+
+
+DTYPES = ("float32", "float64")
+
+
+def gradient_dtype(dtype_names):
+    """The plan dtype for parameters of these dtypes (names such as "float64", "bfloat16"):
+    float64 when any is, so that none is rounded; float32 otherwise (half precision
+    gradients fit into float32 exactly)."""
+    return "float64" if "float64" in set(dtype_names) else "float32"
 
 
 class BucketPlan:
-    def __init__(self, params, bucket_bytes=25 << 20):
-        """``params``: sequence of (name, shape) in definition order."""
+    def __init__(self, params, bucket_bytes=25 << 20, dtype="float32"):
+        """``params``: sequence of (name, shape) in definition order; ``dtype``: the
+        buffer's, float32 or float64 (see :func:`gradient_dtype`)."""
         if bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be positive, got {bucket_bytes}; "
                               "set EDDIS_BUCKET_BYTES to e.g. 25M")
+        if np.dtype(dtype).name not in DTYPES:
+            raise ConfigError(f"gradient buffers hold float32 or float64, not {dtype!r}")
+        self.dtype = np.dtype(dtype)
         self.bucket_bytes = int(bucket_bytes)
         self.slots = []
         for index, (name, shape) in enumerate(params):
             shape = tuple(int(d) for d in shape)
             self.slots.append(Slot(index, str(name), shape, 0, int(prod(shape))))
         self.buckets = []
-        cap = max(1, self.bucket_bytes // 4)
+        itemsize = self.dtype.itemsize
+        cap = max(1, self.bucket_bytes // itemsize)
         offset = 0
         current = None
         for slot in reversed(self.slots):
             if current is None or (current.count > 0 and current.count + slot.count > cap):
-                current = Bucket(len(self.buckets), offset, 0)
+                current = Bucket(len(self.buckets), offset, 0, itemsize=itemsize)
                 self.buckets.append(current)
             slot.start = offset
             slot.bucket = current.index
@@ -75,17 +95,17 @@ class BucketPlan:
             current.count += slot.count
             offset += slot.count
         self.total = offset
-        self.buffer = np.zeros(self.total, dtype=np.float32)
+        self.buffer = np.zeros(self.total, dtype=self.dtype)
         # False once a framework placed the buffer (pinned host memory for CUDA
         # staging); a reducer may move a movable one (into mapped SMB memory)
         self.movable = True
         self._watchers = []
 
     def use_buffer(self, array, movable=False):
-        """Make ``array`` (float32, ``total`` elements, e.g. pinned host memory) the buffer;
+        """Make ``array`` (``dtype``, ``total`` elements, e.g. pinned host memory) the buffer;
         whoever watches the buffer (``watch_buffer``) is told of the move."""
-        if array.dtype != np.float32 or array.size != self.total or array.ndim != 1:
-            raise ConfigError(f"the gradient buffer must be a 1-D float32 array of {self.total} "
+        if array.dtype != self.dtype or array.size != self.total or array.ndim != 1:
+            raise ConfigError(f"the gradient buffer must be a 1-D {self.dtype.name} array of {self.total} "
                               f"elements, got {array.dtype} with shape {array.shape}")
         old, self.buffer, self.movable = self.buffer, array, movable
         for fn in list(self._watchers):
@@ -99,7 +119,7 @@ class BucketPlan:
         return len(self.buckets)
 
     def view(self, index):
-        """The flat-buffer slice of parameter ``index`` (1-D float32 view)."""
+        """The flat-buffer slice of parameter ``index`` (1-D view)."""
         slot = self.slots[index]
         return self.buffer[slot.start:slot.start + slot.count]
 
@@ -112,6 +132,7 @@ class BucketPlan:
         """Text that must be identical on every rank: names, shapes and the cut."""
         lines = [f"{s.name}:{'x'.join(map(str, s.shape)) or 'scalar'}" for s in self.slots]
         lines.append(f"buckets:{','.join(str(b.count) for b in self.buckets)}")
+        lines.append(f"dtype:{self.dtype.name}")
         return "\n".join(lines)
 
     def digest(self):
@@ -119,7 +140,8 @@ class BucketPlan:
 
     def describe(self):
         return (f"{len(self.slots)} parameters, {self.total} elements "
-                f"({self.total * 4 / 2**20:.1f} MiB fp32) in {len(self.buckets)} buckets")
+                f"({self.total * self.dtype.itemsize / 2**20:.1f} MiB {self.dtype.name}) in "
+                f"{len(self.buckets)} buckets")
 
 
 def column_share(start, count, index, parts, align=64):

@@ -1,6 +1,9 @@
-"""Wire formats of gradients: ``NONE`` (fp32), ``FP16`` and ``BF16``.
+"""Wire formats of gradients: ``NONE`` (exact), ``FP16`` and ``BF16``.
 
 A :class:`Codec` turns a float32 numpy array into its wire array and back.
+``NONE`` is exact for every buffer dtype: over a float64 plan it is ``NONE64``
+(float64 on the wire, see :meth:`Codec.for_dtype`); the 16-bit codecs refuse a
+float64 plan rather than round its gradients.
 bfloat16 has no numpy dtype: its wire arrays are ``uint16`` holding the bf16
 bit patterns (the upper half of the float32, rounded to nearest even), which
 is also how SMB pools of dtype ``"bfloat16"`` take and give them.
@@ -104,11 +107,24 @@ class Codec:
             return out
         return bfloat16_bits_to_float32(wire, out)
 
+    def for_dtype(self, dtype):
+        """This codec over a buffer of ``dtype`` (a plan's): ``none`` keeps float64 in
+        float64; fp16/bf16 take float32 buffers only (ConfigError otherwise)."""
+        if np.dtype(dtype) == np.float32:
+            return self
+        if self.is_identity:
+            return NONE64
+        raise ConfigError(
+            f"compression {self.name} would round this model's {np.dtype(dtype).name} gradients to 16 "
+            f"bits on the wire: use Compression.none for a {np.dtype(dtype).name} model (it reduces in "
+            f"{np.dtype(dtype).name}), or train in float32 (model.float()) to compress")
+
     def __repr__(self):
         return f"Codec({self.name!r})"
 
 
 NONE = Codec("none", np.float32, "float32")
+NONE64 = Codec("none", np.float64, "float64")   # NONE over a float64 plan
 FP16 = Codec("fp16", np.float16, "float16")
 BF16 = Codec("bf16", np.uint16, "bfloat16")
 CODECS = {"none": NONE, "fp16": FP16, "bf16": BF16}

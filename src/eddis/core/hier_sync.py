@@ -9,7 +9,8 @@ other nodes' sums of its own server's columns come in and their result goes out
 (as much again). That is the least a bandwidth-optimal allreduce among k parties
 sends; a ring over all n = k r ranks sends ``2 (n-1)/n`` S:
 
-1. **On the node.** Each rank stages its bucket in its fp32 slot of a pool that
+1. **On the node.** Each rank stages its bucket in its slot of a pool (in the plan's
+   dtype: fp32, or fp64 for a float64 model) that
    lives only on its node's server (mapped memory: no network, no compression)
    and counts itself in on a node counter.
 2. **Between nodes.** The columns each server holds of the bucket are cut into
@@ -17,14 +18,14 @@ sends; a ring over all n = k r ranks sends ``2 (n-1)/n`` S:
    ranks share its pieces, so each has columns of the own server and of the
    others, and the node's ranks cross the link side by side. For each of
    its pieces a rank sums the node's slots with the ranks' sample weights (fp32
-   accumulation, written in the wire dtype) into the node's row of the *inter*
+   accumulation, fp64 for fp64; written in the wire dtype) into the node's row of the *inter*
    pool, whose columns are spread over the nodes' servers: the columns the own
    server holds are written in place, the others are put to their servers. It
    then contributes the row to the servers' ``reduce`` with the node's total
    weight; each server averages the k node rows of its columns.
 3. **Back on the node.** The rank reads its pieces of the result (the own
    server's columns from mapped memory, the others with one get each), widens
-   them to fp32 into the node's result (or straight into every local rank's
+   them to the plan's dtype into the node's result (or straight into every local rank's
    slot, when the slots are the ranks' gradient buffers), counts itself done,
    and once the node's ranks are all done each rank has the whole bucket.
 
@@ -103,8 +104,9 @@ class HierarchicalSyncReducer(Reducer):
         node = f"{base}.node{self.node}"
         wire = self.codec.smb_dtype
         r = len(self.members)
-        # on the node: fp32 slots (no compression needed in memory) and the ranks' weights
-        self.node_slots = client.pool(node + ".slots", plan.total, "float32", slots=r, servers=[self.server])
+        # on the node: slots in the plan's dtype (no compression needed in memory) and the ranks' weights
+        self.dtype = plan.dtype.name
+        self.node_slots = client.pool(node + ".slots", plan.total, self.dtype, slots=r, servers=[self.server])
         self._weights_pool = client.pool(node + ".weights", 1, "float64", slots=r, servers=[self.server])
         self._weights = [self._weights_pool.mapped_views(m, 0, 1)[0] for m in range(r)]
         # between the nodes, in the wire dtype, a pair of pools per bucket (a row per node, the
@@ -120,7 +122,7 @@ class HierarchicalSyncReducer(Reducer):
         self._outgoing = np.empty(plan.total, dtype=self.inter[0].np_dtype)
         self._incoming = np.empty(plan.total, dtype=self.inter[0].np_dtype)
         self._in_slot = self._agree_in_slot()
-        self.node_result = None if self._in_slot else client.pool(node + ".result", plan.total, "float32",
+        self.node_result = None if self._in_slot else client.pool(node + ".result", plan.total, self.dtype,
                                                                   slots=1, servers=[self.server])
         self._slots = [self.node_slots.mapped_views(m, 0, plan.total)[0] for m in range(r)]
         self._result = None if self._in_slot else self.node_result.mapped_views(0, 0, plan.total)[0]
@@ -223,7 +225,7 @@ class HierarchicalSyncReducer(Reducer):
         """The node's weighted sum of columns [lo, hi) into its row of the inter pool; returns
         the writes of the columns other servers hold (not waited for)."""
         sources = [slot[lo:hi] for slot in self._slots]
-        dtypes = ["float32"] * len(sources)
+        dtypes = [self.dtype] * len(sources)
         wire, inter, first = self.wire_dtype, self.inter[k], self.plan.buckets[k].start
         writes = []
         with timeline.span(timeline.REDUCE, cat=CAT_COMM, args={"step": self.step, "bucket": k,
@@ -262,7 +264,7 @@ class HierarchicalSyncReducer(Reducer):
             self.plan.buffer[lo:hi] = self._result[lo:hi]
 
     def _spread(self, k, lo, hi):
-        """Columns [lo, hi) of the result, widened to fp32, where the node's ranks find them."""
+        """Columns [lo, hi) of the result, in the plan's dtype, where the node's ranks find them."""
         target = self._slots[self.local] if self._in_slot else self._result
         result, first = self.inter_result[k], self.plan.buckets[k].start
         reads, pieces = [], []
@@ -277,7 +279,7 @@ class HierarchicalSyncReducer(Reducer):
             for request in reads:
                 request.wait(self.timeout)
         for start, src in pieces:
-            _vecops.convert(target[start:start + src.size], src, dst_dtype="float32",
+            _vecops.convert(target[start:start + src.size], src, dst_dtype=self.dtype,
                             src_dtype=self.wire_dtype)
         if self._in_slot:
             for m, slot in enumerate(self._slots):

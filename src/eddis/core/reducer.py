@@ -1,5 +1,9 @@
-"""Gradient reducers: average a flat float32 buffer over all ranks, bucket by bucket,
+"""Gradient reducers: average a flat buffer over all ranks, bucket by bucket,
 on background threads, while the framework is still computing.
+
+The buffer holds the plan's dtype (``plan.dtype``): float32, or float64 for float64
+models, which every mode that takes them reduces in float64 (``Compression.none``
+is exact); modes and codecs that cannot refuse a float64 plan with a ConfigError.
 
 A framework adapter owns a :class:`~eddis.core.buckets.BucketPlan`, fills
 ``plan.buffer`` with the local gradients and calls, for each step::
@@ -75,7 +79,7 @@ class Reducer:
 
     def __init__(self, plan, compression="none", op="average", timeout=None, name="grads"):
         self.plan = plan
-        self.codec = get_codec(compression)
+        self.codec = get_codec(compression).for_dtype(plan.dtype)
         self.op = _op_name(op)
         self.timeout = settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
         self.name = name
@@ -347,7 +351,8 @@ class AllreduceReducer(Reducer):
     """MPI in-place Allreduce of each bucket (the baseline to compare SMB against).
 
     fp32 buckets use ``eddis._mpi.allreduce_sum_inplace`` (GIL released) when MPI
-    has THREAD_MULTIPLE, else a polled non-blocking Iallreduce; fp16/bf16
+    has THREAD_MULTIPLE, else a polled non-blocking Iallreduce (as fp64 buckets
+    of a float64 plan do, summed in float64 by MPI_DOUBLE); fp16/bf16
     buckets travel compressed and are summed by a user-defined MPI operation
     (fp16 accumulation for fp16, fp32 per pairwise sum for bf16). ``op="adasum"``
     swaps whole buckets with recursive doubling instead (``eddis.core.adasum``).
@@ -413,9 +418,9 @@ class AllreduceReducer(Reducer):
             self._adasum.reduce(view, segments, tag=k % 32768, offset=bucket.start)
             return None
         if self._scale != 1.0:
-            view *= np.float32(self._scale)
+            view *= view.dtype.type(self._scale)
         if self.codec.is_identity:
-            self._allreduce(view, self.MPI.FLOAT, self.MPI.SUM)
+            self._allreduce(view, self.MPI.DOUBLE if view.dtype == np.float64 else self.MPI.FLOAT, self.MPI.SUM)
             return None
         wire = self.codec.compress(view, out=self.plan.bucket_view(k, self._wire))
         self._allreduce(wire, self.MPI.UINT16_T, self._mpi_op)
@@ -470,10 +475,25 @@ def _load_builtin_modes():
         from . import easgd, hybrid  # noqa: F401  (register "easgd" and "hybrid")
 
 
+def _check_dtype(plan, mode, op):
+    """Refuse what would reduce a float64 plan in less than float64 (checked on every number of
+    ranks alike, so that a script that runs on one rank runs on many)."""
+    if plan.dtype != np.float64:
+        return
+    if mode in ("easgd", "hybrid"):
+        raise ConfigError(f"mode {mode!r} averages the model's parameters in float32 (the centre variable), "
+                          "which would round this float64 model: use mode 'sync' or 'allreduce' for float64 "
+                          "models (they reduce in float64), or train in float32 (model.float())")
+    if _op_name(op) == "adasum":
+        raise ConfigError("op=Adasum combines gradients in float32 and this model's are float64: use "
+                          "op=Average (or Sum), which reduces float64 in float64, or train in float32")
+
+
 def make_reducer(mode, plan, compression="none", op="average", timeout=None, name="grads"):
     """Build the reducer of ``mode`` (None: EDDIS_MODE) over ``plan``."""
     mode = settings.get("EDDIS_MODE") if mode is None else str(mode).lower()
     _load_builtin_modes()
+    _check_dtype(plan, mode, op)
     if _op_name(op) == "adasum":
         if mode in ("easgd", "hybrid"):
             raise ConfigError(f"op=Adasum combines every rank's gradients at every step, but mode "

@@ -1,7 +1,7 @@
 """Mode ``sync``: gradients averaged by the SMB servers (the default mode).
 
 Two pools of the plan's length, partitioned over all servers and in the wire
-dtype (float32, float16 or bfloat16):
+dtype (float32, float16 or bfloat16; float64 for a float64 plan, summed in float64):
 
 - ``<name>.slots``: one slot (row) per rank, where each rank writes its
   compressed local gradients;

@@ -185,7 +185,7 @@ class _DistributedOptimizer:
 def _gatherer(plan, variables):
     def gather(flat):
         for slot, v in zip(plan.slots, variables):
-            flat[slot.start:slot.start + slot.count] = np.asarray(v.numpy(), dtype=np.float32).reshape(-1)
+            flat[slot.start:slot.start + slot.count] = np.asarray(v.numpy(), dtype=flat.dtype).reshape(-1)
     return gather
 
 
@@ -208,7 +208,7 @@ def _values(variables):
 
 def _to_flat(plan, flat, arrays):
     for slot, a in zip(plan.slots, arrays):
-        flat[slot.start:slot.start + slot.count] = np.asarray(a, dtype=np.float32).reshape(-1)
+        flat[slot.start:slot.start + slot.count] = np.asarray(a, dtype=flat.dtype).reshape(-1)
     return flat
 
 
@@ -218,7 +218,7 @@ def _graph_init_centre(state, reducer, variables):
         return np.bool_(state.needs_centre)
 
     def init(*arrays):
-        state.init_centre(_to_flat(reducer.plan, np.empty(reducer.plan.total, np.float32), arrays))
+        state.init_centre(_to_flat(reducer.plan, np.empty(reducer.plan.total, reducer.plan.dtype), arrays))
         return np.int64(1)
 
     need = tf.numpy_function(needs, [], tf.bool, stateful=True, name="eddis_needs_centre")

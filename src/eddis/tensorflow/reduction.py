@@ -13,7 +13,9 @@ plan order on every rank. XLA cannot compile ``numpy_function``: functions
 that reduce gradients must run with ``jit_compile=False``.
 
 Gradients that are ``None`` locally travel as zeros (every rank must send every
-bucket) and come back as ``None``. ``IndexedSlices`` are made dense.
+bucket) and come back as ``None``. ``IndexedSlices`` are made dense. The flat
+buffer is float32, or float64 when any variable is float64 (reduced in float64:
+no gradient is rounded below its own precision).
 """
 import itertools
 
@@ -21,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..core import BucketPlan, collectives, make_reducer
+from ..core.buckets import gradient_dtype
 from ..core import join as _core_join
 from ..errors import ConfigError
 from . import agreement
@@ -53,7 +56,9 @@ class GradientReducer:
         self.shapes = shapes
         # Positions, not Keras names, make the layout: auto-generated layer names
         # ("dense_3") depend on what else a process built before.
-        self.plan = BucketPlan([(f"variable[{i}]", s) for i, s in enumerate(shapes)], bucket_bytes)
+        self.plan = BucketPlan([(f"variable[{i}]", s) for i, s in enumerate(shapes)], bucket_bytes,
+                               dtype=gradient_dtype(tf.as_dtype(v.dtype).name for v in variables))
+        self.tf_dtype = tf.as_dtype(self.plan.dtype)
         collectives.check_same(
             self.plan.signature() + f"\nop:{op} codec:{codec.name}",
             f"{what}: the trainable variables (shapes, in order)",
@@ -83,7 +88,7 @@ class GradientReducer:
             self.reducer.set_weight(float(weight))
         plan = self.plan
         for i, array in zip(plan.buckets[k].params, arrays):
-            plan.view(i)[...] = np.asarray(array, dtype=np.float32).reshape(-1)
+            plan.view(i)[...] = np.asarray(array, dtype=plan.dtype).reshape(-1)
         self.reducer.mark_ready(k)
 
     def _finish(self):
@@ -122,7 +127,7 @@ class GradientReducer:
         grads = [None if g is None else _dense(g) for g in grads]
         if len(grads) != len(self.shapes):
             raise ConfigError(f"got {len(grads)} gradients for {len(self.shapes)} variables")
-        staged = [tf.zeros(s, tf.float32) if g is None else tf.cast(g, tf.float32)
+        staged = [tf.zeros(s, self.tf_dtype) if g is None else tf.cast(g, self.tf_dtype)
                   for g, s in zip(grads, self.shapes)]
         if tf.executing_eagerly():
             flat = self._reduce_eagerly(staged, sample_count)
@@ -134,7 +139,7 @@ class GradientReducer:
                 out.append(None)
                 continue
             piece = tf.reshape(flat[slot.start:slot.start + slot.count], slot.shape)
-            out.append(piece if g.dtype == tf.float32 else tf.cast(piece, g.dtype))
+            out.append(piece if g.dtype == self.tf_dtype else tf.cast(piece, g.dtype))
         return out
 
     def _reduce_eagerly(self, staged, sample_count):
@@ -159,7 +164,7 @@ class GradientReducer:
 
             token = tf.numpy_function(stage, inputs, tf.int64, stateful=True,
                                       name=f"eddis_push_bucket_{k}")
-        flat = tf.numpy_function(lambda _token: self._finish(), [token], tf.float32,
+        flat = tf.numpy_function(lambda _token: self._finish(), [token], self.tf_dtype,
                                  stateful=True, name="eddis_wait_gradients")
         flat.set_shape([self.plan.total])
         return flat

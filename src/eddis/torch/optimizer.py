@@ -6,15 +6,16 @@ How a step goes:
    (reverse order of definition, buckets of EDDIS_BUCKET_BYTES) and every rank
    checks that all ranks have the same layout (an MPI allgather of its digest).
 2. During ``loss.backward()`` a post-accumulate-grad hook per parameter copies
-   its final gradient into the plan's flat fp32 buffer (CPU: a memcpy, or
+   its final gradient into the plan's flat buffer (fp32, or fp64 when any parameter
+   is float64: such a model is reduced in float64; CPU: a memcpy, or
    nothing when ``.grad`` already is the buffer's view; CUDA: an asynchronous
    copy into pinned host memory on a side stream). When all parameters of a
    bucket are in, the bucket is marked ready and the reducer's background
    thread puts it on the wire while backward goes on.
 3. ``step()`` (or ``synchronize()``) marks any bucket not yet ready (parameters
    that got no gradient contribute zeros), waits only for buckets not done yet,
-   hands the averaged gradients to ``.grad`` (CPU fp32: ``.grad`` becomes a view
-   of the buffer, no copy) and runs the wrapped optimizer's own ``step()``.
+   hands the averaged gradients to ``.grad`` (CPU parameters of the buffer's dtype:
+   ``.grad`` becomes a view of the buffer, no copy) and runs the wrapped optimizer's own ``step()``.
    When the wrapped optimizer updates each parameter from its own gradient and
    state alone (EDDIS_OVERLAP_OPTIMIZER), ``step()`` runs that update bucket by
    bucket instead, each as soon as its averaged gradients are in, so the update
@@ -28,6 +29,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from .. import settings, timeline
 from ..core import BucketPlan, LocalReducer, collectives, make_reducer, observe, runtime
+from ..core.buckets import gradient_dtype
 from ..core import join as _core_join
 from ..errors import ConfigError, UsageError
 from . import agreement, hetero
@@ -71,10 +73,11 @@ class _DistributedOptimizer:
             raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         op = _basics.gradient_op(op, "DistributedOptimizer", mode=mode)
         bucket_bytes = settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes)
-        plan = BucketPlan([(n, tuple(p.shape)) for n, p in zip(names, params)], bucket_bytes)
+        plan = BucketPlan([(n, tuple(p.shape)) for n, p in zip(names, params)], bucket_bytes,
+                          dtype=gradient_dtype(str(p.dtype).replace("torch.", "") for p in params))
         devices = {p.device.type for p in params}
         if "cuda" in devices:
-            pinned = torch.zeros(plan.total, dtype=torch.float32, pin_memory=True)
+            pinned = torch.zeros(plan.total, dtype=getattr(torch, plan.dtype.name), pin_memory=True)
             plan.use_buffer(pinned.numpy())
             self._eddis_stream = torch.cuda.Stream(device=next(p.device for p in params if p.is_cuda))
         else:
@@ -231,7 +234,7 @@ class _DistributedOptimizer:
         pairs = zip(params, views) if indices is None else ((params[i], views[i]) for i in indices)
         with torch.no_grad():
             for p, view in pairs:
-                if p.device.type == "cpu" and p.dtype == torch.float32:
+                if p.device.type == "cpu" and p.dtype == view.dtype:
                     if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                         p.grad = view  # the averaged gradient, without a copy
                 elif p.grad is None:
