@@ -6,6 +6,7 @@ that know nothing of the runtime; this module, in ``core``, feeds them:
     on_init(comm, rank, size, hostname, group)   # eddis.init(): EDDIS_TIMELINE / EDDIS_PROFILE
     attach_reducer(reducer)                  # a gradient reducer was built
     reducer_waited(reducer, start_ns)        # the training thread waited in reducer.wait()
+    train_step_done(reducer)                 # a step of several reductions ended (closures)
     on_shutdown(comm)                        # eddis.shutdown(): close, merge the profile
 
 and rank 0's automatic progress display (EDDIS_PROGRESS, see
@@ -22,8 +23,10 @@ observer records BUCKET_READY (instant), PUSH (or ALLREDUCE in mode allreduce:
 the collective itself), and PULL: the finish thread's time on the bucket, from
 the later of its push end and the previous bucket's completion. Their durations
 and bytes also feed the profile's ``t_comm``, ``bytes_sent`` and ``bytes_recv``.
-One profile row is closed per ``reducer.wait()`` of the first reducer (the
-step's gradient synchronisation): ``t_step`` runs from the previous one, so it
+One profile row, and one step of the progress line, per training step of the
+first reducer: its ``reducer.wait()`` (the step's gradient synchronisation), or,
+for a step of several reductions (a closure's evaluations, ``counted=False``),
+the adapter's ``train_step_done``. ``t_step`` runs from the previous one, so it
 holds the whole iteration (data, forward, backward, optimizer).
 """
 import logging
@@ -137,14 +140,32 @@ def reducer_built(reducer, mode):
         _profiler.set_mode(mode)
 
 
-def reducer_waited(reducer, start_ns):
-    """``reducer.wait()`` blocked the training thread from ``start_ns`` until now."""
-    if reducer is _primary and _progress is not None:
-        samples = _known_samples(reducer)
-        _progress.update(samples=None if samples is None else samples * _size)
+def reducer_waited(reducer, start_ns, counted=True):
+    """``reducer.wait()`` blocked the training thread from ``start_ns`` until now; ``counted``:
+    that reduction ended a training step (else the adapter calls :func:`train_step_done`)."""
     _record_wait(start_ns, {"step": reducer.step - 1, "mode": reducer.mode})
+    if counted:
+        train_step_done(reducer)
+
+
+def train_step_done(reducer, samples=None):
+    """A training step of ``reducer``'s optimizer ended (one row of the progress and profile);
+    ``samples``: the global batch's, when the adapter counted them over the ranks."""
+    if reducer is _primary and _progress is not None:
+        _progress.update(samples=_global_samples(reducer) if samples is None else samples)
     if _profiler is not None and reducer is _primary:
         _profiler.step_end(_samples(reducer))
+
+
+def _global_samples(reducer):
+    """The samples of every rank in the reducer's last step: the sum of the sample counts the
+    scripts gave, where the mode's reduction adds them up (``total_weight``), else this rank's
+    count times the ranks (right for equal shares, the case without set_sample_count), or None."""
+    total = getattr(reducer, "total_weight", None)
+    if getattr(reducer, "weight_given", False) and total is not None:
+        return int(round(total))
+    samples = _known_samples(reducer)
+    return None if samples is None else samples * _size
 
 
 def reducer_waited_bucket(reducer, bucket, start_ns):

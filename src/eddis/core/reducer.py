@@ -99,6 +99,9 @@ class Reducer:
         self.weight_given = False  # set_weight() was called: the weight is a sample count
         self.step = 0
         self.completed_at = None   # perf_counter() when the last step's reduction completed here
+        # every rank's weight of the last step added up, where the mode's reduction learns it
+        # (the job's samples, when the weights are sample counts); None: unknown
+        self.total_weight = None
         self._error = None
         self._closed = False
         self._threads = []
@@ -113,6 +116,11 @@ class Reducer:
     @property
     def closed(self):
         return self._closed
+
+    @property
+    def weight(self):
+        """This rank's weight in the average of the steps marked from now on."""
+        return self._weight
 
     # ------------------------------------------------------------ lifecycle
     def _start_threads(self):
@@ -212,8 +220,10 @@ class Reducer:
     def in_progress(self):
         return self._nready > 0
 
-    def wait(self, timeout=None):
-        """Wait until every bucket of this step is reduced; then start the next step."""
+    def wait(self, timeout=None, counted=True):
+        """Wait until every bucket of this step is reduced; then start the next step.
+        ``counted``: this reduction ends a training step (False: one of several in a step,
+        such as a closure's evaluations; the adapter tells ``observe.train_step_done``)."""
         waited_from = time.perf_counter_ns()
         with self._cond:
             self._wait_locked(lambda: all(self._done), timeout)
@@ -222,7 +232,7 @@ class Reducer:
             self._nready = 0
             self.step += 1
             self.stats["steps"] += 1
-        observe.reducer_waited(self, waited_from)
+        observe.reducer_waited(self, waited_from, counted)
 
     def wait_bucket(self, k, timeout=None):
         """Wait until bucket ``k`` of this step is reduced (its result is in ``plan.buffer``),
@@ -345,6 +355,7 @@ class LocalReducer(Reducer):
             fence.synchronize()
         with self._cond:
             self._done[k] = True
+            self.total_weight = self._step_weight
 
 
 class AllreduceReducer(Reducer):
@@ -403,6 +414,7 @@ class AllreduceReducer(Reducer):
         totals = np.array([self._step_weight, 0.0 if self.joined else 1.0], dtype=np.float64)
         self._allreduce(totals, self.MPI.DOUBLE, self.MPI.SUM)
         self.active_ranks = int(totals[1])
+        self.total_weight = float(totals[0])
         if self.op != "average":
             self._scale = 1.0
             return

@@ -177,7 +177,8 @@ class SyncReducer(Reducer):
             src_pool=self.slots_pool, start=bucket.start, count=bucket.count, average=average)
 
     def _sum_share(self, k, generation):
-        sum_bucket_share(self, k, self._by_ranks[k], generation, self.rank, self.size, self._in_slot, "ranks")
+        self.total_weight = sum_bucket_share(self, k, self._by_ranks[k], generation, self.rank, self.size,
+                                             self._in_slot, "ranks")
 
     def _finish(self, k, request):
         if self._by_ranks is not None:
@@ -217,12 +218,12 @@ def sum_bucket_share(reducer, k, state, generation, rank, parties, in_slot, by):
     for the others' shares. ``state["pieces"]`` holds, per server piece of the share, (result
     view or None, [the share's view in slot 0, ..., slot W-1]). In slot: the sum goes into
     this rank's own slot, then into the same columns of every other slot (nobody else writes
-    them), so every slot ends with the whole result."""
+    them), so every slot ends with the whole result. Returns the parties' weights added up."""
     arrived_base, done_base = state["base"]
     reducer._wait_count(state["arrived"], arrived_base + generation * parties, f"bucket {k}")
     weights = np.array([w[0] for w in reducer._weights])
+    total = float(weights.sum())
     if reducer.op == "average":
-        total = float(weights.sum())
         if total == 0:
             raise ConfigError(f"step {reducer.step}: the {by}' weights sum to 0; cannot average")
         weights /= total
@@ -240,6 +241,7 @@ def sum_bucket_share(reducer, k, state, generation, rank, parties, in_slot, by):
                         _core.memcpy_nogil(other.ctypes.data, dst.ctypes.data, dst.nbytes)
     state["done"].fetch_add(1)
     reducer._wait_count(state["done"], done_base + generation * parties, f"bucket {k} (the others' shares)")
+    return total
 
 
 def server_name(client, index):

@@ -13,9 +13,10 @@ one in steps would be off by the batch size.
 ``EDDIS_PROGRESS``: auto (bar if stdout is a TTY, else log), bar, log, off.
 Ranks other than 0 show nothing.
 
-The runtime drives one automatically on rank 0 (one update per gradient
-synchronisation, samples = this rank's sample count x ranks, when it is known); a training
-script adds the loss with ``report_loss(loss)`` and may set the total number
+The runtime drives one automatically on rank 0 (one update per optimizer step: a
+step whose closure evaluates several times, LBFGS's, is one; samples = the sum of every
+rank's sample count where the step's reduction adds them up, else this rank's count x
+ranks, when it is known); a training script adds the loss with ``report_loss(loss)`` and may set the total number
 of steps with ``set_total(n)``. A run shorter than one log interval prints
 nothing. A script can also make its own: ``with Progress(total=n) as p:
 p.update(samples=b, loss=l)``.

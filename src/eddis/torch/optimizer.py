@@ -33,6 +33,7 @@ from ..core.buckets import gradient_dtype
 from ..core import join as _core_join
 from ..errors import ConfigError, UsageError
 from . import agreement, hetero
+from .closure import AveragedClosure
 from .compression import codec_of
 from .samples import ForwardSampleCounter
 from ..core.basics import basics as _basics
@@ -100,6 +101,7 @@ class _DistributedOptimizer:
         self._eddis_synchronized = False
         self._eddis_skip_sync = False
         self._eddis_whole_groups = None   # the param_groups' lists while step() updates a bucket at a time
+        self._eddis_steps = 0   # step() calls so far: names a closure's evaluations across the ranks
         self.reducer = make_reducer(mode, plan, compression=codec_of(compression), op=op.name,
                                     name=f"torch.{_next_instance_id()}")
         # after the reducer, which may place a CPU buffer (in mapped SMB memory)
@@ -195,9 +197,10 @@ class _DistributedOptimizer:
         self._eddis_take_result()
         self._eddis_synchronized = True
 
-    def _eddis_send_rest(self):
+    def _eddis_send_rest(self, hooks=True):
         """The end of this step's backward passes: every bucket not sent yet goes now."""
-        self._eddis_hetero.before_sync()  # end of this step's compute (balance, slowdown)
+        if hooks:
+            self._eddis_hetero.before_sync()  # end of this step's compute (balance, slowdown)
         plan = self._eddis_plan
         with self._eddis_lock:
             missing = []
@@ -215,10 +218,11 @@ class _DistributedOptimizer:
         if samples:
             observe.note_samples(samples)   # for the progress line and the profile
 
-    def _eddis_take_result(self):
+    def _eddis_take_result(self, counted=True):
         """Wait for the whole step's reduction, hand its result to ``.grad`` and start counting
-        the next step's gradients."""
-        self.reducer.wait()
+        the next step's gradients. ``counted``: the reduction ends a training step (not one
+        evaluation of a closure)."""
+        self.reducer.wait(counted=counted)
         if not self._eddis_passthrough:
             self._eddis_unstage()
         self._eddis_reset_counts()
@@ -269,11 +273,13 @@ class _DistributedOptimizer:
             self._eddis_skip_sync = False
 
     def step(self, closure=None):
-        if self._eddis_skip_sync:
+        if closure is not None:
+            result = self._eddis_closure_step(closure)
+        elif self._eddis_skip_sync:
             if not self._eddis_synchronized:
                 raise UsageError("step() inside skip_synchronize() without synchronize() first: "
                                  "call optimizer.synchronize() before the with-block")
-        elif not self._eddis_synchronized and self._eddis_overlaps(closure):
+        elif not self._eddis_synchronized and self._eddis_overlaps():
             self._eddis_send_rest()
             result = self._eddis_step_by_bucket()
         elif not self._eddis_synchronized:
@@ -281,17 +287,52 @@ class _DistributedOptimizer:
         if self._eddis_synchronized:
             self._eddis_synchronized = False
             with timeline.span(timeline.OPTIMIZER_STEP):
-                result = super(_DistributedOptimizer, self).step(closure)
+                result = super(_DistributedOptimizer, self).step()
+        self._eddis_steps += 1
         self._eddis_hetero.after_step()  # easgd/hybrid exchange, rebalancing
         agreement.tick()
         # a periodic or requested checkpoint when the ranks agreed on this step
         _basics.at_step_boundary(self._eddis_hetero, getattr(self, "_eddis_checkpointing", None))
         return result
 
-    def _eddis_overlaps(self, closure):
+    def _eddis_closure_step(self, closure):
+        """The wrapped optimizer's step with a closure that averages every evaluation
+        (eddis.torch.closure); at the end, every rank checks that all evaluated as often."""
+        mode = self._eddis_hetero.mode
+        if mode in ("easgd", "hybrid"):
+            raise UsageError(
+                f"optimizer.step(closure) in mode {mode!r}: the elastic exchange moves the parameters "
+                "between steps, which a closure optimizer such as LBFGS does not expect (its history "
+                "assumes only its own updates), and the groups would evaluate different numbers of "
+                "times. Use mode 'sync' or 'allreduce' for closure optimizers, or call loss.backward() "
+                "yourself and optimizer.step() without a closure.")
+        if self._eddis_skip_sync:
+            raise UsageError("optimizer.step(closure) inside skip_synchronize(): the closure's gradients "
+                             "are averaged at each evaluation; call step(closure) outside the with-block")
+        if self.reducer.in_progress or any(self._eddis_counts):
+            # a backward before step(closure), on every rank: finish its averaging (the ranks
+            # stay paired); the closure computes the gradients again
+            self.synchronize()
+        self._eddis_synchronized = False
+        evaluate = AveragedClosure(self, closure, self._eddis_steps)
+        with timeline.span(timeline.OPTIMIZER_STEP):
+            result = super(_DistributedOptimizer, self).step(evaluate)
+        evaluate.finish()
+        # one step of the global batch's samples, however many evaluations it took
+        observe.train_step_done(self.reducer, evaluate.samples)
+        return result
+
+    def _eddis_synchronize_evaluation(self, first):
+        """One closure evaluation's averaging: like synchronize(), but the step's hooks for the
+        end of compute (balancing, simulated slowdown) run at the first evaluation only, and
+        its reduction is no step of its own for the progress line."""
+        self._eddis_send_rest(hooks=first)
+        self._eddis_take_result(counted=False)
+
+    def _eddis_overlaps(self):
         """Whether this step's update may run bucket by bucket (EDDIS_OVERLAP_OPTIMIZER)."""
         wanted = settings.get("EDDIS_OVERLAP_OPTIMIZER")
-        if wanted == "off" or closure is not None or self._eddis_passthrough:
+        if wanted == "off" or self._eddis_passthrough:
             return False
         if len(self._eddis_plan.buckets) < 2:
             return False

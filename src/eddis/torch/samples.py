@@ -61,11 +61,15 @@ class ForwardSampleCounter:
                 break
         self._outermost = []
 
-    def take(self):
-        """This step's samples (0: unknown); the next step counts from zero."""
+    def current(self):
+        """The samples counted since the last step (0: unknown), still counting on."""
         if self._global_hooks:
             self._find_model()
-        samples, self._samples = self._samples, 0
+        return self._samples
+
+    def take(self):
+        """This step's samples (0: unknown); the next step counts from zero."""
+        samples, self._samples = self.current(), 0
         return samples
 
     def _remove_global_hooks(self):
