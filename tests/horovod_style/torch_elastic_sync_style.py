@@ -6,7 +6,9 @@ restarted run trains each batch exactly once: its final model is the uninterrupt
 Usage: torch_elastic_sync_style.py OUT.npz
 
 ELASTIC_TEST_KILL_AFTER=epoch:batch (a test harness hook, not Horovod's): rank 1 SIGKILLs
-itself right after the commit at that point, on the launcher's first attempt."""
+itself right after the commit at that point, on the launcher's first attempt; with
+ELASTIC_TEST_DAMAGE_NEWEST=FOLDER (the commits' folder) it first flips 64 bytes in the middle
+of the newest commit's rank-00000.pt, as a disk would."""
 import os
 import signal
 import sys
@@ -21,6 +23,7 @@ EPOCHS, BATCHES, COMMIT_EVERY = 2, 10, 4
 out = sys.argv[1]
 kill_after = os.environ.get("ELASTIC_TEST_KILL_AFTER")
 attempt = os.environ.get("EDDIS_RESTART_COUNT", "0")
+damage_in = os.environ.get("ELASTIC_TEST_DAMAGE_NEWEST")
 
 hvd.init()
 torch.manual_seed(0)
@@ -33,6 +36,16 @@ def batch_of(epoch, batch):
     generator = torch.Generator().manual_seed(1000 * epoch + 10 * batch + hvd.rank())
     x = torch.randn(16, 8, generator=generator)
     return x, x.sum(dim=1, keepdim=True)
+
+
+def damage_newest_commit(folder):
+    newest = max(name for name in os.listdir(folder) if name.startswith("ckpt-"))   # ckpt-<8 digits>
+    path = os.path.join(folder, newest, "rank-00000.pt")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        data = f.read(64)
+        f.seek(-len(data), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in data))
 
 
 @hvd.elastic.run
@@ -48,6 +61,8 @@ def train(state):
             if state.batch % COMMIT_EVERY == 0:
                 state.commit()
                 if kill_after == f"{state.epoch}:{state.batch}" and hvd.rank() == 1 and attempt == "0":
+                    if damage_in:
+                        damage_newest_commit(damage_in)
                     os.kill(os.getpid(), signal.SIGKILL)
         state.batch = 0
     state.commit()

@@ -16,6 +16,10 @@ so that keep-last-N and new checkpoints never count them. When none verifies the
 with :class:`~eddis.errors.CheckpointCorruptError`: nothing is loaded and nothing trained, and a
 folder whose checkpoints were all set aside is never taken for an empty one (a fresh start).
 
+Elastic commits (:func:`choose_for_name`) are chosen the same way among the checkpoints a
+commit wrote, then loaded by name through their adapter's resume, which takes the one chosen
+without hashing its files again.
+
 A checkpoint written before EDDIS kept checksums (its manifest has none) cannot be verified:
 it is resumed as it is, with a warning, so that a long job goes on across the upgrade; a file
 its manifest lists and the folder lacks is still refused.
@@ -124,13 +128,18 @@ def shares(expected, size):
 def pick(paths, check):
     """The first of ``paths`` (newest first) that ``check`` (path -> manifest) passes, and those
     it skipped: ``(path, manifest, [(path, reason), ...])``; ``(None, None, skipped)`` when none
-    passes. Only a CheckpointCorruptError skips one; any other error ends the choice."""
+    passes. Only a CheckpointCorruptError skips one; any other error ends the choice. A
+    ``check`` that returns None passes over a checkpoint the caller does not take (a periodic
+    one among elastic commits): not loaded, and not skipped either."""
     skipped = []
     for path in paths:
         try:
-            return path, check(path), skipped
+            manifest = check(path)
         except CheckpointCorruptError as exc:
             skipped.append((path, exc.problem))
+            continue
+        if manifest is not None:
+            return path, manifest, skipped
     return None, None, skipped
 
 
@@ -148,9 +157,10 @@ def none_verifies(where, named, skipped):
         "another EDDIS_CHECKPOINT_DIR) to start afresh")
 
 
-def _check_together(path, rank, size):
+def _check_together(path, rank, size, wanted=None):
     """Collective: rank 0 reads the manifest of ``path``, every rank verifies its share of the
-    files; the manifest, or the same error on every rank."""
+    files; the manifest, or the same error on every rank; None, unverified, when ``wanted``
+    (manifest -> bool) does not take it."""
     manifest = failure = None
     if rank == 0:
         try:
@@ -161,6 +171,8 @@ def _check_together(path, rank, size):
             failure = (False, str(exc))
     manifest, failure = collectives.broadcast_object((manifest, failure), root=0,
                                                      what=f"resume: the manifest of {path}")
+    if failure is None and wanted is not None and not wanted(manifest):
+        return None
     if failure is None:
         try:
             expected = entries(path, manifest)
@@ -179,9 +191,27 @@ def _check_together(path, rank, size):
     raise CheckpointCorruptError(reason, FIX) if corrupt else CheckpointError(reason)
 
 
-def choose(path_or_dir):
+# what choose_for_name chose and verified, {path: manifest}, until the resume by that name
+# takes it (every rank holds the same: the choice is collective)
+_chosen_for_name = {}
+
+
+def choose_for_name(directory, wanted, what):
+    """Collective: the path of the checkpoint in ``directory`` that a resume by its name is to
+    load next (an elastic commit, through its adapter's resume): the newest that ``wanted``
+    (manifest -> bool) takes and that verifies, chosen and reported as :func:`choose` does, its
+    output naming it a ``what``; None when there is none (a fresh start). That resume takes it
+    without hashing its files a second time."""
+    found, manifest = choose(directory, wanted, what)
+    if found is not None:
+        _chosen_for_name[found] = manifest
+    return found
+
+
+def choose(path_or_dir, wanted=None, what="checkpoint"):
     """Collective: ``(path, manifest)`` of the checkpoint a resume loads (see the module
-    docstring), or ``(None, None)``: nothing to resume, a fresh start."""
+    docstring), or ``(None, None)``: nothing to resume, a fresh start. ``wanted`` (manifest ->
+    bool): the checkpoints it may take (None: all); ``what``: their name in the job output."""
     rank, size = runtime.rank(), runtime.size()
     listed = error = None
     if rank == 0:
@@ -193,15 +223,17 @@ def choose(path_or_dir):
     if error is not None:
         raise error
     paths, named = listed
-    found, manifest, skipped = pick(paths, lambda path: _check_together(path, rank, size))
+    if named and paths[0] in _chosen_for_name:
+        return paths[0], _chosen_for_name.pop(paths[0])
+    found, manifest, skipped = pick(paths, lambda path: _check_together(path, rank, size, wanted))
     if found is None and skipped:
         raise none_verifies(paths[0] if named else os.fspath(path_or_dir), named, skipped)
     if rank == 0:
-        _report(found, manifest, skipped)
+        _report(found, manifest, skipped, what)
     return found, manifest
 
 
-def _report(found, manifest, skipped):
+def _report(found, manifest, skipped, what):
     """Rank 0, in the job output: what was skipped and why, and what is loaded instead."""
     for path, reason in skipped:
         try:
@@ -212,7 +244,7 @@ def _report(found, manifest, skipped):
             aside = f"set aside as {os.path.basename(aside)}"
         log.warning("checkpoint %s fails verification, skipped (%s): %s", path, aside, reason)
     if skipped:
-        log.warning("resuming from %s (step %d), the newest checkpoint that verifies", found, manifest["step"])
+        log.warning("resuming from %s (step %d), the newest %s that verifies", found, manifest["step"], what)
     if found is not None and not layout.has_checksums(manifest):
         log.warning("checkpoint %s was written before EDDIS kept checksums (by EDDIS %s): its files cannot "
                     "be verified and are loaded as they are; the checkpoints this run writes carry them",

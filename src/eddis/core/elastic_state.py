@@ -12,8 +12,8 @@ state ends with its process. Workers never join a running job either. So:
   so there the commits are persisted: ``commit()`` writes a checkpoint of the run
   (:mod:`eddis.core.checkpoint_run`, one consistent cut on every rank, the state's
   values in its manifest) into :func:`commit_folder`, and ``run`` on a restarted run
-  first restores the newest one, model, optimizer, RNGs and values (epoch, batch, ...), so
-  that ``func`` goes on from the last commit;
+  first restores the newest one that verifies (:func:`latest_commit`), model, optimizer,
+  RNGs and values (epoch, batch, ...), so that ``func`` goes on from the last commit;
 - the reset callbacks (``register_reset_callbacks``) run where Horovod runs them: after a
   reset, never at the first start. Horovod's reset is the restart of ``func`` after a
   worker was lost, from the last commit, with ``reset()`` and the callbacks before the
@@ -38,9 +38,9 @@ import logging
 import os
 
 from .. import settings
-from ..errors import CheckpointError, UsageError
+from ..errors import UsageError
 from ..smb.rundir import ELASTIC_COMMITS_DIR
-from . import checkpoint as layout
+from . import checkpoint_verify as verify
 from . import collectives, elastic, runtime
 
 log = logging.getLogger("eddis.core.elastic_state")
@@ -66,20 +66,18 @@ def commit_folder(mode):
     return None
 
 
+def is_commit(manifest):
+    """Whether a checkpoint's manifest is a commit's (periodic checkpoints hold no state values)."""
+    return COMMIT_ENTRY in manifest.get("extra", {})
+
+
 def latest_commit(folder):
-    """Collective: the newest complete checkpoint in ``folder`` that a commit wrote (periodic
-    ones there hold no state values), or None; rank 0 looks, every rank gets its answer."""
-    found = None
-    if runtime.rank() == 0:
-        for _, path in reversed(layout.complete_checkpoints(folder)):
-            try:
-                manifest = layout.read_manifest(path)
-            except CheckpointError:
-                continue
-            if COMMIT_ENTRY in manifest.get("extra", {}):
-                found = path
-                break
-    return collectives.broadcast_object(found, root=0, what="elastic run: finding the last commit")
+    """Collective: the newest checkpoint in ``folder`` that a commit wrote and whose files verify
+    against their checksums, or None: no commit there. As a plain resume does, a commit that fails
+    verification is named in the job output, with why, and set aside, and the one before it is
+    taken; with none that verifies, every rank raises CheckpointCorruptError
+    (:func:`eddis.core.checkpoint_verify.choose_for_name`)."""
+    return verify.choose_for_name(folder, is_commit, "elastic commit")
 
 
 def run(func):
