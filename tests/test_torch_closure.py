@@ -46,18 +46,23 @@ def data():
     return x, torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
 
 
-def train(model, optimizer, x, y, evaluations, losses):
+def train_step(model, optimizer, x, y, evaluations=None):
     import torch.nn.functional as F
 
-    for _ in range(STEPS):
-        def closure():
+    def closure():
+        if evaluations is not None:
             evaluations[-1] += 1
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return float(optimizer.step(closure))
+
+
+def train(model, optimizer, x, y, evaluations, losses):
+    for _ in range(STEPS):
         evaluations.append(0)
-        losses.append(float(optimizer.step(closure)))
+        losses.append(train_step(model, optimizer, x, y, evaluations))
 
 
 def run_config(mode, kind):
@@ -151,12 +156,30 @@ def progress(case, mode):
     eddis.shutdown()
 
 
+def join_with_closure():
+    """Rank 1 runs out of data after one step and joins while rank 0 goes on with LBFGS."""
+    import torch
+    import torch.nn as nn
+    import eddis.torch as eddis
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
+    optimizer = eddis.DistributedOptimizer(make_optimizer("lbfgs", model.parameters()))
+    x, y = data()
+    for _ in range(2 if eddis.rank() == 0 else 1):
+        train_step(model, optimizer, x, y)
+    eddis.join()
+    eddis.shutdown()
+
+
 def worker():
     import eddis.torch as eddis
 
     eddis.init()
     if sys.argv[1:] == ["diverge"]:
         return diverge()
+    if sys.argv[1:] == ["join"]:
+        return join_with_closure()
     if sys.argv[1:2] == ["progress"]:
         return progress(*sys.argv[2:])
     only = os.environ.get("CLOSURE_CONFIGS")
@@ -238,3 +261,11 @@ def test_progress_counts_optimizer_steps_and_every_ranks_samples(run_mpi, case, 
     assert steps[:STEPS] == list(range(1, STEPS + 1)) and set(steps[STEPS:]) <= {STEPS}, lines
     for step, line in zip(steps, lines):   # (the closing line repeats the last step)
         assert f"  {25 * step} samples  " in line, lines
+
+
+@pytest.mark.timeout(200)
+def test_join_with_a_closure_optimizer_says_why(run_mpi):
+    proc = run_mpi(2, [PYTHON, __file__, "join"], timeout=150, env={"EDDIS_COMM_TIMEOUT": "60"})
+    assert proc.returncode != 0
+    assert "eddis.join() with an optimizer that steps with a closure (LBFGS)" in proc.stdout + proc.stderr, (
+        proc.stdout + proc.stderr)

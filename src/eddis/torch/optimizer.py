@@ -102,6 +102,7 @@ class _DistributedOptimizer:
         self._eddis_skip_sync = False
         self._eddis_whole_groups = None   # the param_groups' lists while step() updates a bucket at a time
         self._eddis_steps = 0   # step() calls so far: names a closure's evaluations across the ranks
+        self._eddis_closure_used = False
         self.reducer = make_reducer(mode, plan, compression=codec_of(compression), op=op.name,
                                     name=f"torch.{_next_instance_id()}")
         # after the reducer, which may place a CPU buffer (in mapped SMB memory)
@@ -249,6 +250,12 @@ class _DistributedOptimizer:
     def _eddis_join_reduce(self):
         """A step of a rank that has no data left (eddis.join(), which set the joined
         weight): zeros into the reduction, the others' result into .grad."""
+        if self._eddis_closure_used:
+            raise UsageError(
+                "eddis.join() with an optimizer that steps with a closure (LBFGS): the others evaluate "
+                "their closures several times a step, and a rank without data has nothing to evaluate. "
+                "Give every rank a share of every step's batch instead (eddis.batch_slice; unequal "
+                "shares weighted by set_sample_count) and call step(closure) on every rank.")
         if not self._eddis_passthrough:
             self._eddis_flat.zero_()
         self.reducer.mark_all_ready()
@@ -314,6 +321,7 @@ class _DistributedOptimizer:
             # stay paired); the closure computes the gradients again
             self.synchronize()
         self._eddis_synchronized = False
+        self._eddis_closure_used = True
         evaluate = AveragedClosure(self, closure, self._eddis_steps)
         with timeline.span(timeline.OPTIMIZER_STEP):
             result = super(_DistributedOptimizer, self).step(evaluate)
