@@ -21,7 +21,9 @@ import sys
 STEPS = 4
 GLOBAL_BATCH = 24
 TOLERANCE = 1e-5
-CONFIGS = [(mode, opt) for mode in ("sync", "allreduce") for opt in ("lbfgs", "lbfgs-wolfe", "sgd")] + [
+# sgd-prebackward: a backward before step(closure), whose averaging ends before the closure runs
+CONFIGS = [(mode, opt) for mode in ("sync", "allreduce") for opt in ("lbfgs", "lbfgs-wolfe", "sgd",
+                                                                     "sgd-prebackward")] + [
     ("sync", "lbfgs-weighted")]
 
 
@@ -46,8 +48,11 @@ def data():
     return x, torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
 
 
-def train_step(model, optimizer, x, y, evaluations=None):
+def train_step(model, optimizer, x, y, evaluations=None, prebackward=False):
     import torch.nn.functional as F
+
+    if prebackward:
+        F.cross_entropy(model(x), y).backward()
 
     def closure():
         if evaluations is not None:
@@ -59,10 +64,10 @@ def train_step(model, optimizer, x, y, evaluations=None):
     return float(optimizer.step(closure))
 
 
-def train(model, optimizer, x, y, evaluations, losses):
+def train(model, optimizer, x, y, evaluations, losses, prebackward=False):
     for _ in range(STEPS):
         evaluations.append(0)
-        losses.append(train_step(model, optimizer, x, y, evaluations))
+        losses.append(train_step(model, optimizer, x, y, evaluations, prebackward))
 
 
 def run_config(mode, kind):
@@ -84,7 +89,7 @@ def run_config(mode, kind):
     shard = batch_slice(GLOBAL_BATCH, rank, size, weights)
     optimizer.set_sample_count(shard.stop - shard.start)
     evaluations, losses = [], []
-    train(model, optimizer, x[shard], y[shard], evaluations, losses)
+    train(model, optimizer, x[shard], y[shard], evaluations, losses, kind.endswith("prebackward"))
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     rank0 = eddis.broadcast(flat, root_rank=0)
     spread = eddis.allreduce((flat - rank0).abs().max().reshape(1), op=eddis.Max).item()
@@ -93,7 +98,8 @@ def run_config(mode, kind):
     if reference is None:
         return None
     ref_evaluations, ref_losses = [], []
-    train(reference, make_optimizer(kind, reference.parameters()), x, y, ref_evaluations, ref_losses)
+    train(reference, make_optimizer(kind, reference.parameters()), x, y, ref_evaluations, ref_losses,
+          kind.endswith("prebackward"))
     ref = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
     return {"config": f"{mode},{kind}", "ranks": size, "rel_error": float((flat - ref).norm() / ref.norm()),
             "rank_spread": spread, "evaluations": evaluations, "ref_evaluations": ref_evaluations,

@@ -432,7 +432,8 @@ class AllreduceReducer(Reducer):
         if self._scale != 1.0:
             view *= view.dtype.type(self._scale)
         if self.codec.is_identity:
-            self._allreduce(view, self.MPI.DOUBLE if view.dtype == np.float64 else self.MPI.FLOAT, self.MPI.SUM)
+            mpi_type = self.MPI.DOUBLE if view.dtype == np.float64 else self.MPI.FLOAT
+            self._allreduce(view, mpi_type, self.MPI.SUM)
             return None
         wire = self.codec.compress(view, out=self.plan.bucket_view(k, self._wire))
         self._allreduce(wire, self.MPI.UINT16_T, self._mpi_op)

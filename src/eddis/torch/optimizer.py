@@ -15,7 +15,8 @@ How a step goes:
 3. ``step()`` (or ``synchronize()``) marks any bucket not yet ready (parameters
    that got no gradient contribute zeros), waits only for buckets not done yet,
    hands the averaged gradients to ``.grad`` (CPU parameters of the buffer's dtype:
-   ``.grad`` becomes a view of the buffer, no copy) and runs the wrapped optimizer's own ``step()``.
+   ``.grad`` becomes a view of the buffer, no copy) and runs the wrapped optimizer's
+   own ``step()``.
    When the wrapped optimizer updates each parameter from its own gradient and
    state alone (EDDIS_OVERLAP_OPTIMIZER), ``step()`` runs that update bucket by
    bucket instead, each as soon as its averaged gradients are in, so the update
@@ -319,7 +320,7 @@ class _DistributedOptimizer:
         if self.reducer.in_progress or any(self._eddis_counts):
             # a backward before step(closure), on every rank: finish its averaging (the ranks
             # stay paired); the closure computes the gradients again
-            self.synchronize()
+            self._eddis_synchronize_evaluation(first=False)
         self._eddis_synchronized = False
         self._eddis_closure_used = True
         evaluate = AveragedClosure(self, closure, self._eddis_steps)
