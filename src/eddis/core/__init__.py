@@ -12,8 +12,9 @@ COMM_WORLD), ``smb_client()`` (the job's SMB client; collective on first use;
 starts an embedded server for single-node ``mpirun`` runs).
 
 Gradient layout (``buckets``): ``BucketPlan([(name, shape), ...],
-bucket_bytes)`` lays parameters out in one flat float32 buffer in reverse
-order of definition and cuts it into buckets.
+bucket_bytes, dtype)`` lays parameters out in one flat buffer (float32, or
+float64 for float64 models) in reverse order of definition and cuts it into
+buckets.
 
 Reduction (``reducer``): ``make_reducer(mode, plan, compression, op)`` with
 modes ``sync`` (through SMB: each rank writes its slot, the server computes
