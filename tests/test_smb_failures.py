@@ -394,7 +394,7 @@ def test_a_server_whose_request_loop_ends_is_the_root_cause_not_a_rank(tmp_path)
     later with a rank's handshake timeout as its root cause. Here the request loop's poll()
     fails for real: the server's open-files limit is lowered below its connections (the
     loop used to spin on that error, answering nothing). The server must exit naming the
-    thread, and the job's report must name the server."""
+    thread, and the job's report must name the server and quote why it stopped."""
     from eddis.smb.server import SERVER_FAILED_STATUS
 
     proc = start(tmp_path, "-n", "2", SMB_TRAINER, "--steps", "3000")
@@ -410,5 +410,10 @@ def test_a_server_whose_request_loop_ends_is_the_root_cause_not_a_rank(tmp_path)
     report = err[err.index("ROOT CAUSE"):]
     assert re.search(rf"ROOT CAUSE: smb-server 0 on host \S+ \(pid {server['pid']}\) exited with code "
                      rf"{SERVER_FAILED_STATUS}", report), report
+    # and quotes why: its supervisor keeps the last lines of the server's stderr
+    block = report[:report.index("\n  records: ")]
+    assert re.search(r"\n  last lines of smb-server 0's stderr:\n(    .*\n)*    smb-server: SMBServerError: "
+                     r"smb-server 0 stops: its request loop \(thread smb-server-progress\) ended: poll\(\) failed",
+                     block), report
     assert "ROOT CAUSE: rank" not in err
     assert_nothing_left(tmp_path)

@@ -71,7 +71,9 @@ class UsageError(EddisError, RuntimeError):
 
 
 class SMBServerError(SMBError, RuntimeError):
-    """An smb-server process ended before it published its address; the message has its output."""
+    """An smb-server process failed: it ended before it published its address (the message has
+    its output), or it stops because one of its threads died (the handshake gate or the request
+    loop; the message names the thread and why, and the server exits with status 70)."""
 
 
 # ---------------------------------------------------------------- the runtime's collectives

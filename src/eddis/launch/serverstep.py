@@ -7,6 +7,8 @@ So the job script and ``--local`` run this supervisor, which
 
 - runs ``eddis.smb.server`` in a child process that beats to it (:mod:`.liveness`);
 - records the server's start, and its exit under ``<run dir>/launch/smb-servers/``;
+- passes the server's stderr on to its own, keeping the first traceback and the last
+  lines (a dead thread's ``SMBServerError``, say) for the failure record the report quotes;
 - when the server dies (anything but the stop it was asked for) or hangs (stack
   dumped, then killed), records a failure and asks every rank of the run dir to
   stop (``launch/stop``), so the job ends with the server as its root cause;
@@ -32,16 +34,20 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from .. import identity
 from . import mpishm
 from .liveness import LivenessWatch, supervisor_verdict
+from .output import LinePump, TracebackCatcher
 from .preemption import checkpoint_on_sigterm, server_wait_seconds
 from .report import describe_failure, request_stop, server_records, servers_stop_requested
 
 SERVER_STOP_SECONDS = 10.0
 WATCH_SECONDS = 1.0
+TAIL_LINES = 10          # of the server's stderr in its failure record, as of a rank's
+PUMP_END_SECONDS = 10.0  # for the last lines of its stderr once it ended (a child of it may hold the pipe)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 # the server's stop whether or not it ignores SIGTERM (UCX takes SIGHUP for its debug signal)
 SERVER_STOP_SIGNAL = signal.SIGUSR2
@@ -89,6 +95,7 @@ class ServerSupervisor:
         self.child = None
         self.outlive_sigterm = checkpoint_on_sigterm()
         self.term_at = None  # the first SIGTERM, when the server outlives it
+        self.err_lock = threading.Lock()   # the server's lines and ours, each whole
 
     def _on_signal(self, signum, frame):
         first = self.stop_signal is None
@@ -114,7 +121,8 @@ class ServerSupervisor:
             self.say(f"removed {path}, which a launch of this job left")
 
     def say(self, text):
-        print(f"eddis-train: smb-server {self.index}@{self.host}: {text}", file=sys.stderr, flush=True)
+        with self.err_lock:
+            print(f"eddis-train: smb-server {self.index}@{self.host}: {text}", file=sys.stderr, flush=True)
 
     def run(self):
         for sig in STOP_SIGNALS:
@@ -128,12 +136,16 @@ class ServerSupervisor:
         try:
             self.child = subprocess.Popen(
                 server_child_command(self.run_dir, self.index, self.memory), env=env, stdin=subprocess.DEVNULL,
-                pass_fds=liveness.pass_fds,
+                stderr=subprocess.PIPE, pass_fds=liveness.pass_fds,
                 preexec_fn=_die_with_parent_and_ignore_sigterm if self.outlive_sigterm else _die_with_parent)
         except OSError as exc:
             liveness.close()
             self.say(f"cannot start the server: {exc}")
             return 127
+        # its lines unprefixed, as before: they name the server themselves
+        catcher = TracebackCatcher()
+        pump = LinePump(self.child.stderr, sys.stderr.buffer, "", self.err_lock, catcher)
+        pump.start()
         liveness.started(self.child.pid)
         self.records.start(self.index, {"server": self.index, "host": self.host, "pid": self.child.pid,
                                         "supervisor_pid": os.getpid(), "time": time.time()})
@@ -179,6 +191,7 @@ class ServerSupervisor:
                     self.say(f"the server (pid {self.child.pid}) did not die of SIGKILL within 30 s")
                 break
         ended = time.time()
+        pump.join(timeout=PUMP_END_SECONDS)
         if exit_fd is not None:
             os.close(exit_fd)
         liveness.close()
@@ -201,6 +214,7 @@ class ServerSupervisor:
         elif asked_to_stop:
             record["why"] = "stopped"
         if record["why"] in ("hung", "failed"):
+            record.update(traceback=catcher.result(), tail=list(catcher.tail)[-TAIL_LINES:])
             self.records.fail(self.index, record)
             self.say(f"{describe_failure(record)}; stopping every rank")
             request_stop(self.run_dir, describe_failure(record))
