@@ -70,6 +70,7 @@ PARENT_TIMEOUT_VARIABLE = "EDDIS_PARENT_LIVENESS_TIMEOUT"
 VERDICT_VARIABLE = "EDDIS_PARENT_VERDICT"
 # the status a supervisor found hung ends with: it is killed, as a hung child is
 HUNG_SIGNAL = signal.SIGKILL
+SUPERVISOR_KIND = "eddis-train supervisor"   # how the report names a rank's or a server's
 # Real-time signals: SIGUSR1/2 are the user's (sbatch --signal) and reach the trainer as they are.
 STACK_DUMP_SIGNAL = signal.SIGRTMIN + 7
 NATIVE_STACK_DUMP_SIGNAL = signal.SIGRTMIN + 6
@@ -215,9 +216,6 @@ def supervisor_verdict(records, key, record, stop_run_dir=None, lost_if_exists=N
             "stop_run_dir": None if stop_run_dir is None else str(stop_run_dir),
             "lost_if_exists": None if lost_if_exists is None else str(lost_if_exists),
             "stop_signal": None if stop_signal is None else signal.Signals(stop_signal).name}
-
-
-SUPERVISOR_KIND = "eddis-train supervisor"
 
 
 class _BeatReader:
