@@ -15,55 +15,23 @@ cdef struct reply_slot_t:
     size_t dest_len
 
 cdef struct client_conn_t:
-    ucp.ucp_ep_h ep
+    int fd                  # the proven socket: every request and reply
+    ucp.ucp_ep_h ep         # rdma: the endpoint for one-sided put/get (NULL: none)
+    int ep_closed
     int failed
     int status
-    int closed
-    int fd                  # socket transport (-1: a UCX endpoint)
     sock_rx_t rx
     sk.smb_txq_t txq
 
 cdef struct client_t:
     ucp.ucp_context_h context
-    ucp.ucp_worker_h worker     # NULL on the socket transport
+    ucp.ucp_worker_h worker     # rdma only (NULL: socket transport)
     reply_slot_t slots[REPLY_SLOTS]
-    # socket transport: posting threads and the progressing thread share the queues
+    # posting threads and the progressing thread share the socket queues
     sk.pthread_mutex_t io_lock
     sk.pollfd pfds[MAX_CONNS]
     int pfd_conns[MAX_CONNS]
     char scratch[SOCK_SCRATCH]
-
-
-cdef ucs_status_t _client_am_reply(void *arg, const void *header, size_t header_length,
-                                   void *data, size_t length,
-                                   const ucp.ucp_am_recv_param_t *param) noexcept nogil:
-    cdef client_t *cl = <client_t*>arg
-    cdef smb_hdr_t h
-    if length < sizeof(smb_hdr_t) or param.recv_attr & ucp.UCP_AM_RECV_ATTR_FLAG_RNDV:
-        return ucp.UCS_OK
-    memcpy(&h, data, sizeof(h))
-    if h.magic != SMB_MAGIC or h.length != length - sizeof(smb_hdr_t):
-        return ucp.UCS_OK
-    cdef uint32_t idx = h.req_id & 0xFFFF
-    if idx >= REPLY_SLOTS:
-        return ucp.UCS_OK
-    cdef reply_slot_t *s = &cl.slots[idx]
-    if s.gen != <uint32_t>(h.req_id >> 16):
-        return ucp.UCS_OK                   # a late reply to a request that timed out
-    if not smb_cas_int(&s.state, SLOT_PENDING, SLOT_FILLING):
-        return ucp.UCS_OK
-    s.status = h.status
-    s.length = h.length
-    s.data = NULL
-    if h.length:
-        s.data = <char*>malloc(h.length)
-        if s.data != NULL:
-            memcpy(s.data, <char*>data + sizeof(smb_hdr_t), h.length)
-        else:
-            s.status = ucp.UCS_ERR_NO_MEMORY
-            s.length = 0
-    smb_store_int(&s.state, SLOT_DONE)
-    return ucp.UCS_OK
 
 
 cdef void _client_ep_error(void *arg, ucp.ucp_ep_h ep, ucs_status_t status) noexcept nogil:
@@ -72,7 +40,7 @@ cdef void _client_ep_error(void *arg, ucp.ucp_ep_h ep, ucs_status_t status) noex
     smb_store_int(&c.failed, 1)
 
 
-# ------------------------------------------------------ client: socket transport
+# ------------------------------------------------------ client: sockets
 cdef void client_sock_fail(client_conn_t *c, int status) noexcept nogil:
     """The server is gone (or timed out): waits on it fail, queued frames are dropped."""
     if not smb_load_int(&c.failed):
@@ -387,14 +355,15 @@ cdef class Pending:
 
 
 cdef class ClientCore:
-    """One client's connections to its servers: proven sockets (the default), or a UCX
-    context and worker with endpoints and remote keys (``ucx=True``)."""
+    """One client's connections to its servers: a proven socket each for requests and
+    replies and, with the rdma transport (start_rdma), a UCX endpoint each for one-sided
+    put/get with the remote keys of regions."""
     cdef client_t *cl
     cdef client_conn_t *conns
     cdef int nconns
     cdef list free_slots
     cdef object slot_lock
-    cdef dict rkeys                   # (conn, rid) -> rkey handle as int
+    cdef dict rkeys                   # (conn, rid) -> [rkey handle as int, handles using it]
     cdef list maps                    # (addr, size) of mapped arenas
     # close() from one thread while another waits or posts must not free the
     # worker under it: operations count themselves in `active`, close() sets
@@ -402,11 +371,7 @@ cdef class ClientCore:
     cdef int active
     cdef int closing
 
-    def __cinit__(self, bint ucx=False):
-        cdef ucp.ucp_config_t *config = NULL
-        cdef ucp.ucp_params_t params
-        cdef ucp.ucp_worker_params_t wparams
-        cdef ucp.ucp_am_handler_param_t am
+    def __cinit__(self):
         self.cl = <client_t*>calloc(1, sizeof(client_t))
         self.conns = <client_conn_t*>calloc(MAX_CONNS, sizeof(client_conn_t))
         if self.cl == NULL or self.conns == NULL:
@@ -418,25 +383,23 @@ cdef class ClientCore:
         self.slot_lock = _threading.Lock()
         self.rkeys = {}
         self.maps = []
-        if not ucx:
-            return
-        CHKERR(ucp.ucp_config_read(NULL, NULL, &config), "ucp_config_read")
-        params.field_mask = ucp.UCP_PARAM_FIELD_FEATURES
-        params.features = ucp.UCP_FEATURE_RMA | ucp.UCP_FEATURE_AM
-        status = ucp.ucp_init(&params, config, &self.cl.context)
-        ucp.ucp_config_release(config)
-        CHKERR(status, "ucp_init")
+
+    def start_rdma(self, str tls):
+        """The rdma transport: a UCX context restricted to the transports ``tls`` names and a
+        worker, for endpoints made with connect_rdma(). Before any endpoint, once."""
+        cdef ucp.ucp_worker_params_t wparams
+        self._check_open()
+        if self.cl.context != NULL:
+            raise _errors.UsageError("start_rdma(): this client core has a UCX worker already")
+        self.cl.context = _new_context(tls, ucp.UCP_FEATURE_RMA)
         # MULTI: the runtime's communication thread and the main thread share it.
         wparams.field_mask = ucp.UCP_WORKER_PARAM_FIELD_THREAD_MODE
         wparams.thread_mode = ucp.UCS_THREAD_MODE_MULTI
-        CHKERR(ucp.ucp_worker_create(self.cl.context, &wparams, &self.cl.worker), "ucp_worker_create")
-        am.field_mask = (ucp.UCP_AM_HANDLER_PARAM_FIELD_ID | ucp.UCP_AM_HANDLER_PARAM_FIELD_CB
-                         | ucp.UCP_AM_HANDLER_PARAM_FIELD_ARG | ucp.UCP_AM_HANDLER_PARAM_FIELD_FLAGS)
-        am.id = AM_REPLY
-        am.flags = ucp.UCP_AM_FLAG_WHOLE_MSG
-        am.cb = _client_am_reply
-        am.arg = self.cl
-        CHKERR(ucp.ucp_worker_set_am_recv_handler(self.cl.worker, &am), "ucp_worker_set_am_recv_handler")
+        status = ucp.ucp_worker_create(self.cl.context, &wparams, &self.cl.worker)
+        if status != ucp.UCS_OK:
+            ucp.ucp_cleanup(self.cl.context)
+            self.cl.context = NULL
+            CHKERR(status, "ucp_worker_create")
 
     def __dealloc__(self):
         self.close()
@@ -452,20 +415,20 @@ cdef class ClientCore:
 
     cdef unsigned _progress(self, int timeout_ms) noexcept nogil:
         """Move what can move on every connection; non-zero when something did."""
+        cdef unsigned n = 0
         if self.cl.worker != NULL:
-            return ucp.ucp_worker_progress(self.cl.worker)
-        return client_sock_progress(self.cl, self.conns, self.nconns, timeout_ms) > 0
+            # one-sided transfers complete in the worker: never sleep on the sockets
+            n = ucp.ucp_worker_progress(self.cl.worker)
+            timeout_ms = 0
+        return (client_sock_progress(self.cl, self.conns, self.nconns, timeout_ms) > 0) or n != 0
 
     @property
-    def uses_ucx(self):
+    def has_rdma(self):
         return self.cl != NULL and self.cl.worker != NULL
 
     def adopt_socket(self, int fd):
         """Take a socket on which the handshake proved the token; returns its connection index."""
         self._check_open()
-        if self.cl.worker != NULL:
-            close(fd)
-            raise _errors.UsageError("this client core speaks UCX; it takes no sockets")
         if self.nconns >= MAX_CONNS:
             close(fd)
             raise _errors.SMBValueError("too many SMB servers for one client (1024)")
@@ -479,6 +442,35 @@ cdef class ClientCore:
         self.conns[ci].rx.slot = -1
         self.nconns += 1
         return ci
+
+    def connect_rdma(self, int ci, bytes address, bint peer_errors=True):
+        """An endpoint to the server of connection ci, at the worker address it gave over
+        that proven connection; one-sided transfers to it use the keys of its regions.
+        ``peer_errors``: UCX reports a lost server on the endpoint (False where the
+        transports are shared memory only, which cannot)."""
+        cdef ucp.ucp_ep_params_t params
+        cdef client_conn_t *c
+        self._check_open()
+        if self.cl.worker == NULL:
+            raise _errors.UsageError("this client core has no UCX worker (the socket transport)")
+        if ci < 0 or ci >= self.nconns or self.conns[ci].ep != NULL:
+            raise _errors.UsageError(f"connection {ci} has no socket or has an endpoint already")
+        c = &self.conns[ci]
+        params.field_mask = (ucp.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | ucp.UCP_EP_PARAM_FIELD_ERR_HANDLER
+                             | ucp.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE)
+        params.address = <const ucp.ucp_address_t*><const char*>address
+        params.err_mode = ucp.UCP_ERR_HANDLING_MODE_PEER
+        params.err_handler.cb = _client_ep_error
+        params.err_handler.arg = c
+        if not peer_errors:
+            # UCX's shared-memory transports cannot report a lost peer (and refuse an
+            # endpoint that asks them to); the proven socket beside the endpoint does
+            params.field_mask = ucp.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+        status = ucp.ucp_ep_create(self.cl.worker, &params, &c.ep)
+        if status != ucp.UCS_OK:
+            c.ep = NULL
+            CHKERR(status, f"ucp_ep_create to server connection {ci} (no UCX transport SMB may use "
+                           f"reaches it: {_status_text(status)})")
 
     cdef int _sock_send(self, int ci, char *head, size_t head_len, const char *data,
                         size_t data_len) except -1:
@@ -524,7 +516,7 @@ cdef class ClientCore:
         return head
 
     def close(self):
-        """Destroy remote keys, close endpoints, release the worker and context."""
+        """Destroy remote keys, close sockets and endpoints, release the worker and context."""
         cdef int i
         cdef ucp.ucp_request_param_t param
         cdef ucs_status_ptr_t p
@@ -536,7 +528,7 @@ cdef class ClientCore:
         with nogil:
             while smb_load_int(&self.active) > 0 and smb_now() < deadline:
                 smb_pause(1024)
-        for handle in self.rkeys.values():
+        for handle, _ in self.rkeys.values():
             ucp.ucp_rkey_destroy(<ucp.ucp_rkey_h><uintptr_t>handle)
         self.rkeys.clear()
         for addr, size in self.maps:
@@ -547,10 +539,9 @@ cdef class ClientCore:
                 sk.smb_txq_clear(&self.conns[i].txq)
                 close(self.conns[i].fd)
                 self.conns[i].fd = -1
-                self.conns[i].closed = 1
-            if self.conns[i].closed:
+            if self.conns[i].ep == NULL or self.conns[i].ep_closed:
                 continue
-            self.conns[i].closed = 1
+            self.conns[i].ep_closed = 1
             param.op_attr_mask = ucp.UCP_OP_ATTR_FIELD_FLAGS
             param.flags = ucp.UCP_EP_CLOSE_FLAG_FORCE if self.conns[i].failed else 0
             p = ucp.ucp_ep_close_nbx(self.conns[i].ep, &param)
@@ -578,35 +569,6 @@ cdef class ClientCore:
             raise _errors.UsageError("the SMB client is closed")
         return 0
 
-    def connect(self, str host, int port):
-        """Create a UCX endpoint to host:port; returns its connection index."""
-        self._check_open()
-        if self.cl.worker == NULL:
-            raise _errors.UsageError("this client core uses sockets: connect through adopt_socket()")
-        cdef ucp.ucp_ep_params_t params
-        cdef sockaddr_in addr
-        if self.nconns >= MAX_CONNS:
-            raise _errors.SMBValueError("too many SMB servers for one client (1024)")
-        memset(&addr, 0, sizeof(addr))
-        addr.sin_family = AF_INET
-        addr.sin_port = htons(port)
-        if inet_pton(AF_INET, host.encode(), &addr.sin_addr) != 1:
-            raise _errors.SMBValueError(f"server address {host!r} is not an IPv4 address")
-        cdef int ci = self.nconns
-        cdef client_conn_t *c = &self.conns[ci]
-        params.field_mask = (ucp.UCP_EP_PARAM_FIELD_FLAGS | ucp.UCP_EP_PARAM_FIELD_SOCK_ADDR
-                             | ucp.UCP_EP_PARAM_FIELD_ERR_HANDLER
-                             | ucp.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE)
-        params.flags = ucp.UCP_EP_PARAMS_FLAGS_CLIENT_SERVER
-        params.sockaddr.addr = <ucp.sockaddr*>&addr
-        params.sockaddr.addrlen = sizeof(addr)
-        params.err_mode = ucp.UCP_ERR_HANDLING_MODE_PEER
-        params.err_handler.cb = _client_ep_error
-        params.err_handler.arg = c
-        CHKERR(ucp.ucp_ep_create(self.cl.worker, &params, &c.ep), f"cannot connect to {host}:{port}")
-        self.nconns += 1
-        return ci
-
     def progress(self):
         """Progress once (lets the transport report a dead peer)."""
         self._enter()
@@ -615,7 +577,7 @@ cdef class ClientCore:
         self._leave()
 
     def conn_failed(self, int ci):
-        return self.conns == NULL or bool(self.conns[ci].failed)
+        return self.conns == NULL or bool(smb_load_int(&self.conns[ci].failed))
 
     def conn_status(self, int ci):
         return ucp.UCS_ERR_NOT_CONNECTED if self.conns == NULL else self.conns[ci].status
@@ -625,25 +587,30 @@ cdef class ClientCore:
         ``status`` before the transport reported the peer lost): purge its requests. The
         first status a connection failed with is the one it keeps."""
         cdef ucp.ucp_request_param_t param
-        if self.conns == NULL or self.conns[ci].closed:
+        cdef client_conn_t *c
+        if self.conns == NULL or self.cl == NULL:
             return
-        if self.conns[ci].fd >= 0:
-            self._enter()
-            with nogil:
-                sk.pthread_mutex_lock(&self.cl.io_lock)
-                client_sock_fail(&self.conns[ci], status)
-                sk.pthread_mutex_unlock(&self.cl.io_lock)
+        c = &self.conns[ci]
+        self._enter()
+        try:
+            if c.fd >= 0:
+                with nogil:
+                    sk.pthread_mutex_lock(&self.cl.io_lock)
+                    client_sock_fail(c, status)
+                    sk.pthread_mutex_unlock(&self.cl.io_lock)
+            elif not smb_load_int(&c.failed):
+                c.status = status
+                smb_store_int(&c.failed, 1)
+            if c.ep != NULL and not c.ep_closed:
+                # the transfers in flight on it end now, so no late one lands in a caller's buffer
+                c.ep_closed = 1
+                param.op_attr_mask = ucp.UCP_OP_ATTR_FIELD_FLAGS
+                param.flags = ucp.UCP_EP_CLOSE_FLAG_FORCE
+                p = ucp.ucp_ep_close_nbx(c.ep, &param)
+                if ucp.UCS_PTR_IS_PTR(p):
+                    ucp.ucp_request_free(p)
+        finally:
             self._leave()
-            return
-        self.conns[ci].closed = 1
-        if not smb_load_int(&self.conns[ci].failed):
-            self.conns[ci].status = status
-        smb_store_int(&self.conns[ci].failed, 1)
-        param.op_attr_mask = ucp.UCP_OP_ATTR_FIELD_FLAGS
-        param.flags = ucp.UCP_EP_CLOSE_FLAG_FORCE
-        p = ucp.ucp_ep_close_nbx(self.conns[ci].ep, &param)
-        if ucp.UCS_PTR_IS_PTR(p):
-            ucp.ucp_request_free(p)
 
     cdef uint64_t _alloc_slot(self) except? 0xFFFFFFFFFFFFFFFF:
         cdef int idx
@@ -670,22 +637,21 @@ cdef class ClientCore:
         s = &self.cl.slots[idx]
         if s.gen != <uint32_t>(slot_id >> 16):
             return
-        if self.cl.worker == NULL:
-            # A socket reply may be half read into this slot: the rest is discarded.
-            # Counted as active, so a concurrent close() waits before freeing the lock.
-            smb_fetch_add_int(&self.active, 1)
-            if smb_load_int(&self.closing):
-                smb_fetch_add_int(&self.active, -1)
-                return
-            with nogil:
-                sk.pthread_mutex_lock(&self.cl.io_lock)
-                for i in range(self.nconns):
-                    if self.conns[i].fd >= 0 and self.conns[i].rx.slot == idx:
-                        self.conns[i].rx.slot = -1
-                        self.conns[i].rx.dest = NULL
-                        smb_store_int(&s.state, SLOT_DONE)
-                sk.pthread_mutex_unlock(&self.cl.io_lock)
+        # A socket reply may be half read into this slot: the rest is discarded.
+        # Counted as active, so a concurrent close() waits before freeing the lock.
+        smb_fetch_add_int(&self.active, 1)
+        if smb_load_int(&self.closing):
             smb_fetch_add_int(&self.active, -1)
+            return
+        with nogil:
+            sk.pthread_mutex_lock(&self.cl.io_lock)
+            for i in range(self.nconns):
+                if self.conns[i].fd >= 0 and self.conns[i].rx.slot == idx:
+                    self.conns[i].rx.slot = -1
+                    self.conns[i].rx.dest = NULL
+                    smb_store_int(&s.state, SLOT_DONE)
+            sk.pthread_mutex_unlock(&self.cl.io_lock)
+        smb_fetch_add_int(&self.active, -1)
         # A reply may be landing right now: claim the slot or wait for it to finish.
         while not smb_cas_int(&s.state, SLOT_PENDING, SLOT_FREE):
             if smb_load_int(&s.state) == SLOT_DONE:
@@ -725,60 +691,59 @@ cdef class ClientCore:
         if plen:
             memcpy(buf + sizeof(smb_hdr_t), &view[0], plen)
         pending.add_slot(slot_id, ci)
-        cdef ucp.ucp_request_param_t param
-        param.op_attr_mask = (ucp.UCP_OP_ATTR_FIELD_CALLBACK | ucp.UCP_OP_ATTR_FIELD_USER_DATA
-                              | ucp.UCP_OP_ATTR_FIELD_FLAGS)
-        # Eager only: the server takes whole messages in its callback (a
-        # rendezvous request would arrive without its header).
-        param.flags = ucp.UCP_AM_SEND_FLAG_REPLY | ucp.UCP_AM_SEND_FLAG_EAGER
-        param.cb.send = _free_cb
-        param.user_data = buf
-        if self.conns[ci].fd >= 0:
-            self._sock_send(ci, buf, total, NULL, 0)
-            return
-        cdef ucp.ucp_ep_h ep = self.conns[ci].ep
-        cdef ucs_status_ptr_t p
-        if self.conns[ci].failed:
-            free(buf)
-            return
-        self._enter()
-        with nogil:
-            p = ucp.ucp_am_send_nbx(ep, AM_REQUEST, NULL, 0, buf, total, &param)
-        self._leave()
-        if not ucp.UCS_PTR_IS_PTR(p):
-            free(buf)
-            if ucp.UCS_PTR_IS_ERR(p) and pending.error_status == 0:
-                pending.error_status = ucp.UCS_PTR_STATUS(p)
-                pending.error_conn = ci
+        self._sock_send(ci, buf, total, NULL, 0)
 
-    def rkey(self, int ci, uint32_t rid, bytes packed):
-        """Unpack (once) the remote key of region rid on connection ci."""
+    def rkey(self, int ci, rid, bytes packed):
+        """Unpack (once) the remote key of region rid (or of the generation table, rid
+        "generations"), which the server of connection ci gave over that connection; a
+        handle for post_put/post_get."""
         cdef ucp.ucp_rkey_h rkey = NULL
         key = (ci, rid)
-        handle = self.rkeys.get(key)
-        if handle is None:
+        entry = self.rkeys.get(key)
+        if entry is None:
             self._check_open()
+            if self.conns[ci].ep == NULL or self.conns[ci].ep_closed:
+                raise _errors.SMBConnectionError(f"no UCX endpoint to server connection {ci} (lost, or "
+                                                 f"never connected); its keys cannot be used")
             CHKERR(ucp.ucp_ep_rkey_unpack(self.conns[ci].ep, <const char*>packed, &rkey),
-                   "ucp_ep_rkey_unpack")
-            handle = <uintptr_t>rkey
-            self.rkeys[key] = handle
-        return handle
+                   f"ucp_ep_rkey_unpack of region {rid}'s key")
+            entry = [<uintptr_t>rkey, 0]
+            self.rkeys[key] = entry
+        entry[1] += 1      # handles of one region share its key: destroyed with the last
+        return entry[0]
 
-    def forget_rkey(self, int ci, uint32_t rid):
-        handle = self.rkeys.pop((ci, rid), None)
-        if handle is not None and self.cl != NULL:
-            ucp.ucp_rkey_destroy(<ucp.ucp_rkey_h><uintptr_t>handle)
+    def forget_rkey(self, int ci, rid):
+        """One handle of region rid is done with its key (rkey())."""
+        entry = self.rkeys.get((ci, rid))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self.rkeys[(ci, rid)]
+            if self.cl != NULL:
+                ucp.ucp_rkey_destroy(<ucp.ucp_rkey_h><uintptr_t>entry[0])
 
     def post_put(self, Pending pending, int ci, uintptr_t local, size_t nbytes,
                  uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey):
-        """Write nbytes at `local` to region rid at byte `offset` (socket: a checked
-        request per GiB; UCX: a one-sided put to `remote` with `rkey`)."""
+        """Write nbytes at `local` to region rid at byte `offset`: with a key (rkey != 0),
+        a one-sided put to address `remote`; else a request per GiB that the server checks."""
         self._post_transfer(pending, ci, TRANSFER_PUT, local, nbytes, rid, offset, remote, rkey)
 
     def post_get(self, Pending pending, int ci, uintptr_t local, size_t nbytes,
                  uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey):
         """Read nbytes of region rid at byte `offset` into `local` (see post_put)."""
         self._post_transfer(pending, ci, TRANSFER_GET, local, nbytes, rid, offset, remote, rkey)
+
+    def fence(self):
+        """rdma: the one-sided transfers posted after this run after those posted before
+        (a generation read after a get tells whether the get read the region it meant)."""
+        if self.cl == NULL or self.cl.worker == NULL:
+            return
+        self._enter()
+        try:
+            CHKERR(ucp.ucp_worker_fence(self.cl.worker), "ucp_worker_fence")
+        finally:
+            self._leave()
 
     def post_flush(self, Pending pending, int ci):
         """Remote completion of earlier puts on ci (puts complete locally first;
@@ -791,12 +756,13 @@ cdef class ClientCore:
         cdef ucp.ucp_request_param_t param
         cdef ucs_status_ptr_t p
         cdef ucp.ucp_ep_h ep
-        if self.conns[ci].fd >= 0:
-            if kind != TRANSFER_FLUSH:   # a socket put is acknowledged: nothing to flush
-                self._check_open()
-                self._sock_transfer(pending, ci, kind, local, nbytes, rid, offset)
+        if rkey == 0 and kind != TRANSFER_FLUSH:
+            self._check_open()
+            self._sock_transfer(pending, ci, kind, local, nbytes, rid, offset)
             return 0
-        if smb_load_int(&self.conns[ci].failed):
+        if self.conns[ci].ep == NULL:
+            return 0      # a flush where every put went over the socket: each was acknowledged
+        if smb_load_int(&self.conns[ci].failed) or self.conns[ci].ep_closed:
             # a failed connection's endpoint may be closed already (fail_conn): never touch it
             if pending.error_status == 0:
                 pending.error_status = self.conns[ci].status or ucp.UCS_ERR_CONNECTION_RESET

@@ -1,14 +1,13 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""Native SMB core over UCX (UCP API): the server's request loop and the client's
-transfers. Python policy (names, allocation, barriers, reductions) lives in
+"""Native SMB core: the server's request loop and the client's transfers. Python
+policy (names, allocation, barriers, reductions, the token proof) lives in
 eddis.smb; this module moves bytes and runs the hot requests without the GIL.
 
-Wire format: every request and reply is one UCP active message whose data is a
-``smb_hdr_t`` followed by an op-specific payload. Requests go to AM id
-``AM_REQUEST`` with ``UCP_AM_SEND_FLAG_REPLY`` so the server learns the endpoint
-to answer on; replies go to ``AM_REPLY``. The first request on a connection must
-be HELLO carrying the job token; anything else before it is refused and the
-connection closed.
+Wire format: every request and reply is one frame on a socket whose peer proved
+the job token first (eddis.smb.handshake): a ``smb_hdr_t`` followed by an
+op-specific payload. With the rdma transport, bulk data moves one-sidedly
+instead (``ucp_put_nbx``/``ucp_get_nbx`` into regions registered with UCX, with
+the keys the server hands out over the proven socket); UCX carries no request.
 """
 from libc.stdint cimport (uint8_t, uint16_t, int16_t, uint32_t, int32_t, uint64_t, int64_t, uintptr_t,
                           INT64_MIN, INT64_MAX)
@@ -41,8 +40,6 @@ from smb_helpers cimport *
 
 # ------------------------------------------------------------------ protocol
 DEF SMB_MAGIC = 0x534D4231        # "SMB1"
-DEF AM_REQUEST = 11
-DEF AM_REPLY = 12
 DEF MAX_CONNS = 1024
 DEF MAX_REGIONS = 65536
 DEF REPLY_SLOTS = 8192
@@ -232,20 +229,53 @@ def ucx_version():
     return (<bytes>ucp.ucp_get_version_string()).decode()
 
 
-def ucx_transports():
-    """Transports and devices UCX can use here: list of {"transport", "device"}."""
+cdef ucp.ucp_context_h _new_context(str tls, uint64_t features) except NULL:
+    """A UCX context with ``features``, restricted to the transports ``tls`` names (UCX_TLS
+    syntax; None: what the environment's UCX_TLS says)."""
     cdef ucp.ucp_config_t *config = NULL
     cdef ucp.ucp_params_t params
+    cdef ucp.ucp_context_h context = NULL
+    cdef ucs_status_t status
+    CHKERR(ucp.ucp_config_read(NULL, NULL, &config), "ucp_config_read")
+    if tls is not None:
+        status = ucp.ucp_config_modify(config, b"TLS", tls.encode())
+        if status != ucp.UCS_OK:
+            ucp.ucp_config_release(config)
+            CHKERR(status, f"ucp_config_modify(TLS={tls!r})")
+    params.field_mask = ucp.UCP_PARAM_FIELD_FEATURES
+    params.features = features
+    status = ucp.ucp_init(&params, config, &context)
+    ucp.ucp_config_release(config)
+    CHKERR(status, f"ucp_init (UCX transports {tls or 'of UCX_TLS'})")
+    return context
+
+
+# ucs_memory_type_t -> name, for what a context can transfer from
+MEMORY_TYPES = {ucp.UCS_MEMORY_TYPE_HOST: "host", ucp.UCS_MEMORY_TYPE_CUDA: "cuda",
+                ucp.UCS_MEMORY_TYPE_CUDA_MANAGED: "cuda-managed", ucp.UCS_MEMORY_TYPE_ROCM: "rocm",
+                ucp.UCS_MEMORY_TYPE_ROCM_MANAGED: "rocm-managed"}
+
+
+def ucx_memory_types(str tls=None):
+    """The memory types a UCX context (restricted to ``tls``) can move data from: "host",
+    and "cuda" where UCX has its CUDA transports (GPUDirect)."""
+    cdef ucp.ucp_context_attr_t attr
+    cdef ucp.ucp_context_h context = _new_context(tls, ucp.UCP_FEATURE_RMA)
+    attr.field_mask = ucp.UCP_ATTR_FIELD_MEMORY_TYPES
+    status = ucp.ucp_context_query(context, &attr)
+    ucp.ucp_cleanup(context)
+    CHKERR(status, "ucp_context_query")
+    return [name for code, name in MEMORY_TYPES.items() if attr.memory_types & (1 << code)]
+
+
+def ucx_transports(str tls=None):
+    """Transports and devices UCX can use here (within ``tls``, UCX_TLS syntax): list of
+    {"transport", "device"}."""
     cdef ucp.ucp_context_h context = NULL
     cdef char *text = NULL
     cdef size_t length = 0
     cdef FILE *stream
-    CHKERR(ucp.ucp_config_read(NULL, NULL, &config), "ucp_config_read")
-    params.field_mask = ucp.UCP_PARAM_FIELD_FEATURES
-    params.features = ucp.UCP_FEATURE_RMA | ucp.UCP_FEATURE_AM
-    status = ucp.ucp_init(&params, config, &context)
-    ucp.ucp_config_release(config)
-    CHKERR(status, "ucp_init")
+    context = _new_context(tls, ucp.UCP_FEATURE_RMA)
     stream = open_memstream(&text, &length)
     if stream == NULL:
         ucp.ucp_cleanup(context)

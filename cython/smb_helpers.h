@@ -3,7 +3,6 @@
 #define SMB_HELPERS_H
 #include <stdint.h>
 #include <stddef.h>
-#include <poll.h>
 #include <time.h>
 #include <sched.h>
 static inline int smb_cas_int(int *p, int expected, int desired) {
@@ -27,10 +26,6 @@ static inline void smb_store64(int64_t *p, int64_t v) { __atomic_store_n(p, v, _
 static inline double smb_now(void) {
     struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-static inline int smb_poll_fd(int fd, int ms) {
-    struct pollfd p; p.fd = fd; p.events = POLLIN; p.revents = 0;
-    return poll(&p, 1, ms);
 }
 static inline void smb_pause(unsigned idle) {
     /* Spin briefly, then yield, then sleep up to 200 us: low latency for

@@ -1,21 +1,14 @@
 # ================================================================== server
 cdef enum conn_state_t:
     CONN_FREE = 0
-    CONN_OPEN = 1          # connected, HELLO not yet seen
-    CONN_AUTH = 2          # token checked
-    CONN_REJECT = 3        # close after flushing the refusal
-    CONN_FAILED = 4        # transport error: force close
-    CONN_CLOSING = 5       # close request in flight
+    CONN_AUTH = 2          # a socket the gate proved (eddis.smb.handshake)
 
 cdef struct server_conn_t:
-    ucp.ucp_ep_h ep
     int state
     uint32_t gen
-    void *close_req
-    void *server            # back pointer for the error callback
     int index
-    double opened           # when the connection arrived (HELLO deadline)
-    int fd                  # socket transport: the proven peer's socket (-1: a UCX endpoint)
+    double opened
+    int fd                  # the proven peer's socket
     sock_rx_t rx
     sk.smb_txq_t txq
 
@@ -31,25 +24,26 @@ cdef struct region_t:
     ucp.ucp_mem_h memh
 
 cdef struct server_t:
+    # rdma transport: UCX serves one-sided put/get into registered regions; it has no
+    # listener, its worker address goes out only over proven sockets (NULL: socket only)
     ucp.ucp_context_h context
     ucp.ucp_worker_h worker
-    ucp.ucp_listener_h listener
+    ucp.ucp_mem_h gen_memh      # the arena's generation table, remote-readable only
     int efd
     volatile int stop
     char *arena
     uint64_t arena_size
-    char token[256]
-    size_t token_len
     char *hello_reply
     size_t hello_reply_len
     void *py_handler        # PyObject*: control requests
     server_conn_t conns[MAX_CONNS]
     int conn_hi
-    int pending_close
     region_t *regions
     uint64_t requests
     uint64_t refused
-    double hello_timeout    # seconds a new connection has to authenticate
+    uint64_t put_bytes      # data the request loop itself received into regions (OP_PUT)
+    uint64_t get_bytes      # data the request loop itself sent out of regions (OP_GET)
+    uint64_t registrations  # regions registered with UCX now (rdma)
     vp.smb_vecpool_t *vecpool   # reduction threads (NULL before start: the caller alone)
     int reduce_threads
     int adopt_fds[2]        # socket transport: proven sockets handed over by the handshake
@@ -58,18 +52,14 @@ cdef struct server_t:
     char *scratch           # sink for data of a refused put
     const char *failed_call # the call that ended the request loop on its own (NULL: none)
     int failed_errno
-
-
-cdef void _free_cb(void *request, ucs_status_t status, void *user_data) noexcept nogil:
-    free(user_data)
-    ucp.ucp_request_free(request)
+    int failed_ucs          # ... or its UCX status (0: an errno)
 
 
 cdef int server_send_reply(server_t *st, int ci, uint64_t req_id, int status,
                            const void *payload, size_t plen) noexcept nogil:
-    """Send a reply to connection ci; the buffer lives until UCX is done with it."""
+    """Queue a reply on connection ci's socket."""
     cdef server_conn_t *c = &st.conns[ci]
-    if c.state != CONN_AUTH and c.state != CONN_OPEN and c.state != CONN_REJECT:
+    if c.state != CONN_AUTH:
         return -1                           # the client is gone: drop the reply
     cdef size_t total = sizeof(smb_hdr_t) + plen
     cdef char *buf = <char*>malloc(total)
@@ -84,19 +74,7 @@ cdef int server_send_reply(server_t *st, int ci, uint64_t req_id, int status,
     h.req_id = req_id
     if plen:
         memcpy(buf + sizeof(smb_hdr_t), payload, plen)
-    if c.fd >= 0:
-        return sk.smb_txq_push(&c.txq, buf, total, NULL, 0)
-    cdef ucp.ucp_request_param_t param
-    param.op_attr_mask = (ucp.UCP_OP_ATTR_FIELD_CALLBACK | ucp.UCP_OP_ATTR_FIELD_USER_DATA
-                          | ucp.UCP_OP_ATTR_FIELD_FLAGS)
-    param.flags = ucp.UCP_AM_SEND_FLAG_EAGER
-    param.cb.send = _free_cb
-    param.user_data = buf
-    cdef ucs_status_ptr_t p = ucp.ucp_am_send_nbx(c.ep, AM_REPLY, NULL, 0, buf, total, &param)
-    if not ucp.UCS_PTR_IS_PTR(p):
-        free(buf)
-        return 0 if p == NULL else -1
-    return 0
+    return sk.smb_txq_push(&c.txq, buf, total, NULL, 0)
 
 
 cdef int server_reply_error(server_t *st, int ci, uint64_t req_id, int status,
@@ -105,99 +83,12 @@ cdef int server_reply_error(server_t *st, int ci, uint64_t req_id, int status,
     return server_send_reply(st, ci, req_id, status, message, strlen(message))
 
 
-cdef int find_conn(server_t *st, ucp.ucp_ep_h ep) noexcept nogil:
-    cdef int i
-    for i in range(st.conn_hi):
-        if st.conns[i].ep == ep and st.conns[i].state != CONN_FREE:
-            return i
-    return -1
-
-
 cdef region_t *get_region(server_t *st, uint32_t rid) noexcept nogil:
     cdef uint32_t idx = rid & 0xFFFF
     cdef region_t *r = &st.regions[idx]
     if not r.valid or r.gen != (rid >> 16):
         return NULL
     return r
-
-
-cdef void _server_ep_error(void *arg, ucp.ucp_ep_h ep, ucs_status_t status) noexcept nogil:
-    cdef server_conn_t *c = <server_conn_t*>arg
-    cdef server_t *st = <server_t*>c.server
-    if c.state != CONN_FREE and c.state != CONN_CLOSING:
-        c.state = CONN_FAILED
-        st.pending_close = 1
-
-
-cdef void _server_conn_request(ucp.ucp_conn_request_h request, void *arg) noexcept nogil:
-    cdef server_t *st = <server_t*>arg
-    cdef int i, slot = -1
-    cdef ucs_status_t status
-    for i in range(MAX_CONNS):
-        if st.conns[i].state == CONN_FREE:
-            slot = i
-            break
-    if slot < 0 or st.stop:
-        status = ucp.ucp_listener_reject(st.listener, request)
-        if status != ucp.UCS_OK:
-            with gil:
-                CHKERR(status, "ucp_listener_reject (a connection beyond the table, or while stopping)",
-                       warn_only=True)
-        return
-    cdef server_conn_t *c = &st.conns[slot]
-    cdef ucp.ucp_ep_params_t params
-    params.field_mask = (ucp.UCP_EP_PARAM_FIELD_CONN_REQUEST | ucp.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
-                         | ucp.UCP_EP_PARAM_FIELD_ERR_HANDLER)
-    params.conn_request = request
-    params.err_mode = ucp.UCP_ERR_HANDLING_MODE_PEER
-    params.err_handler.cb = _server_ep_error
-    params.err_handler.arg = c
-    c.server = st
-    c.index = slot
-    c.fd = -1
-    c.close_req = NULL
-    c.opened = smb_now()
-    c.state = CONN_OPEN
-    if ucp.ucp_ep_create(st.worker, &params, &c.ep) != ucp.UCS_OK:
-        c.state = CONN_FREE
-        return
-    if slot + 1 > st.conn_hi:
-        st.conn_hi = slot + 1
-
-
-cdef void server_close_conns(server_t *st, bint all_conns) noexcept nogil:
-    """Close endpoints marked for closing; finish closes in flight."""
-    cdef int i
-    cdef server_conn_t *c
-    cdef ucp.ucp_request_param_t param
-    cdef ucs_status_ptr_t p
-    st.pending_close = 0
-    for i in range(st.conn_hi):
-        c = &st.conns[i]
-        if c.state == CONN_FREE:
-            continue
-        if all_conns and c.state in (CONN_OPEN, CONN_AUTH):
-            c.state = CONN_REJECT
-        if c.state == CONN_REJECT or c.state == CONN_FAILED:
-            param.op_attr_mask = ucp.UCP_OP_ATTR_FIELD_FLAGS
-            # A refused client gets its error reply flushed first; a failed one cannot.
-            param.flags = ucp.UCP_EP_CLOSE_FLAG_FORCE if c.state == CONN_FAILED else 0
-            p = ucp.ucp_ep_close_nbx(c.ep, &param)
-            if ucp.UCS_PTR_IS_PTR(p):
-                c.close_req = p
-                c.state = CONN_CLOSING
-                st.pending_close = 1
-            else:
-                c.state = CONN_FREE
-                c.gen += 1
-        elif c.state == CONN_CLOSING:
-            if ucp.ucp_request_check_status(c.close_req) != ucp.UCS_INPROGRESS:
-                ucp.ucp_request_free(c.close_req)
-                c.close_req = NULL
-                c.state = CONN_FREE
-                c.gen += 1
-            else:
-                st.pending_close = 1
 
 
 cdef int check_range(region_t *r, uint32_t slot, uint64_t start, uint64_t count) noexcept nogil:
@@ -488,45 +379,6 @@ cdef void handle_control(server_t *st, int ci, uint64_t req_id, const char *payl
             server_reply_error(st, ci, req_id, ucp.UCS_ERR_INVALID_PARAM, message)
 
 
-cdef ucs_status_t _server_am_request(void *arg, const void *header, size_t header_length,
-                                     void *data, size_t length,
-                                     const ucp.ucp_am_recv_param_t *param) noexcept nogil:
-    cdef server_t *st = <server_t*>arg
-    cdef int ci = -1
-    if param.recv_attr & ucp.UCP_AM_RECV_ATTR_FIELD_REPLY_EP:
-        ci = find_conn(st, param.reply_ep)
-    if ci < 0:
-        return ucp.UCS_OK                   # no way to answer: drop
-    st.requests += 1
-    cdef server_conn_t *c = &st.conns[ci]
-    cdef smb_hdr_t h
-    if param.recv_attr & ucp.UCP_AM_RECV_ATTR_FLAG_RNDV or length < sizeof(smb_hdr_t):
-        server_reply_error(st, ci, 0, ucp.UCS_ERR_INVALID_PARAM, b"malformed or oversized request")
-        return ucp.UCS_OK
-    memcpy(&h, data, sizeof(h))
-    cdef const char *payload = <const char*>data + sizeof(smb_hdr_t)
-    cdef size_t plen = length - sizeof(smb_hdr_t)
-    if h.magic != SMB_MAGIC or h.length != plen:
-        server_reply_error(st, ci, h.req_id, ucp.UCS_ERR_INVALID_PARAM, b"malformed request header")
-        return ucp.UCS_OK
-    if c.state != CONN_AUTH:
-        if c.state != CONN_OPEN:
-            return ucp.UCS_OK               # being closed already: drop
-        if h.op == OP_HELLO and plen == st.token_len \
-                and memcmp(payload, st.token, plen) == 0:
-            c.state = CONN_AUTH
-            server_send_reply(st, ci, h.req_id, 0, st.hello_reply, st.hello_reply_len)
-        else:
-            server_reply_error(st, ci, h.req_id, ucp.UCS_ERR_REJECTED,
-                               b"connection refused: wrong or missing job token "
-                               b"(use the token file of this job's run directory)")
-            c.state = CONN_REJECT
-            st.pending_close = 1
-        return ucp.UCS_OK
-    dispatch_request(st, ci, &h, payload, plen)
-    return ucp.UCS_OK
-
-
 cdef void dispatch_request(server_t *st, int ci, const smb_hdr_t *h, const char *payload,
                            size_t plen) noexcept nogil:
     """Run one request of a proven connection (either transport)."""
@@ -538,7 +390,7 @@ cdef void dispatch_request(server_t *st, int ci, const smb_hdr_t *h, const char 
         handle_control(st, ci, h.req_id, payload, plen)
     elif h.op == OP_HELLO:
         server_send_reply(st, ci, h.req_id, 0, st.hello_reply, st.hello_reply_len)
-    elif h.op == OP_GET and st.conns[ci].fd >= 0:
+    elif h.op == OP_GET:
         handle_get(st, ci, h.req_id, payload, plen)
     else:
         server_reply_error(st, ci, h.req_id, ucp.UCS_ERR_INVALID_PARAM, b"unknown request op")
@@ -589,18 +441,9 @@ cdef void handle_get(server_t *st, int ci, uint64_t req_id, const char *payload,
     h.length = <uint32_t>q.nbytes
     h.reserved = 0
     h.req_id = req_id
+    st.get_bytes += q.nbytes
     # the arena itself is the reply's tail: no copy
     sk.smb_txq_push(&st.conns[ci].txq, head, sizeof(smb_hdr_t), st.arena + r.offset + q.offset, q.nbytes)
-
-
-cdef void drop_silent_conns(server_t *st, double now) noexcept nogil:
-    """Close connections that sent no HELLO in time: they hold a slot and prove nothing."""
-    cdef int i
-    for i in range(st.conn_hi):
-        if st.conns[i].state == CONN_OPEN and now - st.conns[i].opened > st.hello_timeout:
-            st.conns[i].state = CONN_REJECT
-            st.refused += 1
-            st.pending_close = 1
 
 
 cdef bint loop_failed(server_t *st, const char *call) noexcept nogil:
@@ -613,32 +456,6 @@ cdef bint loop_failed(server_t *st, const char *call) noexcept nogil:
     st.failed_errno = err
     st.failed_call = call
     return True
-
-
-cdef void server_loop(server_t *st) noexcept nogil:
-    cdef unsigned n
-    cdef ucs_status_t s
-    cdef double now, last_sweep = smb_now(), last_busy = 0
-    while not st.stop:
-        n = ucp.ucp_worker_progress(st.worker)
-        now = smb_now()
-        if now - last_sweep > 1.0:
-            last_sweep = now
-            drop_silent_conns(st, now)
-        if st.pending_close:
-            server_close_conns(st, False)
-        if n != 0:
-            last_busy = now
-            continue
-        if now - last_busy < 50e-6:
-            # Requests come in bursts (buckets, counters): poll a little longer
-            # before sleeping, which saves a wakeup per request of a burst.
-            continue
-        s = ucp.ucp_worker_arm(st.worker)
-        if s == ucp.UCS_OK:
-            # Bounded sleep: the stop flag is seen within 100 ms even without a wakeup.
-            if smb_poll_fd(st.efd, 10 if st.pending_close else 100) < 0 and loop_failed(st, b"poll()"):
-                return
 
 
 # ------------------------------------------------------ server: socket transport
@@ -676,8 +493,6 @@ cdef void sock_adopt(server_t *st) noexcept nogil:
         c.txq.first = NULL
         c.txq.last = NULL
         c.fd = fd
-        c.ep = NULL
-        c.server = st
         c.index = slot
         c.opened = smb_now()
         c.state = CONN_AUTH
@@ -774,22 +589,53 @@ cdef long sock_server_rx(server_t *st, int ci) noexcept nogil:
             rx.remaining -= n
             if rx.dest != NULL:
                 rx.dest += n
+                st.put_bytes += n
             if rx.remaining == 0:
                 sock_finish_put(st, ci)
     return total
 
 
+cdef int worker_progress(server_t *st) noexcept nogil:
+    """rdma: let UCX run what needs this side (connection set-up; the software RMA of the
+    test-only tcp transport), then arm its event descriptor. 1 when UCX did something or
+    must be polled again at once, 0 when the loop may sleep, -1 when arming failed."""
+    cdef int busy = 0
+    cdef int rounds
+    cdef ucs_status_t s
+    for rounds in range(64):
+        if ucp.ucp_worker_progress(st.worker) == 0:
+            break
+        busy = 1
+    s = ucp.ucp_worker_arm(st.worker)
+    if s == ucp.UCS_OK:
+        return busy
+    if s == ucp.UCS_ERR_BUSY:
+        return 1
+    st.failed_ucs = s
+    st.failed_call = b"ucp_worker_arm()"
+    return -1
+
+
 cdef void server_loop_sock(server_t *st) noexcept nogil:
     cdef double now, last_busy = 0
-    cdef int i, k, n, ci, timeout
+    cdef int i, k, n, ci, timeout, first
     cdef long moved
-    cdef int busy
+    cdef int busy, ucx_busy = 0
     cdef server_conn_t *c
     while not st.stop:
         st.pfds[0].fd = st.adopt_fds[0]
         st.pfds[0].events = sk.POLLIN
         st.pfds[0].revents = 0
         k = 1
+        if st.worker != NULL:
+            ucx_busy = worker_progress(st)
+            if ucx_busy < 0:
+                return
+            st.pfds[1].fd = st.efd
+            st.pfds[1].events = sk.POLLIN
+            st.pfds[1].revents = 0
+            k = 2
+        first = k
         for i in range(st.conn_hi):
             c = &st.conns[i]
             if c.state == CONN_FREE or c.fd < 0:
@@ -802,17 +648,19 @@ cdef void server_loop_sock(server_t *st) noexcept nogil:
         now = smb_now()
         # Requests come in bursts (buckets, counters): poll without sleeping a
         # little longer, which saves a wakeup per request of a burst.
-        timeout = 0 if now - last_busy < 50e-6 else 100
+        timeout = 0 if ucx_busy or now - last_busy < 50e-6 else 100
         n = sk.poll(st.pfds, k, timeout)
         if n < 0 and loop_failed(st, b"poll()"):
             return
+        if ucx_busy:
+            last_busy = now
         if n <= 0:
             continue
         busy = 0
         if st.pfds[0].revents:
             sock_adopt(st)
             busy = 1
-        for i in range(1, k):
+        for i in range(first, k):
             if not st.pfds[i].revents:
                 continue
             ci = st.pfd_conns[i]
@@ -840,12 +688,14 @@ cdef void server_loop_sock(server_t *st) noexcept nogil:
 
 
 cdef class ServerCore:
-    """UCX state of one smb-server: arena, listener, region table, request loop."""
+    """One smb-server's native state: arena, region table, request loop over proven
+    sockets and, with the rdma transport, the UCX context and worker."""
     cdef server_t *st
     cdef int shm_fd
     cdef object handler
     cdef object thread
     cdef public int port
+    cdef public bytes gen_key          # rdma: the key of the arena's generation table (read only)
     cdef int started
     cdef uint64_t touched_end
 
@@ -886,7 +736,9 @@ cdef class ServerCore:
         vp.smb_vecpool_counts(self.st.vecpool, &ops, &split_ops)
         return {"requests": self.st.requests, "refused": self.st.refused,
                 "reduce_threads": self.st.reduce_threads, "vector_ops": ops,
-                "vector_ops_split": split_ops}
+                "vector_ops_split": split_ops, "put_bytes": self.st.put_bytes,
+                "get_bytes": self.st.get_bytes, "rdma": self.st.worker != NULL,
+                "registrations": self.st.registrations}
 
     def create_arena(self, str shm_name, uint64_t size, uint64_t hugetlb_page=0,
                      bint transparent=False):
@@ -970,65 +822,14 @@ cdef class ServerCore:
         self.handler = handler
         self.st.py_handler = <void*>handler
 
-    def start(self, str host, int port, bytes token, bytes hello_reply, handler,
-              double hello_timeout=30.0, int reduce_threads=1):
-        """Create the reduction threads, context, worker and listener; returns the port
-        listened on. reduce_threads counts the request thread: 1 starts no worker."""
-        cdef ucp.ucp_config_t *config = NULL
-        cdef ucp.ucp_params_t params
-        cdef ucp.ucp_worker_params_t wparams
-        cdef ucp.ucp_listener_params_t lparams
-        cdef ucp.ucp_listener_attr_t lattr
-        cdef ucp.ucp_am_handler_param_t am
-        cdef sockaddr_in addr
-        if len(token) == 0 or len(token) > 255:
-            raise _errors.SMBValueError("job token must be 1..255 bytes; recreate the run directory")
-        memcpy(self.st.token, <const char*>token, len(token))
-        self.st.token_len = len(token)
-        self.st.hello_timeout = hello_timeout
-        self._prepare(hello_reply, handler, reduce_threads)
-        CHKERR(ucp.ucp_config_read(NULL, NULL, &config), "ucp_config_read")
-        params.field_mask = ucp.UCP_PARAM_FIELD_FEATURES
-        params.features = ucp.UCP_FEATURE_RMA | ucp.UCP_FEATURE_AM | ucp.UCP_FEATURE_WAKEUP
-        status = ucp.ucp_init(&params, config, &self.st.context)
-        ucp.ucp_config_release(config)
-        CHKERR(status, "ucp_init")
-        self.started = 1
-        wparams.field_mask = ucp.UCP_WORKER_PARAM_FIELD_THREAD_MODE
-        wparams.thread_mode = ucp.UCS_THREAD_MODE_SERIALIZED
-        CHKERR(ucp.ucp_worker_create(self.st.context, &wparams, &self.st.worker), "ucp_worker_create")
-        CHKERR(ucp.ucp_worker_get_efd(self.st.worker, &self.st.efd), "ucp_worker_get_efd")
-        am.field_mask = (ucp.UCP_AM_HANDLER_PARAM_FIELD_ID | ucp.UCP_AM_HANDLER_PARAM_FIELD_CB
-                         | ucp.UCP_AM_HANDLER_PARAM_FIELD_ARG | ucp.UCP_AM_HANDLER_PARAM_FIELD_FLAGS)
-        am.id = AM_REQUEST
-        am.flags = ucp.UCP_AM_FLAG_WHOLE_MSG
-        am.cb = _server_am_request
-        am.arg = self.st
-        CHKERR(ucp.ucp_worker_set_am_recv_handler(self.st.worker, &am), "ucp_worker_set_am_recv_handler")
-        memset(&addr, 0, sizeof(addr))
-        addr.sin_family = AF_INET
-        addr.sin_port = htons(port)
-        if inet_pton(AF_INET, host.encode(), &addr.sin_addr) != 1:
-            raise _errors.SMBValueError(f"listen address {host!r} is not an IPv4 address; pass --host A.B.C.D")
-        lparams.field_mask = ucp.UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | ucp.UCP_LISTENER_PARAM_FIELD_CONN_HANDLER
-        lparams.sockaddr.addr = <ucp.sockaddr*>&addr
-        lparams.sockaddr.addrlen = sizeof(addr)
-        lparams.conn_handler.cb = _server_conn_request
-        lparams.conn_handler.arg = self.st
-        CHKERR(ucp.ucp_listener_create(self.st.worker, &lparams, &self.st.listener),
-               f"cannot listen on {host}:{port}")
-        lattr.field_mask = ucp.UCP_LISTENER_ATTR_FIELD_SOCKADDR
-        CHKERR(ucp.ucp_listener_query(self.st.listener, &lattr), "ucp_listener_query")
-        self.port = ntohs((<sockaddr_in*>&lattr.sockaddr).sin_port)
-        return self.port
-
     def start_sockets(self, bytes hello_reply, handler, int reduce_threads=1):
-        """Serve over the socket transport: the caller proves each peer's token
+        """Serve requests over proven sockets: the caller proves each peer's token
         (eddis.smb.handshake) and hands the socket over with adopt_socket().
-        No UCX context exists, so no port but the caller's own listens."""
+        No port but the caller's own listens."""
         self._prepare(hello_reply, handler, reduce_threads)
-        self.st.pfds = <sk.pollfd*>calloc(MAX_CONNS + 1, sizeof(sk.pollfd))
-        self.st.pfd_conns = <int*>calloc(MAX_CONNS + 1, sizeof(int))
+        # the hand-over pipe, the UCX worker's event descriptor, one per connection
+        self.st.pfds = <sk.pollfd*>calloc(MAX_CONNS + 2, sizeof(sk.pollfd))
+        self.st.pfd_conns = <int*>calloc(MAX_CONNS + 2, sizeof(int))
         self.st.scratch = <char*>malloc(SOCK_SCRATCH)
         if self.st.pfds == NULL or self.st.pfd_conns == NULL or self.st.scratch == NULL:
             raise _no_memory("the SMB server's socket tables")
@@ -1036,6 +837,58 @@ cdef class ServerCore:
             err = errno
             raise _errors.from_errno(err, f"cannot create the socket hand-over pipe: {_os.strerror(err)}")
         self.started = 1
+
+    def start_rdma(self, str tls):
+        """Add one-sided access (the rdma transport) before the request loop runs: a UCX
+        context restricted to the transports ``tls`` names, and a worker that the loop
+        progresses. No listener: peers reach it through worker_address, which the server
+        gives only over proven sockets, and regions only through the keys it hands out."""
+        cdef ucp.ucp_worker_params_t wparams
+        if not self.started or self.thread is not None or self.st.context != NULL:
+            raise _errors.UsageError("start_rdma() comes after start_sockets() and before the loop runs")
+        # no AM: nothing but one-sided access into registered memory reaches this worker
+        self.st.context = _new_context(tls, ucp.UCP_FEATURE_RMA | ucp.UCP_FEATURE_WAKEUP)
+        wparams.field_mask = ucp.UCP_WORKER_PARAM_FIELD_THREAD_MODE
+        wparams.thread_mode = ucp.UCS_THREAD_MODE_SERIALIZED
+        CHKERR(ucp.ucp_worker_create(self.st.context, &wparams, &self.st.worker), "ucp_worker_create")
+        CHKERR(ucp.ucp_worker_get_efd(self.st.worker, &self.st.efd), "ucp_worker_get_efd")
+        if self.st.arena != NULL and self.st.arena_size >= GEN_TABLE_BYTES:
+            self.gen_key = self._register(self.st.arena, GEN_TABLE_BYTES, &self.st.gen_memh, False)
+
+    cdef bytes _register(self, void *address, size_t length, ucp.ucp_mem_h *memh, bint writable):
+        """Register [address, address+length) with UCX; the packed key of that memory alone.
+        ``writable`` False: remote peers may read it, an HCA refuses their writes."""
+        cdef ucp.ucp_mem_map_params_t mp
+        cdef void *rkey_buf = NULL
+        cdef size_t rkey_len = 0
+        mp.field_mask = (ucp.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | ucp.UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                         | ucp.UCP_MEM_MAP_PARAM_FIELD_PROT)
+        mp.address = address
+        mp.length = length
+        mp.prot = (ucp.UCP_MEM_MAP_PROT_LOCAL_READ | ucp.UCP_MEM_MAP_PROT_LOCAL_WRITE
+                   | ucp.UCP_MEM_MAP_PROT_REMOTE_READ | (ucp.UCP_MEM_MAP_PROT_REMOTE_WRITE if writable else 0))
+        CHKERR(ucp.ucp_mem_map(self.st.context, &mp, memh), "ucp_mem_map")
+        status = ucp.ucp_rkey_pack(self.st.context, memh[0], &rkey_buf, &rkey_len)
+        if status != ucp.UCS_OK:
+            CHKERR(ucp.ucp_mem_unmap(self.st.context, memh[0]), "ucp_mem_unmap after a failed ucp_rkey_pack",
+                   warn_only=True)
+            CHKERR(status, "ucp_rkey_pack")
+        key = PyBytes_FromStringAndSize(<char*>rkey_buf, rkey_len)
+        ucp.ucp_rkey_buffer_release(rkey_buf)
+        return key
+
+    @property
+    def worker_address(self):
+        """This server's UCX worker address (bytes), or None without the rdma transport."""
+        cdef ucp.ucp_address_t *address = NULL
+        cdef size_t length = 0
+        if self.st.worker == NULL:
+            return None
+        CHKERR(ucp.ucp_worker_get_address(self.st.worker, &address, &length), "ucp_worker_get_address")
+        try:
+            return PyBytes_FromStringAndSize(<char*>address, length)
+        finally:
+            ucp.ucp_worker_release_address(self.st.worker, address)
 
     def adopt_socket(self, int fd):
         """Give a proven connection's socket to the request loop, which owns it from now on."""
@@ -1048,10 +901,7 @@ cdef class ServerCore:
 
     def _run(self):
         with nogil:
-            if self.st.worker != NULL:
-                server_loop(self.st)
-            else:
-                server_loop_sock(self.st)
+            server_loop_sock(self.st)
 
     def run_in_thread(self):
         self.thread = _threading.Thread(target=self._run, name="smb-server-progress", daemon=True)
@@ -1064,25 +914,24 @@ cdef class ServerCore:
             return None
         if self.st.failed_call == NULL:
             return "it returned without being asked to stop"
+        call = (<bytes>self.st.failed_call).decode()
+        if self.st.failed_ucs:
+            return f"{call} failed: {_status_text(self.st.failed_ucs)}"
         err = self.st.failed_errno
-        why = f"{(<bytes>self.st.failed_call).decode()} failed: {_os.strerror(err)} (errno {err})"
-        if err == EINVAL and self.st.worker == NULL:
+        why = f"{call} failed: {_os.strerror(err)} (errno {err})"
+        if err == EINVAL:
             why += (": it polls one descriptor per connection, more than its open-files limit "
                     "(ulimit -n) allows")
         return why
 
     def stop(self):
-        """Stop the loop, close every endpoint and release UCX state."""
-        cdef double deadline
+        """Stop the loop, close every connection and release UCX state."""
         if not self.started:
             self._stop_reduce_threads()
             self.destroy_arena()
             return
         self.st.stop = 1
-        if self.st.worker != NULL:
-            # unwoken, the loop still sees the stop flag within its 100 ms poll
-            CHKERR(ucp.ucp_worker_signal(self.st.worker), "ucp_worker_signal (waking the loop to stop)",
-                   warn_only=True)
+        # unwoken, the loop sees the stop flag within its 100 ms poll
         if self.thread is not None:
             self.thread.join(10)
             self.thread = None
@@ -1095,22 +944,16 @@ cdef class ServerCore:
                 self.st.adopt_fds[i] = -1
         # after the request loop: it is the only thread that hands work to the pool
         self._stop_reduce_threads()
-        if self.st.listener != NULL:
-            ucp.ucp_listener_destroy(self.st.listener)
-            self.st.listener = NULL
-        if self.st.worker != NULL:
-            with nogil:
-                server_close_conns(self.st, True)
-                deadline = smb_now() + 2.0
-                while self.st.pending_close and smb_now() < deadline:
-                    ucp.ucp_worker_progress(self.st.worker)
-                    server_close_conns(self.st, False)
         for i in range(MAX_REGIONS):
             if self.st.regions[i].valid:
                 if self.st.context != NULL:
                     CHKERR(ucp.ucp_mem_unmap(self.st.context, self.st.regions[i].memh),
                            f"ucp_mem_unmap of region slot {i} (server stop)", warn_only=True)
                 self.st.regions[i].valid = 0
+        if self.st.gen_memh != NULL:
+            CHKERR(ucp.ucp_mem_unmap(self.st.context, self.st.gen_memh),
+                   "ucp_mem_unmap of the generation table (server stop)", warn_only=True)
+            self.st.gen_memh = NULL
         if self.st.worker != NULL:
             ucp.ucp_worker_destroy(self.st.worker)
             self.st.worker = NULL
@@ -1130,9 +973,6 @@ cdef class ServerCore:
                         uint64_t length, int dtype):
         """Map [offset, offset+nbytes) of the arena as region `index`: (rid, addr, rkey)."""
         cdef region_t *r = &self.st.regions[index]
-        cdef ucp.ucp_mem_map_params_t mp
-        cdef void *rkey_buf = NULL
-        cdef size_t rkey_len = 0
         if index < 0 or index >= MAX_REGIONS or r.valid:
             raise _errors.SMBValueError(f"region slot {index} is not free")
         if offset + nbytes > self.st.arena_size:
@@ -1147,18 +987,9 @@ cdef class ServerCore:
         self.touched_end = max(self.touched_end, offset + nbytes)
         rkey = b""
         if self.st.context != NULL:
-            # UCX transport: remote peers reach the region one-sidedly through its key
-            mp.field_mask = ucp.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | ucp.UCP_MEM_MAP_PARAM_FIELD_LENGTH
-            mp.address = self.st.arena + offset
-            mp.length = nbytes if nbytes else 1
-            CHKERR(ucp.ucp_mem_map(self.st.context, &mp, &r.memh), "ucp_mem_map")
-            status = ucp.ucp_rkey_pack(self.st.context, r.memh, &rkey_buf, &rkey_len)
-            if status != ucp.UCS_OK:
-                CHKERR(ucp.ucp_mem_unmap(self.st.context, r.memh), "ucp_mem_unmap after a failed ucp_rkey_pack",
-                       warn_only=True)
-                CHKERR(status, "ucp_rkey_pack")
-            rkey = PyBytes_FromStringAndSize(<char*>rkey_buf, rkey_len)
-            ucp.ucp_rkey_buffer_release(rkey_buf)
+            # rdma: remote peers reach this region, and only it, one-sidedly through its key
+            rkey = self._register(self.st.arena + offset, nbytes if nbytes else 1, &r.memh, True)
+            self.st.registrations += 1
         r.offset = offset
         r.nbytes = nbytes
         r.slots = slots
@@ -1182,10 +1013,13 @@ cdef class ServerCore:
         if self.st.arena_size >= GEN_TABLE_BYTES:
             smb_store_u32(<uint32_t*>self.st.arena + (rid & 0xFFFF), 0)
         if self.st.context != NULL:
-            # the region is gone for every client already; raising would also lose its
-            # arena range and slot in the Python allocator (server._release)
+            # Unregistered, the region's key no longer opens its memory on an HCA (a stale
+            # key faults there instead of reaching the region placed here next). Raising
+            # would lose the arena range and slot in the Python allocator (server._release):
+            # the region is gone for every client already.
             CHKERR(ucp.ucp_mem_unmap(self.st.context, r.memh), f"ucp_mem_unmap of region {rid}",
                    warn_only=True)
+            self.st.registrations -= 1
 
     def write_int64(self, uint32_t rid, uint64_t index, int64_t value):
         cdef region_t *r = get_region(self.st, rid)

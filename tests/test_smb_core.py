@@ -1,9 +1,10 @@
 """SMB core against real smb-server processes, over both transports.
 
-Every test runs three times: with ``SMB_LOCAL_MAP=0`` and distinct fake node
-names (standing in for separate nodes) over the proven sockets (the default) and
-over UCX (``SMB_TRANSPORT=ucx``, ``UCX_TLS=tcp``), and on the same-node path (the
-clients map the servers' shared memory).
+Every test runs four times: with ``SMB_LOCAL_MAP=0`` and distinct fake node names
+(standing in for separate nodes) over the proven sockets (``socket``) and over
+one-sided UCX (``rdma``: here UCX's shared memory and CMA, this machine having no
+HCA; and UCX's tcp with the test-only ``SMB_UCX_ALLOW_TCP=1``), and on the
+same-node path (the clients map the servers' shared memory).
 """
 import json
 import subprocess
@@ -22,8 +23,11 @@ from eddis.smb.testing import LocalServers
 TRANSPORTS = {
     "socket": {"env": {"SMB_LOCAL_MAP": "0"},
                "hostnames": ["smb-node0", "smb-node1", "smb-node2"], "client_host": "client-node"},
-    "ucx-tcp": {"env": {"SMB_TRANSPORT": "ucx", "UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"},
-                "hostnames": ["smb-node0", "smb-node1", "smb-node2"], "client_host": "client-node"},
+    "rdma-shm": {"env": {"SMB_TRANSPORT": "rdma", "SMB_LOCAL_MAP": "0"},
+                 "hostnames": ["smb-node0", "smb-node1", "smb-node2"], "client_host": "client-node"},
+    "rdma-tcp": {"env": {"SMB_TRANSPORT": "rdma", "SMB_UCX_ALLOW_TCP": "1", "UCX_TLS": "tcp",
+                         "SMB_LOCAL_MAP": "0"},
+                 "hostnames": ["smb-node0", "smb-node1", "smb-node2"], "client_host": "client-node"},
     "same-node": {"env": {"SMB_LOCAL_MAP": "1"}, "hostnames": None, "client_host": None},
 }
 
@@ -51,6 +55,7 @@ def client(cluster, monkeypatch):
     with Client(cluster.run_dir, expected_servers=3, timeout=20) as c:
         local = [c.is_local(i) for i in range(c.num_servers)]
         assert local == [cluster.transport == "same-node"] * 3
+        assert c.transport == ("rdma" if cluster.transport.startswith("rdma") else "socket")
         yield c
 
 
@@ -111,6 +116,29 @@ def test_pool_write_read_across_servers(client):
     again = client.pool("rw-again", 1001, dtype="float32", slots=3)
     np.testing.assert_array_equal(again.read(slot=2), np.zeros(1001, np.float32))
     again.free()
+
+
+@pytest.mark.timeout(120)
+def test_put_and_get_bytes_pass_the_servers_request_loop_only_on_the_socket_transport(client, cluster):
+    """One-sidedness: with rdma (and on the same node) the servers' request loops see no byte
+    and no request of a put or get, however large; on the socket transport they receive and
+    send every byte, one request per server piece."""
+    for per_server in (1 << 10, 1 << 18):       # 4 KiB and 1 MiB of float32 per server
+        pool = client.pool(f"one-sided-{per_server}", 3 * per_server, dtype="float32")
+        try:
+            data = np.arange(3 * per_server, dtype=np.float32)
+            before = [client.stats(s) for s in range(3)]
+            pool.write(data)
+            np.testing.assert_array_equal(pool.read(), data)
+            after = [client.stats(s) for s in range(3)]
+        finally:
+            pool.free()
+        moved = [(a["put_bytes"] - b["put_bytes"], a["get_bytes"] - b["get_bytes"],
+                  a["requests"] - b["requests"]) for b, a in zip(before, after)]
+        if cluster.transport == "socket":   # the put, the get, the second stats request
+            assert moved == [(4 * per_server, 4 * per_server, 3)] * 3, moved
+        else:   # only the second stats request itself
+            assert moved == [(0, 0, 1)] * 3, moved
 
 
 @pytest.mark.timeout(120)

@@ -127,15 +127,16 @@ def hugetlb_room(nbytes):
     return facts[0] and hugepages.hugetlb_shortage(nbytes, *facts) is None
 
 
-@pytest.mark.parametrize("transport", ["same-node", "ucx-tcp"])
+@pytest.mark.parametrize("transport", ["same-node", "rdma"])
 def test_hugetlb_arena_is_backed_by_huge_pages(transport):
+    """rdma: the regions of a hugetlb arena register with UCX and take one-sided transfers."""
     if not hugetlb_room(4 * MiB):
         pytest.skip("no free hugetlb pages on this node (sysctl vm.nr_hugepages; .ci/run reserves some)")
     page = hugepages.hugetlb_facts()[0]
     env = {"SMB_HUGEPAGES": "hugetlb", **NO_UCX_HUGETLB}
     hostnames, client_host = None, None
-    if transport == "ucx-tcp":
-        env.update({"UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"})
+    if transport == "rdma":
+        env.update({"SMB_TRANSPORT": "rdma", "SMB_LOCAL_MAP": "0"})
         hostnames, client_host = ["smb-node0"], "client-node"
     with LocalServers(1, memory="3M", env=env, hostnames=hostnames) as servers:
         name, kernel_page = server_arena_pages(servers.procs[0].pid)

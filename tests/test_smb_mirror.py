@@ -24,10 +24,19 @@ def fill(pool, slots):
         pool.write(np.arange(LENGTH, dtype=np.float32) + 1000 * slot, slot=slot)
 
 
-@pytest.mark.parametrize("hostnames", [["m0", "m1", "m2"], None], ids=["remote", "same-node"])
-def test_a_mirrored_pool_and_counter_outlive_a_killed_server(hostnames):
-    with LocalServers(3, memory="16M", hostnames=hostnames) as servers:
+# how the client reaches the servers: over sockets or one-sided (rdma, here over UCX's shared
+# memory: the servers' fake node names keep the client from mapping them), or by mapping them
+TRANSPORTS = {"remote": (["m0", "m1", "m2"], "socket"), "rdma": (["m0", "m1", "m2"], "rdma"),
+              "same-node": (None, "socket")}
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_mirrored_pool_and_counter_outlive_a_killed_server(transport, monkeypatch):
+    hostnames, kind = TRANSPORTS[transport]
+    monkeypatch.setenv("SMB_TRANSPORT", kind)
+    with LocalServers(3, memory="16M", hostnames=hostnames, env={"SMB_TRANSPORT": kind}) as servers:
         client = Client(servers.run_dir, expected_servers=3, timeout=20)
+        assert client.transport == kind
         try:
             pool = client.pool("centre", LENGTH, slots=2, mirrored=True)
             counter = client.counter("progress", initial=5, mirrored=True)
@@ -113,9 +122,12 @@ def test_a_mirrored_counter_first_reached_after_a_server_died_uses_its_live_copy
             first.close()
 
 
-def test_a_stopped_server_is_given_up_after_the_timeout():
-    with LocalServers(2, memory="16M", hostnames=["s0", "s1"]) as servers:
+@pytest.mark.parametrize("kind", ["socket", "rdma"])
+def test_a_stopped_server_is_given_up_after_the_timeout(kind, monkeypatch):
+    monkeypatch.setenv("SMB_TRANSPORT", kind)
+    with LocalServers(2, memory="16M", hostnames=["s0", "s1"], env={"SMB_TRANSPORT": kind}) as servers:
         client = Client(servers.run_dir, expected_servers=2, timeout=2)
+        assert client.transport == kind
         try:
             pool = client.pool("centre", LENGTH, slots=2, mirrored=True)
             counter = client.counter("steps", server=1, mirrored=True)

@@ -2,8 +2,9 @@
 
 Real smb-server processes on loopback; the attacks are what issue 16 tried:
 tokenless reads and writes, garbage on the listening port, connections that
-hold places and say nothing, a second Unix user. Every loop is bounded in
-count and time.
+hold places and say nothing, a second Unix user. The probes of the gate run with
+the socket transport and with rdma on (one-sided UCX, here over shared memory:
+this machine has no HCA). Every loop is bounded in count and time.
 """
 import os
 import pwd
@@ -55,10 +56,19 @@ def _frame(op, payload, req_id=1):
     return protocol.HEADER.pack(protocol.MAGIC, op, 0, len(payload), 0, req_id) + payload
 
 
+@pytest.fixture(params=["socket", "rdma"])
+def kind(request, monkeypatch):
+    """The transport the servers offer and the clients use (SMB_LOCAL_MAP=0: no mapping)."""
+    monkeypatch.setenv("SMB_TRANSPORT", request.param)
+    monkeypatch.setenv("SMB_LOCAL_MAP", "0")
+    return request.param
+
+
 @pytest.mark.timeout(120)
-def test_tokenless_get_and_put_get_nothing_and_the_server_keeps_serving():
-    with LocalServers(1, memory="16M", env={"SMB_LOCAL_MAP": "0"}) as servers:
+def test_tokenless_get_and_put_get_nothing_and_the_server_keeps_serving(kind):
+    with LocalServers(1, memory="16M", env={"SMB_LOCAL_MAP": "0", "SMB_TRANSPORT": kind}) as servers:
         client, pool = _secret_pool(servers)
+        assert client.transport == kind
         seg = pool.segments[0]
         port = servers.records[0]["port"]
         get = _frame(_core.OP_GET, protocol.GET_DESC.pack(seg.rid, 0, 0, PATTERN.nbytes))
@@ -84,43 +94,110 @@ def test_tokenless_get_and_put_get_nothing_and_the_server_keeps_serving():
         client.close()
 
 
-UCX_ATTACKER = """
-import sys, time
-from eddis.smb import _core
-ucx = _core.ClientCore(ucx=True)
-conn = ucx.connect("127.0.0.1", int(sys.argv[1]))
-deadline = time.monotonic() + 20
-while not ucx.conn_failed(conn) and time.monotonic() < deadline:
-    ucx.progress()
-    time.sleep(0.01)
-print("failed" if ucx.conn_failed(conn) else "connected", flush=True)
-"""
+def _listening_ports(pid):
+    """The TCP ports process ``pid`` listens on (its sockets in state LISTEN)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:   # 0A: TCP_LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 @pytest.mark.timeout(120)
-def test_a_ucx_client_cannot_reach_the_memory_either():
-    """The attack of issue 16 was a UCX client doing one-sided gets without HELLO:
-    the socket transport opens no UCX port, so UCX never gets a connection."""
-    env = {"SMB_LOCAL_MAP": "0", "SMB_HANDSHAKE_TIMEOUT": "1"}
-    with LocalServers(1, memory="16M", env=env) as servers:
+def test_an_rdma_server_listens_on_its_gate_alone():
+    """The attack of issue 16 was a UCX client doing one-sided gets without HELLO through
+    UCX's own listener. The rdma transport has none: UCX is reached only at the worker
+    address a proven peer is given, over shared memory or an HCA. Only the test setting
+    SMB_UCX_ALLOW_TCP=1 opens a port of UCX's (its tcp transport's), which is why it is
+    unsafe."""
+    for env, expected_extra in (({"SMB_TRANSPORT": "rdma"}, False),
+                                ({"SMB_TRANSPORT": "rdma", "SMB_UCX_ALLOW_TCP": "1", "UCX_TLS": "tcp"}, True)):
+        with LocalServers(1, memory="16M", env=dict(env, SMB_LOCAL_MAP="0")) as servers:
+            record = servers.records[0]
+            assert record["transport"] == "rdma"
+            ports = _listening_ports(servers.procs[0].pid)
+            assert record["port"] in ports
+            assert (ports != {record["port"]}) == expected_extra, (env, ports)
+            errors = servers.stop()
+        assert ("UNSAFE" in errors[0]) == expected_extra, errors[0]
+
+
+@pytest.mark.timeout(120)
+def test_an_unproven_peer_gets_no_worker_address_and_no_key(monkeypatch):
+    """What only a proven connection is given: the server's UCX worker address and a
+    region's key. A peer that skips the proof (or proves another job's token) and asks for
+    them gets the challenge and at most the refusal; a client of another job is refused by
+    name and never reaches the request loop."""
+    monkeypatch.setenv("SMB_TRANSPORT", "rdma")
+    monkeypatch.setenv("SMB_LOCAL_MAP", "0")
+    with LocalServers(1, memory="16M", env={"SMB_TRANSPORT": "rdma", "SMB_LOCAL_MAP": "0"}) as servers:
         client, pool = _secret_pool(servers)
-        # in a process of its own: UCX may abort while tearing down the failed endpoint
-        attacker = subprocess.run([sys.executable, "-c", UCX_ATTACKER, str(servers.records[0]["port"])],
-                                  capture_output=True, text=True, timeout=60, env=python_env())
-        assert attacker.stdout.split()[:1] == ["failed"], attacker.stdout + attacker.stderr[-2000:]
+        assert client.transport == "rdma"
+        rid = pool.segments[0].rid
+        port = servers.records[0]["port"]
+        address = client._control(0, {"op": "rdma_address"}, "address")[1]
+        key = client._control(0, {"op": "region_key", "id": rid}, "key")[1]
+        assert len(address) > 16 and len(key) > 0
+        asks = [_frame(_core.OP_CONTROL, protocol.encode_control({"op": "rdma_address"})),
+                _frame(_core.OP_CONTROL, protocol.encode_control({"op": "region_key", "id": rid}))]
+        answers = []
+        for attack in asks + [b"\0" * handshake.ANSWER_BYTES + asks[0] + asks[1]]:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(attack)
+                answers.append(_read_all(s))
+        for answer in answers:
+            assert answer.startswith(handshake.PROTOCOL)
+            assert len(answer) <= handshake.CHALLENGE_BYTES + 3 + len(handshake.REFUSAL_TEXT)
+            assert address[:32] not in answer and key not in answer
+        with pytest.raises(SMBPermissionError, match="wrong job token"):
+            Client(addresses=[f"127.0.0.1:{port}"], token="another-jobs-token", timeout=10)
+        stats = client.stats(0)
+        assert stats["keys_given"] == 2 and stats["handshake"]["proven"] == 1
         np.testing.assert_array_equal(pool.read(), PATTERN)
-        assert _server_alive(servers)
-        assert client.stats(0)["handshake"]["proven"] == 1
         client.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_key_of_a_freed_region_is_refused_and_unmapped(monkeypatch):
+    """A freed region's id gets no key (another job's region id is no better: ids name this
+    server's regions only), and its UCX registration is gone with it: the server holds one
+    registration per live region."""
+    monkeypatch.setenv("SMB_TRANSPORT", "rdma")
+    monkeypatch.setenv("SMB_LOCAL_MAP", "0")
+    with LocalServers(1, memory="16M", env={"SMB_TRANSPORT": "rdma", "SMB_LOCAL_MAP": "0"}) as servers:
+        with Client(servers.run_dir, expected_servers=1, timeout=10) as client:
+            pool = client.pool("gone", 1000)
+            rid = pool.segments[0].rid
+            pool.free()
+            with pytest.raises(SMBKeyError, match="freed"):
+                client._control(0, {"op": "region_key", "id": rid}, "key")
+            again = client.pool("gone", 1000)     # the same slot, the next generation
+            assert again.segments[0].rid & 0xFFFF == rid & 0xFFFF and again.segments[0].rid != rid
+            with pytest.raises(SMBKeyError, match="freed"):
+                client._control(0, {"op": "region_key", "id": rid}, "key")
+            assert client.stats(0)["registrations"] == 1
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_bounded_fuzz_of_the_listening_port_leaves_the_server_serving():
+def test_bounded_fuzz_of_the_listening_port_leaves_the_server_serving(kind):
     rng = random.Random(16)
     connections, budget_s = 2000, 120
-    with LocalServers(1, memory="16M", env={"SMB_LOCAL_MAP": "0", "SMB_HANDSHAKE_TIMEOUT": "2"}) as servers:
+    env = {"SMB_LOCAL_MAP": "0", "SMB_HANDSHAKE_TIMEOUT": "2", "SMB_TRANSPORT": kind}
+    with LocalServers(1, memory="16M", env=env) as servers:
         client, pool = _secret_pool(servers)
+        assert client.transport == kind
         port = servers.records[0]["port"]
         started, sent, leaked = time.monotonic(), 0, 0
         secret = PATTERN.tobytes()[:64]
@@ -239,10 +316,14 @@ def test_a_second_unix_user_cannot_read_the_token_the_addresses_or_the_memory():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("local_map", ["0", "1"], ids=["remote", "same-node"])
-def test_a_stale_handle_never_writes_into_the_pool_created_after_it(local_map, monkeypatch):
+@pytest.mark.parametrize("local_map, kind", [("0", "socket"), ("0", "rdma"), ("1", "socket")],
+                         ids=["remote", "rdma", "same-node"])
+def test_a_stale_handle_never_writes_into_the_pool_created_after_it(local_map, kind, monkeypatch):
+    """rdma: the client reads the region's generation one-sidedly before a write and after
+    a read (on an HCA the unmapped key would fault as well; no HCA here)."""
     monkeypatch.setenv("SMB_LOCAL_MAP", local_map)
-    with LocalServers(1, memory="16M", env={"SMB_LOCAL_MAP": local_map}) as servers:
+    monkeypatch.setenv("SMB_TRANSPORT", kind)
+    with LocalServers(1, memory="16M", env={"SMB_LOCAL_MAP": local_map, "SMB_TRANSPORT": kind}) as servers:
         first = Client(servers.run_dir, expected_servers=1, timeout=10)
         second = Client(servers.run_dir, expected_servers=1, timeout=10)
         stale = second.pool("a", 1000)
@@ -273,18 +354,21 @@ def test_a_finished_local_run_leaves_no_token_behind(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_ucx_server_binds_its_address_and_restricts_ucx_to_that_interface(tmp_path, monkeypatch):
+def test_an_rdma_server_allowed_tcp_restricts_ucx_to_its_address_and_says_unsafe(tmp_path, monkeypatch):
     from eddis.smb import Server, create_run_dir
     from eddis.smb.server import interface_of
 
     assert interface_of("127.0.0.1") == "lo" and interface_of("0.0.0.0") is None
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    monkeypatch.setenv("SMB_UCX_ALLOW_TCP", "1")
+    monkeypatch.setenv("UCX_TLS", "tcp")
     run_dir = create_run_dir(tmp_path / "run")
-    server = Server(run_dir, memory=1 << 20, host="127.0.0.1", transport="ucx").start()
+    server = Server(run_dir, memory=1 << 20, host="127.0.0.1", transport="rdma").start()
     try:
-        # UCX's own TCP ports follow its devices, so they listen on lo only, like the listener
+        # UCX's own TCP ports follow its devices, so they listen on lo only, like the gate
         assert os.environ["UCX_NET_DEVICES"] == "lo"
-        assert server.info["host"] == "127.0.0.1" and server.info["transport"] == "ucx"
+        assert server.info["host"] == "127.0.0.1" and server.info["transport"] == "rdma"
+        assert server.info["ucx_tls"] == "tcp" and "UNSAFE" in server.describe_transport()
     finally:
         server.stop()
         os.environ.pop("UCX_NET_DEVICES", None)

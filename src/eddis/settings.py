@@ -378,11 +378,18 @@ register("SMB_LOCAL_MAP", "bool", True,
          "0 forces every transfer through the network transport, to test the remote path on one "
          "machine.")
 register("SMB_TRANSPORT", "str", "socket",
-         "How clients reach an smb-server that is not mapped: `socket`, requests and data over one "
+         "How clients reach an smb-server that is not mapped. `socket`: requests and data over one "
          "TCP connection per server, opened only after a challenge-response proof of the job token, "
-         "every access checked by the server (the default; the only safe choice on TCP networks); "
-         "`ucx`, UCX active messages and one-sided RMA, for fabrics whose peers are all trusted "
-         "(see docs/architecture.md, threat model).", choices=("socket", "ucx"))
+         "every byte checked and copied by the server. `rdma`: the same proven connection for "
+         "requests and, per region, its remote key; bulk put/get one-sided through UCX (InfiniBand/"
+         "RoCE between nodes, shared memory inside one; never UCX's tcp, see SMB_UCX_ALLOW_TCP). "
+         "`auto`: rdma where every node of the job has an active InfiniBand or RoCE port that UCX "
+         "can use, else socket (`eddis doctor` says which and why). The former `ucx` is refused: it "
+         "served one-sided access before the token proof.", choices=("auto", "socket", "rdma"))
+register("SMB_UCX_ALLOW_TCP", "bool", False,
+         "UNSAFE, FOR TESTS ONLY: let the rdma transport use UCX's tcp transport, whose one-sided "
+         "writes check no key and no address, so any peer that reaches its port can write anywhere "
+         "in the smb-server. For running the rdma code paths between hosts without InfiniBand.")
 register("SMB_HANDSHAKE_TIMEOUT", "float", 10.0,
          "Seconds a new connection to an smb-server has to prove the job token before it is dropped.",
          min=0, above_min=True)

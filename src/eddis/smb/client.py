@@ -1,10 +1,12 @@
 """SMB client: connections to all servers of a job, requests, synchronization objects.
 
 A :class:`Client` holds one connection per server: a socket on which both
-sides proved the job token (SMB_TRANSPORT=socket, the default), or a UCX
-endpoint of one thread-safe worker (SMB_TRANSPORT=ucx). Every wait is bounded
-by ``timeout`` (default ``SMB_TIMEOUT``); a server that dies turns into :class:`~eddis.errors.SMBConnectionError` for the waits on
-it, never a hang.
+sides proved the job token, for every request; with the rdma transport
+(:mod:`.transport`) also a UCX endpoint per server, to the worker address that
+server gave over the proven socket, for one-sided put/get with the keys it
+gives per region. Every wait is bounded by ``timeout`` (default
+``SMB_TIMEOUT``); a server that dies turns into
+:class:`~eddis.errors.SMBConnectionError` for the waits on it, never a hang.
 """
 import contextlib
 import json
@@ -16,10 +18,13 @@ import zlib
 from .. import identity, settings
 from ..errors import (SMBConnectionError, SMBTimeoutError, SMBValueError, UsageError,
                       from_ucs_status)
-from . import handshake, rundir
+from . import handshake, rundir, transport as transports
 from .protocol import (COUNTER_REPLY, COUNTER_REQUEST, decode_control, encode_control)
 
 log = logging.getLogger("eddis.smb.client")
+
+
+GENERATIONS = "generations"   # the key name of a server's generation table (rdma)
 
 
 class Request:
@@ -123,13 +128,7 @@ class Client:
                 records = rundir.read_servers(self.run_dir) or rundir.wait_for_servers(self.run_dir, 1)
                 records = [r for i, r in enumerate(records) if r["index"] == i]
             addresses = [(r["host"], int(r["port"])) for r in records]
-            transports = {r.get("transport", "socket") for r in records}
-            if len(transports) > 1:
-                raise SMBValueError(f"the servers of {self.run_dir} mix transports {sorted(transports)}; "
-                                    "start them all with the same SMB_TRANSPORT")
-            transport = transports.pop()
         else:
-            transport = settings.get("SMB_TRANSPORT")
             addresses = [_parse_address(a) for a in addresses]
             if expected_servers is not None and len(addresses) != int(expected_servers):
                 raise SMBValueError(f"{len(addresses)} addresses given but expected_servers={expected_servers}")
@@ -144,8 +143,11 @@ class Client:
         # marks the client closed, waits for them, and only then lets the core unmap.
         self._maps_idle = threading.Condition(threading.Lock())
         self._mapped_users = 0
-        self.transport = transport
-        self._core = _core.ClientCore(ucx=transport == "ucx")
+        self._requested = transports.requested(settings.get("SMB_TRANSPORT"))
+        self.transport = None       # the job's: decided from what the servers offer (_connect)
+        self.transport_reason = None
+        self.ucx_tls = None
+        self._core = _core.ClientCore()
         self._closed = False
         self.lost_servers = set()   # given up for good (note_lost): mirrored objects work around them
         self._addresses = addresses
@@ -161,16 +163,11 @@ class Client:
     def _connect(self, token):
         from . import _core
 
-        if self.transport == "ucx":
-            conns = [self._core.connect(host, port) for host, port in self._addresses]
-            hello = token.encode()
-        else:
-            conns = [self._core.adopt_socket(handshake.connect(host, port, token, self.timeout))
-                     for host, port in self._addresses]
-            hello = b""      # the handshake proved the token already
+        conns = [self._core.adopt_socket(handshake.connect(host, port, token, self.timeout))
+                 for host, port in self._addresses]
         pending = _core.Pending(self._core)
         for conn in conns:
-            self._core.post_request(pending, conn, _core.OP_HELLO, hello)
+            self._core.post_request(pending, conn, _core.OP_HELLO, b"")
         deadline = time.monotonic() + self.timeout
         if pending.wait(self.timeout) != 0 or pending.error_status:
             failed = [c for c in conns if self._core.conn_failed(c)]
@@ -193,6 +190,37 @@ class Client:
             if local_map and info["hostname"] == me:
                 info["base"] = self._core.map_arena(info["arena"], int(info["arena_size"]))
             self.servers.append(info)
+        self.transport, self.transport_reason = transports.job_transport(
+            self._requested, [(s, info.get("transport", "socket"), info.get("transport_reason", "an older server"))
+                              for s, info in enumerate(self.servers)])
+        if self.transport == "rdma":
+            self._connect_rdma()
+
+    def _connect_rdma(self):
+        """One-sided endpoints to the servers this process does not map, at the worker
+        addresses they give over the proven connections (they give them to no one else)."""
+        from . import _core
+
+        remote = [s for s in range(self.num_servers) if not self.is_local(s)]
+        if not remote:
+            return
+        available = [entry["transport"] for entry in _core.ucx_transports()]
+        tls = transports.ucx_tls(available, allow_tcp=settings.get("SMB_UCX_ALLOW_TCP"))
+        if not tls:
+            raise SMBValueError(f"the job's transport is rdma ({self.transport_reason}), but UCX offers this "
+                                f"process none of the transports SMB may use (it lists {', '.join(available)}); "
+                                "use SMB_TRANSPORT=socket")
+        self._core.start_rdma(tls)
+        self.ucx_tls = tls
+        replies = self._control_nb([(s, {"op": "rdma_address"}) for s in remote], "rdma connect",
+                                   lambda rs: [decode_control(r) for r in rs]).wait()
+        peer_errors = transports.reports_lost_peers(tls)
+        for server, (info, tail) in zip(remote, replies):
+            conn = self.servers[server]["conn"]
+            split = int(info["address_bytes"])
+            self._core.connect_rdma(conn, tail[:split], peer_errors)
+            self.servers[server]["generations"] = (int(info["generations"]),
+                                                   self._core.rkey(conn, GENERATIONS, tail[split:]))
 
     @property
     def num_servers(self):
@@ -316,11 +344,20 @@ class Client:
         return self._control_nb([(server, obj)], description,
                                 lambda replies: decode_control(replies[0])).wait(timeout)
 
-    def _rkey(self, server, rid, packed):
-        if self.transport != "ucx":
-            return 0      # the socket transport addresses regions by id, checked by the server
-        with self._lock:
-            return self._core.rkey(self.servers[server]["conn"], rid, packed)
+    def region_keys_nb(self, regions, what):
+        """rdma: ask the servers for the remote keys of ``regions`` [(server, region id)];
+        wait() gives a key handle for post_put/post_get per region (0 on the socket transport,
+        where the server checks each request against its region table)."""
+        if self.transport != "rdma":
+            return Completed([0] * len(regions))
+        calls = [(server, {"op": "region_key", "id": int(rid)}) for server, rid in regions]
+
+        def unpack(replies):
+            with self._lock:
+                return [self._core.rkey(self.servers[server]["conn"], rid, decode_control(reply)[1])
+                        for (server, rid), reply in zip(regions, replies)]
+
+        return self._control_nb(calls, f"{what}: region keys", unpack)
 
     def server_for(self, name):
         """The server that holds a named counter, barrier or event."""

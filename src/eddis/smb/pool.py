@@ -145,20 +145,25 @@ class Pool:
                       "dtype": dtype, "meta": meta, "create": bool(create)})
                  for s, (start, stop) in zip(self.servers, parts)]
         replies = client._control_nb(calls, f"pool {name!r}",
-                                     lambda rs: [decode_control(r) for r in rs]).wait()
+                                     lambda rs: [decode_control(r)[0] for r in rs]).wait()
         self.segments = []
-        for i, (s, (start, stop), (info, rkey)) in enumerate(zip(self.servers, parts, replies)):
+        for i, (s, (start, stop), info) in enumerate(zip(self.servers, parts, replies)):
             seg = _Segment()
             seg.index, seg.server, seg.conn = i, s, client.servers[s]["conn"]
             seg.start, seg.stop, seg.rid, seg.addr = start, stop, info["id"], info["addr"]
             base = client.servers[s]["base"]
             seg.local = base + info["offset"] if base else 0
             seg.table = base    # the mapped arena's region generation table
-            seg.rkey = 0 if seg.local else client._rkey(s, seg.rid, rkey)
+            seg.rkey = 0
             if seg.local:
                 # fault the region into this process once, not during the first transfers
                 _core.prefault(seg.local, info["nbytes"])
             self.segments.append(seg)
+        remote = [seg for seg in self.segments if not seg.local]
+        # rdma: the keys of this pool's regions, one-sided access to them alone
+        keys = client.region_keys_nb([(seg.server, seg.rid) for seg in remote], f"pool {name!r}").wait()
+        for seg, key in zip(remote, keys):
+            seg.rkey = key
         self._mapped = any(seg.local for seg in self.segments)
 
     def __repr__(self):
@@ -276,6 +281,43 @@ class Pool:
         with self.client._mapped_access("pool", self.name):
             return self._transfer(*args)
 
+    def _generation_reads(self, pending, segments, gens):
+        """rdma: post one-sided reads of the generation of each segment's region (from the
+        server's table, which clients may read and never write) into ``gens``."""
+        address = _core.buffer_address(gens, True)[0]
+        for i, seg in enumerate(segments):
+            table, key = self.client.servers[seg.server]["generations"]
+            self.client._core.post_get(pending, seg.conn, address + 4 * i, 4, 0, 0,
+                                       table + 4 * (seg.rid & 0xFFFF), key)
+
+    def _check_generations(self, segments, gens, what):
+        """SMBKeyError for the first segment whose region the server freed (a stale handle)."""
+        for seg, gen in zip(segments, gens):
+            if int(gen) != seg.rid >> 16:
+                raise SMBKeyError(f"pool {self.name!r} {what}: server {seg.server} freed this pool (a "
+                                  "stale handle; another client called free()); look the pool up again")
+
+    def _rdma_writable(self, segments, what):
+        """rdma: before a one-sided write, that no region of ``segments`` was freed, so that
+        the write cannot land in the region the server placed there next (the check a
+        same-node copy makes in the mapped table, one round trip for all servers). A server
+        lost meanwhile is left to the write itself to report, so that the parts for the
+        other servers land as they would without the check."""
+        client = self.client
+        gens = np.zeros(len(segments), dtype=np.uint32)
+        pending = client._pending()
+        pending.keep = gens
+        self._generation_reads(pending, segments, gens)
+        outcome = pending.wait(client.timeout)
+        if outcome == 3:
+            raise UsageError(f"pool {self.name!r} {what}: the SMB client was closed while waiting")
+        if outcome != 0:
+            for conn in pending.inflight_conns():   # a stuck server, given up as a transfer's would be
+                client._core.fail_conn(conn)
+        self._check_generations([seg for seg in segments if not client._core.conn_failed(seg.conn)],
+                                [gen for seg, gen in zip(segments, gens) if not client._core.conn_failed(seg.conn)],
+                                what)
+
     def _transfer(self, arr, slot, start, count, put, result=None):
         """One contiguous piece per server: memcpy for mapped servers, else put/get."""
         client = self.client
@@ -285,7 +327,11 @@ class Pool:
         itemsize = self.itemsize
         pending = None
         remote, local = [], []
-        for seg, col, n, off in self._pieces(start, count):
+        pieces = list(self._pieces(start, count))
+        one_sided = [seg for seg, _, _, _ in pieces if seg.rkey]
+        if put and one_sided:
+            self._rdma_writable(one_sided, what)
+        for seg, col, n, off in pieces:
             nbytes = n * itemsize
             mine = base + off * itemsize
             if seg.local:
@@ -311,11 +357,22 @@ class Pool:
             client.check_alive(local, f"pool {self.name!r} {what}")
         if pending is None:
             return Completed(result)
+        finish = lambda _: result  # noqa: E731
         if put:
             for conn in remote:
                 # puts complete locally first; the flush makes them visible at the server
                 core.post_flush(pending, conn)
-        return Request(client, pending, f"pool {self.name!r} {what}", lambda _: result, remote)
+        elif one_sided:
+            # the generations, read after the data: unchanged, the data was the region's
+            gens = np.zeros(len(one_sided), dtype=np.uint32)
+            pending.keep = (arr, gens)
+            core.fence()
+            self._generation_reads(pending, one_sided, gens)
+
+            def finish(_):
+                self._check_generations(one_sided, gens, what)
+                return result
+        return Request(client, pending, f"pool {self.name!r} {what}", finish, remote)
 
     # ------------------------------------------------------------ server-side vector ops
     def _vecop_nb(self, kind, dst_slot, sources, alpha, start, count, what):
@@ -488,7 +545,7 @@ class Pool:
         segments, self.segments = self.segments, []
         self._freed = True
         for seg in segments:
-            if not seg.local:
+            if seg.rkey:
                 with client._lock:
                     client._core.forget_rkey(seg.conn, seg.rid)
         client._control_nb([(seg.server, {"op": "region_free", "name": "pool:" + self.name})

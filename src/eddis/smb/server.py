@@ -1,9 +1,13 @@
-"""smb-server: lends this node's memory to the job over UCX.
+"""smb-server: lends this node's memory to the job.
 
-The native core (eddis.smb._core) owns the UCX state and runs the request loop
-in a GIL-free progress thread; it answers HELLO, counters and vector ops itself
-and hands the named, stateful requests (regions, barriers, events, reductions)
-to :meth:`Server._handle` here, on that same thread.
+Peers connect to the gate of :mod:`.handshake`, its only port, and prove the job
+token; the native core (eddis.smb._core) runs the request loop over the proven
+sockets in a GIL-free progress thread. It answers HELLO, counters, vector ops and
+the socket transport's put/get itself and hands the named, stateful requests
+(regions, barriers, events, reductions, the rdma transport's worker address and
+region keys) to :meth:`Server._handle` here, on that same thread. With the rdma
+transport the core also holds a UCX worker, without a listener, through which the
+job's clients put and get one-sidedly into registered regions (:mod:`.transport`).
 
 A server whose handshake or request thread ended on its own cannot serve the job
 any more, though its process would live on: ``smb-server`` then exits with
@@ -26,7 +30,7 @@ from .. import identity, settings
 from ..errors import (ConfigError, EddisError, SMBBoundsError, SMBKeyError, SMBMemoryError, SMBPermissionError,
                       SMBServerError, SMBValueError)
 from .. import timeline
-from . import arena_limits, handshake, rundir
+from . import arena_limits, handshake, rundir, transport as transports
 from .hugepages import MODES as HUGEPAGE_MODES, arena_pages, describe as describe_pages, plan as hugepage_plan
 from .protocol import (CONTROL_SEPARATOR, DTYPES, ITEMSIZE, STATUS_BOUNDS, STATUS_INVALID,
                        STATUS_NO_ELEM, STATUS_NO_MEMORY, STATUS_REJECTED, decode_control)
@@ -37,7 +41,6 @@ MAX_REGIONS = 65536
 SMALL_ALIGN = 64
 PAGE_ALIGN = 4096
 MAX_REDUCE_THREADS = 256   # SMB_VECPOOL_MAX_THREADS of the native core
-TRANSPORTS = ("socket", "ucx")
 SERVER_FAILED_STATUS = 70   # EX_SOFTWARE: a thread of the server died (see Server.failure)
 WATCH_SECONDS = 0.2         # how often the CLI checks its threads and the stop signals
 
@@ -87,7 +90,7 @@ class ArenaAllocator:
 
 class Region:
     __slots__ = ("name", "index", "rid", "offset", "span", "nbytes", "slots", "length", "dtype",
-                 "meta", "addr", "rkey")
+                 "meta", "addr", "rkey")   # rkey: the packed key of its UCX registration (rdma), else b""
 
     def describe(self):
         return {"name": self.name, "id": self.rid, "offset": self.offset, "nbytes": self.nbytes,
@@ -175,9 +178,12 @@ class Server:
         # a connection that does not prove the token within this many seconds is closed
         self.hello_timeout = float(settings.get("SMB_HANDSHAKE_TIMEOUT") if hello_timeout is None
                                    else hello_timeout)
-        self.transport = settings.get("SMB_TRANSPORT") if transport is None else str(transport)
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"SMB_TRANSPORT={self.transport!r}: use one of {', '.join(TRANSPORTS)}")
+        self.requested = transports.requested(settings.get("SMB_TRANSPORT") if transport is None
+                                              else transport)
+        self.transport = None       # what it offers: decided at start(), from this node's facts
+        self.transport_reason = None
+        self.ucx_tls = None
+        self.allow_tcp = settings.get("SMB_UCX_ALLOW_TCP")
         self.gate = None
         self.hugepages = settings.get("SMB_HUGEPAGES") if hugepages is None else str(hugepages)
         # checked now, so a node without the huge pages asked for fails before it listens
@@ -188,6 +194,8 @@ class Server:
         self.gen_table_bytes = _core.GEN_TABLE_SIZE
         self.allocator = ArenaAllocator(self.memory, base=self.gen_table_bytes)
         self.regions = {}
+        self.by_id = {}             # region id -> Region (key requests name regions by id)
+        self.keys_given = 0
         self.free_indices = list(range(MAX_REGIONS - 1, -1, -1))
         self.barriers = {}
         self.events = {}
@@ -212,36 +220,32 @@ class Server:
             if listen == "0.0.0.0":
                 log.warning("smb-server %d listens on every interface (--host 0.0.0.0); give the "
                             "node's cluster address instead", self.index)
+            self.transport, self.transport_reason = self._offer()
             hello = {"index": self.index, "hostname": identity.node_name(),
                      "arena": f"/proc/{os.getpid()}/fd/{self.core.arena_fd}",
-                     "arena_size": self.core.arena_size, "pid": os.getpid()}
-            if self.transport == "ucx":
-                device = interface_of(listen)
-                if device and "UCX_NET_DEVICES" not in os.environ:
-                    # UCX's own TCP ports follow its devices, not the listener's address
-                    os.environ["UCX_NET_DEVICES"] = device
-                self.port = self.core.start(listen, self.port, token.encode(), json.dumps(hello).encode(),
-                                            self._handle, self.hello_timeout, self.reduce_threads)
-                self.core.run_in_thread()
-            else:
-                self.core.start_sockets(json.dumps(hello).encode(), self._handle, self.reduce_threads)
-                self.gate = handshake.Gate(listen, self.port, token, self.core.adopt_socket,
-                                           deadline=self.hello_timeout)
-                self.port = self.gate.port
-                self.core.run_in_thread()
-                self.gate.start()
+                     "arena_size": self.core.arena_size, "pid": os.getpid(),
+                     "transport": self.transport, "transport_reason": self.transport_reason}
+            self.core.start_sockets(json.dumps(hello).encode(), self._handle, self.reduce_threads)
+            if self.transport == "rdma":
+                self._start_rdma(listen)
+            self.gate = handshake.Gate(listen, self.port, token, self.core.adopt_socket,
+                                       deadline=self.hello_timeout)
+            self.port = self.gate.port
+            self.core.run_in_thread()
+            self.gate.start()
             self.started = True
             self.info = {"index": self.index, "hostname": identity.node_name(), "host": published,
                          "port": self.port, "pid": os.getpid(), "memory": self.memory,
                          "reduce_threads": self.reduce_threads, "pages": self.page_kind,
-                         "transport": self.transport}
+                         "transport": self.transport, "transport_reason": self.transport_reason,
+                         "ucx_tls": self.ucx_tls}
             rundir.publish_server(self.run_dir, self.index, self.info)
         except BaseException:
             self._stop_gate()
             self.core.stop()
             raise
-        log.info("smb-server %d serving %d bytes on %s:%d, %d reduction thread(s)", self.index,
-                 self.memory, published, self.port, self.reduce_threads)
+        log.info("smb-server %d serving %d bytes on %s:%d, %d reduction thread(s), transport %s",
+                 self.index, self.memory, published, self.port, self.reduce_threads, self.describe_transport())
         usable = _usable_cpus()
         if self.reduce_threads > usable:
             # a Slurm step's tasks are bound to their own CPUs (one by default)
@@ -249,6 +253,44 @@ class Server:
                         "server more (e.g. srun --cpus-per-task) or set SMB_REDUCE_THREADS lower",
                         self.reduce_threads, usable)
         return self
+
+    def _offer(self):
+        """(transport, why) this server offers: what SMB_TRANSPORT forces, or with auto what
+        this node's facts allow (:func:`transport.offer`)."""
+        if self.requested != "auto":
+            return self.requested, f"SMB_TRANSPORT={self.requested}"
+        return transports.offer(transports.node_facts(identity.node_name()))
+
+    def _start_rdma(self, listen):
+        """One-sided access through UCX, restricted to the HCA's transports and shared memory
+        (and tcp only where SMB_UCX_ALLOW_TCP, a test setting, lets it)."""
+        from . import _core
+
+        available = [entry["transport"] for entry in _core.ucx_transports()]
+        self.ucx_tls = transports.ucx_tls(available, allow_tcp=self.allow_tcp)
+        if not self.ucx_tls:
+            raise SMBValueError(
+                f"smb-server {self.index}: SMB_TRANSPORT={self.requested}, but UCX offers none of the "
+                f"transports SMB's one-sided access may use here (it lists {', '.join(available) or 'none'}; "
+                f"SMB uses the HCA's and shared memory, never tcp); use SMB_TRANSPORT=socket or auto")
+        if "tcp" in self.ucx_tls.split(","):
+            log.warning("smb-server %d: UNSAFE: SMB_UCX_ALLOW_TCP=1 lets UCX's tcp transport serve "
+                        "one-sided access, which checks no key: any peer that reaches its port can "
+                        "write anywhere in this server. For tests only.", self.index)
+            device = interface_of(listen)
+            if device and "UCX_NET_DEVICES" not in os.environ:
+                # UCX's own TCP ports follow its devices: the node's address only, as the gate
+                os.environ["UCX_NET_DEVICES"] = device
+        self.core.start_rdma(self.ucx_tls)
+
+    def describe_transport(self):
+        """The transport in words, for the start line and the log; UNSAFE where tcp RMA is on."""
+        if self.transport != "rdma":
+            return f"socket ({self.transport_reason})"
+        text = f"rdma over UCX {self.ucx_tls} ({self.transport_reason})"
+        if "tcp" in (self.ucx_tls or "").split(","):
+            text += " -- UNSAFE: UCX tcp serves unchecked one-sided access (SMB_UCX_ALLOW_TCP=1, tests only)"
+        return text
 
     def _create_arena(self, shm):
         if self._page_warning:
@@ -371,8 +413,7 @@ class Server:
             try:
                 if initial is not None:
                     self.core.write_int64(region.rid, 0, initial)
-                reply = dict(region.describe(), created=created)
-                return 0, json.dumps(reply).encode() + CONTROL_SEPARATOR + region.rkey
+                return 0, json.dumps(dict(region.describe(), created=created)).encode()
             except BaseException:
                 # the client gets an error, so no one would ever free this region
                 self._release(region)
@@ -382,14 +423,39 @@ class Server:
                 f"region {name!r} exists with slots={region.slots} length={region.length} "
                 f"dtype={region.dtype} meta={region.meta}, not slots={slots} length={length} "
                 f"dtype={dtype} meta={meta}; attach with the same parameters or free it first")
-        reply = dict(region.describe(), created=created)
-        return 0, json.dumps(reply).encode() + CONTROL_SEPARATOR + region.rkey
+        return 0, json.dumps(dict(region.describe(), created=created)).encode()
 
     def _op_region_lookup(self, conn, req_id, q):
         region = self.regions.get(str(q["name"]))
         if region is None:
             raise SMBKeyError(f"no region named {q['name']!r} on server {self.index}")
-        return 0, json.dumps(region.describe()).encode() + CONTROL_SEPARATOR + region.rkey
+        return 0, json.dumps(region.describe()).encode()
+
+    # rdma: what a proven connection may ask for, and nothing reaches UCX without it
+    def _op_rdma_address(self, conn, req_id, q):
+        """This server's UCX worker address, for a one-sided endpoint to it."""
+        address = self.core.worker_address
+        if address is None:
+            raise SMBValueError(f"smb-server {self.index} offers the socket transport only "
+                                f"({self.transport_reason}); use SMB_TRANSPORT=socket or auto")
+        # and the key of the arena's generation table, which clients read (never write) to
+        # tell a region from the one placed where it was freed
+        reply = {"address_bytes": len(address), "generations": self.core.arena_address}
+        return 0, json.dumps(reply).encode() + CONTROL_SEPARATOR + address + self.core.gen_key
+
+    def _op_region_key(self, conn, req_id, q):
+        """The remote key of one live region of this server (by id: index and generation),
+        for one-sided put/get into that region alone."""
+        rid = int(q["id"])
+        region = self.by_id.get(rid)
+        if region is None:
+            raise SMBKeyError(f"no region with id {rid} on server {self.index}: it was freed (a stale "
+                              f"pool handle?) or never was one of this job's; look the pool up again")
+        if not region.rkey:
+            raise SMBValueError(f"smb-server {self.index} offers the socket transport only "
+                                f"({self.transport_reason}): it hands out no keys")
+        self.keys_given += 1
+        return 0, json.dumps({"id": rid}).encode() + CONTROL_SEPARATOR + region.rkey
 
     def _op_region_free(self, conn, req_id, q):
         region = self.regions.get(str(q["name"]))
@@ -401,6 +467,7 @@ class Server:
     def _release(self, region):
         """Give a region's memory, UCX registration and index back."""
         del self.regions[region.name]
+        del self.by_id[region.rid]
         self.core.region_unregister(region.rid)
         self.allocator.release(region.offset, region.span)
         self.free_indices.append(region.index)
@@ -430,6 +497,7 @@ class Server:
         region.slots, region.length, region.dtype, region.meta = slots, length, dtype, meta
         region.addr, region.rkey = addr, rkey
         self.regions[name] = region
+        self.by_id[rid] = region
         return region
 
     # barriers: every arrival is deferred until `parties` are in, then all are released
@@ -526,7 +594,7 @@ class Server:
     def _op_stats(self, conn, req_id, q):
         stats = dict(self.core.stats, regions=len(self.regions), transport=self.transport,
                      handshake=dict(self.gate.stats) if self.gate is not None else None,
-                     free_bytes=sum(n for _, n in self.allocator.free))
+                     free_bytes=sum(n for _, n in self.allocator.free), keys_given=self.keys_given)
         if self.gate is not None:
             # a connection refused at the handshake is a refused request of the other transport
             stats["refused"] += self.gate.stats["refused"]
@@ -567,7 +635,7 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(
         prog="smb-server",
-        description="Serve this node's memory to the EDDIS job (SMB over UCX). "
+        description="Serve this node's memory to the EDDIS job (SMB). "
                     "Runs until SIGTERM/SIGINT.")
     parser.add_argument("--run-dir", help="job run directory (default: EDDIS_RUN_DIR or ~/.eddis/run/<job>)")
     parser.add_argument("--index", type=int, default=None, help="server index (default: SLURM_NODEID or 0)")
@@ -616,7 +684,8 @@ def main(argv=None):
         return 1
     print(f"smb-server {index} ready on {server.address} ({server.memory} bytes, "
           f"{server.reduce_threads} reduction thread(s), "
-          f"{describe_pages(server.page_kind, server.page_size, None)})", flush=True)
+          f"{describe_pages(server.page_kind, server.page_size, None)}, "
+          f"transport {server.describe_transport()})", flush=True)
     failure = None
     try:
         while not stop and failure is None:
