@@ -24,7 +24,8 @@ def test_doctor_json_reports_this_machine():
     assert rc == 0, proc.stdout + proc.stderr
     checks = report["checks"]
     assert report["ok"] is True
-    assert set(checks) == {"eddis", "ucx", "infiniband", "mpi", "slurm", "gpus", "frameworks", "hugepages"}
+    assert set(checks) == {"eddis", "ucx", "infiniband", "smb_transport", "mpi", "slurm", "gpus", "frameworks",
+                           "hugepages"}
 
     ucx = checks["ucx"]["data"]
     assert re.match(r"\d+\.\d+", ucx["version"])
@@ -52,6 +53,25 @@ def test_doctor_json_reports_this_machine():
     assert checks["frameworks"]["data"]["torch"] == torch.__version__
     if shutil.which("sbatch"):
         assert re.match(r"\d+\.\d+\.\d+", checks["slurm"]["data"]["version"])
+
+
+@pytest.mark.timeout(150)
+def test_doctor_names_the_smb_transport_a_job_gets_and_calls_tcp_rma_unsafe():
+    rc, report, proc = doctor_json(env=python_env({"SMB_TRANSPORT": "auto"}))
+    assert rc == 0, proc.stdout + proc.stderr
+    check = report["checks"]["smb_transport"]
+    data = check["data"]
+    assert data["requested"] == "auto" and "tcp" not in data["ucx_tls"].split(",")
+    if not data["node"]["ports"]:   # no HCA here: auto gives socket, and says why
+        assert check["status"] == "ok" and data["transport"] == "socket"
+        assert "gets socket (auto: node " in check["summary"] and "no HCA found" in check["summary"]
+    assert data["gpu_direct"] == ("cuda" in data["ucx_memory_types"])
+    rc, report, proc = doctor_json(env=python_env({"SMB_TRANSPORT": "rdma", "SMB_UCX_ALLOW_TCP": "1"}))
+    check = report["checks"]["smb_transport"]
+    assert check["status"] == "warn" and "UNSAFE" in check["summary"] and "tests only" in check["fix"]
+    assert check["data"]["transport"] == "rdma" and "tcp" in check["data"]["ucx_tls"].split(",")
+    rc, report, proc = doctor_json(env=python_env({"SMB_TRANSPORT": "ucx"}))
+    assert rc == 1 and report["checks"]["smb_transport"]["status"] == "fail"
 
 
 @pytest.mark.timeout(150)

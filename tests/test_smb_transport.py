@@ -73,3 +73,57 @@ def test_the_removed_ucx_value_is_refused_with_its_replacement():
     with pytest.raises(ConfigError, match="auto, socket, rdma"):
         transport.requested("verbs")
     assert transport.requested(" RDMA ") == "rdma"
+
+
+def test_the_record_follows_the_servers_offers(tmp_path):
+    from eddis.smb import rundir
+
+    records = [{"index": 0, "transport": "rdma", "transport_reason": "node a: mlx5_0:1 (InfiniBand)"},
+               {"index": 1, "transport": "socket", "transport_reason": "node b: no HCA found"}]
+    chosen = rundir.record_transport(tmp_path, records, requested="auto")
+    assert chosen["transport"] == "socket" and "smb-server 1" in chosen["reason"]
+    assert rundir.read_transport(tmp_path) == chosen
+    assert rundir.record_transport(tmp_path, records[:1], requested="auto")["transport"] == "rdma"
+    with pytest.raises(SMBValueError, match="start the servers with SMB_TRANSPORT=rdma"):
+        rundir.record_transport(tmp_path, records, requested="rdma")
+    assert rundir.read_transport(tmp_path / "none") is None
+
+
+READ_RECORD = """
+import json, os, pathlib
+print("RECORD", (pathlib.Path(os.environ["EDDIS_RUN_DIR"]) / "smb-transport.json").read_text().strip())
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("requested", ["auto", "rdma"])
+def test_a_local_job_records_its_transport_once_before_the_ranks_start(tmp_path, requested):
+    """eddis-train --local: on this machine (no HCA) auto gives socket and says why; a
+    forced rdma is kept (over shared memory inside the node)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import python_env
+
+    script = tmp_path / "train.py"
+    script.write_text(READ_RECORD)
+    env = python_env({"EDDIS_RUN_DIR": str(tmp_path / "run"), "SMB_MEMORY": "8M", "SMB_TRANSPORT": requested})
+    proc = subprocess.run([sys.executable, "-m", "eddis.launch.train", "--local", "-n", "1", str(script)],
+                          env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [line] = [line for line in proc.stdout.splitlines() if "RECORD " in line]   # "[0@host] RECORD ..."
+    record = json.loads(line.split("RECORD ", 1)[1])
+    if requested == "auto" and not transport.hca_ports(_verbs_report()):
+        assert record["transport"] == "socket" and "smb-server 0 offers socket only" in record["reason"]
+        assert "no HCA found" in record["reason"]
+    if requested == "rdma":
+        assert record == {"transport": "rdma", "reason": "SMB_TRANSPORT=rdma",
+                          "servers": [[0, "rdma", "SMB_TRANSPORT=rdma"]]}
+    assert f"smb transport {record['transport']}: " in proc.stdout
+
+
+def _verbs_report():
+    from eddis import _verbs
+
+    return _verbs.query()

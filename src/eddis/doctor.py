@@ -9,6 +9,11 @@ status (``ok``, ``warn`` for a finding that limits EDDIS but does not stop it,
   (``eddis.smb._core`` when built, else ``ucx_info``)
 - ``infiniband``: HCAs, ports, state and rate from libibverbs (``eddis._verbs``);
   "no HCA found" is a finding
+- ``smb_transport``: the SMB transport a job on nodes like this one gets
+  (``SMB_TRANSPORT``; ``auto``: rdma where the nodes have an active InfiniBand/RoCE
+  port that UCX can use) and why, the UCX transports its one-sided access would use,
+  and whether UCX can move CUDA memory (GPUDirect); the test-only
+  ``SMB_UCX_ALLOW_TCP`` is a warning: unsafe
 - ``mpi``: MPI library and version, mpi4py
 - ``slurm``: Slurm version, and the allocation when inside one
 - ``gpus``: GPUs as torch sees them (and the GPUs Slurm assigned)
@@ -174,8 +179,11 @@ def check_ucx():
     if not info:
         return Check("ucx", FAIL, "UCX not found" + (f" ({'; '.join(errors)})" if errors else ""), {},
                      fix=_install_hint("ucx"))
+    from .smb.transport import CUDA_TLS, HCA_TLS
+
     names = list(info["transports"])
-    info["rdma"] = any(t in names for t in ("rc_verbs", "rc_mlx5", "dc_mlx5", "ud_verbs", "ud_mlx5"))
+    info["rdma"] = any(t in names for t in HCA_TLS)
+    info["cuda"] = [t for t in names if t in CUDA_TLS]
     summary = f"UCX {info['version']}: transports {', '.join(names) or 'none'}"
     if not names:
         return Check("ucx", FAIL, summary, info, fix="UCX lists no transport; check UCX_TLS/UCX_NET_DEVICES")
@@ -206,6 +214,35 @@ def check_infiniband():
     return Check("infiniband", OK if active else WARN, "; ".join(parts),
                  {"devices": devices, "finding": result["finding"]},
                  fix="" if active else "no port is ACTIVE: check cabling and the subnet manager")
+
+
+def check_smb_transport():
+    from . import identity, settings
+    from .smb import transport
+
+    requested = transport.requested(settings.get("SMB_TRANSPORT"))
+    allow_tcp = settings.get("SMB_UCX_ALLOW_TCP")
+    facts = transport.node_facts(identity.node_name())
+    chosen, why = transport.choose(requested, [facts])
+    data = {"requested": requested, "transport": chosen, "reason": why, "node": facts,
+            "allow_tcp": allow_tcp, "ucx_tls": transport.ucx_tls(facts["ucx"], allow_tcp=allow_tcp)}
+    core, _ = _import("eddis.smb._core")
+    if core is not None:
+        data["ucx_memory_types"] = core.ucx_memory_types()
+    data["gpu_direct"] = "cuda" in data.get("ucx_memory_types", ())
+    summary = f"a job on nodes like this one gets {chosen} ({why})"
+    if chosen == "rdma":
+        summary += f"; one-sided over UCX {data['ucx_tls'] or 'nothing'}"
+    summary += "; GPUDirect possible" if data["gpu_direct"] else ""
+    if allow_tcp:
+        return Check("smb_transport", WARN, summary + "; UNSAFE: SMB_UCX_ALLOW_TCP=1", data,
+                     fix="SMB_UCX_ALLOW_TCP=1 lets UCX's tcp transport serve unchecked one-sided writes to "
+                         "any peer that reaches its port: a setting for tests only; unset it")
+    if chosen == "rdma" and not data["ucx_tls"]:
+        return Check("smb_transport", FAIL, summary, data,
+                     fix="SMB_TRANSPORT=rdma, but UCX has none of the transports SMB may use here; "
+                         "set SMB_TRANSPORT=auto or socket")
+    return Check("smb_transport", OK, summary, data)
 
 
 def check_mpi():
@@ -322,7 +359,7 @@ def check_hugepages():
                  data)
 
 
-CHECKS = [check_eddis, check_ucx, check_infiniband, check_mpi, check_slurm, check_gpus, check_frameworks,
+CHECKS = [check_eddis, check_ucx, check_infiniband, check_smb_transport, check_mpi, check_slurm, check_gpus, check_frameworks,
           check_hugepages]
 
 
@@ -378,7 +415,7 @@ def run(args):
     return 0 if all(r.status != FAIL for r in results) else 1
 
 
-DESCRIPTION = "check UCX, InfiniBand, MPI, Slurm, GPUs and frameworks on this machine"
+DESCRIPTION = "check UCX, InfiniBand, the SMB transport, MPI, Slurm, GPUs and frameworks on this machine"
 
 
 def main(argv=None):

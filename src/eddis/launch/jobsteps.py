@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .. import settings
-from ..errors import SMBServerError, SMBTimeoutError
+from ..errors import SMBServerError, SMBTimeoutError, SMBValueError
 from .report import (LAUNCH_DIR, describe_exit, exit_status, finished_ranks, format_report, launches,
                      read_records, root_cause)
 from .startbeats import StartWatch, announce
@@ -65,8 +65,10 @@ def process_alive(pid):
 
 
 def wait_servers(path, count, timeout=None, watch_pids=()):
-    """Exit 0 once ``count`` servers published; 1 with a clear message on timeout or a dead server step."""
-    from ..smb.rundir import wait_for_servers
+    """Exit 0 once ``count`` servers published and the job's SMB transport is recorded (the
+    run directory's smb-transport.json); 1 with a clear message on timeout, a dead server
+    step or a transport the servers do not offer."""
+    from ..smb.rundir import record_transport, wait_for_servers
 
     timeout = settings.get("EDDIS_SERVER_WAIT") if timeout is None else timeout
 
@@ -88,6 +90,12 @@ def wait_servers(path, count, timeout=None, watch_pids=()):
         return 1
     print("eddis-train: smb-servers ready: " + ", ".join(
         f"{s['index']}@{s.get('hostname', s.get('host'))}:{s.get('port')}" for s in servers), flush=True)
+    try:
+        chosen = record_transport(path, servers)
+    except SMBValueError as exc:
+        print(f"eddis-train: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(f"eddis-train: smb transport {chosen['transport']}: {chosen['reason']}", flush=True)
     return 0
 
 

@@ -26,6 +26,8 @@ SERVERS_DIR = "servers"
 CHECKPOINT_REQUEST_FILE = "checkpoint-request"
 CHECKPOINT_ANSWER_FILE = "checkpoint-written"
 ELASTIC_COMMITS_DIR = "elastic-commits"
+# the job's SMB transport and why (eddis.timeline.profile reads it by this name into profile.h5)
+TRANSPORT_FILE = "smb-transport.json"
 
 
 def note_training_started():
@@ -198,6 +200,30 @@ def publish_server(path, index, info):
     target = server_file(path, index)
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     return write_json_atomic(target, info)
+
+
+def record_transport(path, records, requested=None):
+    """Decide the job's SMB transport from what its servers' ``records`` offer (as every
+    client of the job does, :func:`eddis.smb.transport.job_transport`) and record it in
+    the run directory: {"transport", "reason", "servers": [[index, offer, why]]}.
+    ``requested``: SMB_TRANSPORT (default: this process's). SMBValueError where it forces
+    rdma and a server offers socket only."""
+    from .. import settings
+    from .transport import job_transport
+
+    offers = [[int(r["index"]), r.get("transport", "socket"), r.get("transport_reason", "")] for r in records]
+    transport, reason = job_transport(settings.get("SMB_TRANSPORT") if requested is None else requested, offers)
+    record = {"transport": transport, "reason": reason, "servers": offers}
+    write_json_atomic(Path(path) / TRANSPORT_FILE, record)
+    return record
+
+
+def read_transport(path):
+    """The job's recorded SMB transport (:func:`record_transport`), or None."""
+    try:
+        return json.loads((Path(path) / TRANSPORT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def unpublish_server(path, index):

@@ -309,6 +309,9 @@ def merge_profiles(run_dir, output=None):
         out.attrs["settings"] = first_attrs.get("settings", "{}")
         out.attrs["versions"] = first_attrs.get("versions", "{}")
         out.attrs["metadata"] = first_attrs.get("metadata", "{}")
+        # the job's SMB transport as its launcher recorded it (eddis.smb.rundir.TRANSPORT_FILE)
+        transport = Path(run_dir) / "smb-transport.json"
+        out.attrs["smb_transport"] = transport.read_text() if transport.exists() else "{}"
         out.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     os.replace(tmp, output)
     return output
