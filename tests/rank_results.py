@@ -1,16 +1,24 @@
-"""What the ranks of a worker started with run_mpi printed: one ``TAG {json}`` line each."""
+"""What each rank of a worker started with run_mpi found, as one JSON file per rank: a
+long line printed by several ranks at once can come out of mpirun interleaved."""
 import json
-import re
+import os
+from pathlib import Path
 
 
-def rank_results(proc, ranks, tag="RESULT"):
-    """``{rank: result}`` from the ``TAG {...}`` lines (JSON objects with a "rank" key); fails,
-    with the output, unless the job succeeded and exactly ``ranks`` reported."""
+def write_result(directory, result):
+    """Worker side: ``result`` (a dict with a "rank" key) into ``directory``."""
+    path = Path(directory) / f"rank{result['rank']}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+
+
+def rank_results(proc, ranks, directory):
+    """``{rank: result}`` from the files in ``directory``; fails, with the output, unless the
+    job succeeded and exactly ``ranks`` wrote one."""
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-8000:]
-    found = {}
-    for line in re.findall(rf"{re.escape(tag)} (\{{.*\}})", proc.stdout):
-        result = json.loads(line)
-        found[result["rank"]] = result
+    found = {int(path.stem[len("rank"):]): json.loads(path.read_text())
+             for path in Path(directory).glob("rank*.json")}
     assert sorted(found) == list(ranks), output[-8000:]
     return found

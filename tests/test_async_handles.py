@@ -3,14 +3,15 @@ broadcast_async, broadcast_async_, poll, synchronize) on 1 and N real Open MPI r
 results, completion in issue order, progress while the caller computes, a poll that never
 waits, a synchronize bounded by EDDIS_COMM_TIMEOUT that names what it waited for.
 
-This file is also the worker: ``mpirun -n N python tests/test_async_handles.py CASE``.
+This file is also the worker: ``mpirun -n N python tests/test_async_handles.py OUT CASE``.
 """
-import json
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+from rank_results import write_result
+
+OUT = None   # the worker's results folder (its first argument)
 
 
 def _init():
@@ -46,11 +47,11 @@ def case_ordered():
             call()
         except UsageError as exc:
             refusals.append(str(exc))
-    print("RESULT " + json.dumps({
+    write_result(OUT, {
         "rank": r, "done_before_last": done_before_last, "last_is_the_tensor": last is inplace_sum,
         "sum": results[0].tolist(), "rows": results[1].tolist(), "rows_dtype": str(results[1].dtype),
         "from_last": results[2].tolist(), "bcast_inplace": [results[3] is inplace_bcast, inplace_bcast.tolist()],
-        "average": results[4].tolist(), "inplace_sum": inplace_sum.tolist(), "refusals": refusals}), flush=True)
+        "average": results[4].tolist(), "inplace_sum": inplace_sum.tolist(), "refusals": refusals})
     hvd.shutdown()
 
 
@@ -67,23 +68,23 @@ def case_progress():
             polls += 1
             assert time.monotonic() < deadline, "the async allreduce made no progress in 120 s"
         result = hvd.synchronize(handle)
-        print("RESULT " + json.dumps({"rank": 0, "value": float(result[0]), "polls": polls}), flush=True)
+        write_result(OUT, {"rank": 0, "value": float(result[0]), "polls": polls})
     else:
         hvd.allreduce(torch.ones(1000), op=hvd.Sum, name="in the background")
     hvd.shutdown()
 
 
-def case_poll_does_not_wait(signal_dir):
+def case_poll_does_not_wait():
     """Rank 0's poll must answer False at once: rank 1 makes its call only after rank 0 has
     polled (it waits for rank 0's file), so the allreduce cannot have completed yet."""
     torch, hvd = _init()
-    flag = Path(signal_dir) / "polled"
+    flag = Path(OUT) / "polled"
     if hvd.rank() == 0:
         handle = hvd.allreduce_async(torch.tensor([1.0]), op=hvd.Sum, name="late partner")
         first_poll = hvd.poll(handle)
         flag.write_text("polled")
         value = hvd.synchronize(handle).item()
-        print("RESULT " + json.dumps({"rank": 0, "first_poll": first_poll, "value": value}), flush=True)
+        write_result(OUT, {"rank": 0, "first_poll": first_poll, "value": value})
     else:
         deadline = time.monotonic() + 120
         while not flag.exists():
@@ -109,8 +110,8 @@ def case_synchronize_times_out():
 
 
 if __name__ == "__main__":
-    case, *args = sys.argv[1:]
-    globals()[f"case_{case}"](*args)
+    OUT, case = sys.argv[1:]   # where each rank writes what it found; the case
+    globals()[f"case_{case}"]()
     sys.exit(0)
 
 
@@ -127,8 +128,9 @@ pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("size", [1, 3])
-def test_handles_give_the_results_in_the_order_issued(run_mpi, size):
-    found = rank_results(run_mpi(size, [PYTHON, __file__, "ordered"], timeout=180), range(size))
+def test_handles_give_the_results_in_the_order_issued(run_mpi, tmp_path, size):
+    found = rank_results(run_mpi(size, [PYTHON, __file__, str(tmp_path), "ordered"], timeout=180), range(size),
+                         tmp_path)
     total = size * (size + 1) / 2
     rows = [10 * r + i for r in range(size) for i in range(r + 1)]
     for r, got in found.items():
@@ -146,20 +148,22 @@ def test_handles_give_the_results_in_the_order_issued(run_mpi, size):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("size", [1, 2])
-def test_an_async_allreduce_completes_while_the_caller_computes(run_mpi, size):
-    found = rank_results(run_mpi(size, [PYTHON, __file__, "progress"], timeout=180), [0])
+def test_an_async_allreduce_completes_while_the_caller_computes(run_mpi, tmp_path, size):
+    found = rank_results(run_mpi(size, [PYTHON, __file__, str(tmp_path), "progress"], timeout=180), [0], tmp_path)
     assert found[0]["value"] == size and found[0]["polls"] >= 0
 
 
 @pytest.mark.timeout(200)
 def test_poll_answers_at_once_while_a_partner_has_not_called(run_mpi, tmp_path):
-    found = rank_results(run_mpi(2, [PYTHON, __file__, "poll_does_not_wait", str(tmp_path)], timeout=180), [0])
+    found = rank_results(run_mpi(2, [PYTHON, __file__, str(tmp_path), "poll_does_not_wait"], timeout=180), [0],
+                         tmp_path)
     assert found[0] == {"rank": 0, "first_poll": False, "value": 2.0}
 
 
 @pytest.mark.timeout(200)
-def test_synchronize_times_out_naming_the_operation(run_mpi):
-    proc = run_mpi(2, [PYTHON, __file__, "synchronize_times_out"], env={"EDDIS_COMM_TIMEOUT": "3"}, timeout=180)
+def test_synchronize_times_out_naming_the_operation(run_mpi, tmp_path):
+    proc = run_mpi(2, [PYTHON, __file__, str(tmp_path), "synchronize_times_out"], env={"EDDIS_COMM_TIMEOUT": "3"},
+                   timeout=180)
     line = re.search(r"TIMEOUT-MESSAGE (.*)", proc.stdout)
     assert line, (proc.stdout + proc.stderr)[-6000:]
     assert "eddis.allreduce(never answered)" in line.group(1) and "3 s" in line.group(1), line.group(1)

@@ -2,10 +2,11 @@
 clear error from the round of announcements, the data never moves (no mixing, no crash in
 MPI), and the next collective works.
 
-This file is also the worker: ``mpirun -n N python tests/test_collective_mismatch.py``.
+This file is also the worker: ``mpirun -n N python tests/test_collective_mismatch.py OUT``.
 """
-import json
 import sys
+
+from rank_results import write_result
 
 
 def main():
@@ -31,7 +32,7 @@ def main():
     attempt("unpicklable", lambda: hvd.broadcast_object(lambda: r if r == 0 else None, root_rank=0))
     attempt("rest_of_shape", lambda: hvd.synchronize(hvd.allgather_async(torch.ones(1, 2 + r))))
     after = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).item()
-    print("RESULT " + json.dumps({"rank": r, "errors": errors, "after": after}), flush=True)
+    write_result(sys.argv[1], {"rank": r, "errors": errors, "after": after})
     hvd.shutdown()
 
 
@@ -50,8 +51,8 @@ pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
 
 
 @pytest.mark.timeout(200)
-def test_mismatched_calls_fail_alike_on_every_rank_and_the_next_call_works(run_mpi):
-    found = rank_results(run_mpi(2, [PYTHON, __file__], timeout=180), range(2))
+def test_mismatched_calls_fail_alike_on_every_rank_and_the_next_call_works(run_mpi, tmp_path):
+    found = rank_results(run_mpi(2, [PYTHON, __file__, str(tmp_path)], timeout=180), range(2), tmp_path)
     for r, result in found.items():
         errors = result["errors"]
         assert errors["kinds"][0] == "UsageError", errors

@@ -7,17 +7,20 @@ Where EDDIS differs, the documented error is asserted instead, on every rank tha
 call: an average of an integer tensor is refused (ConfigError: it would have to round),
 where Horovod truncates.
 
-This file is also the worker: ``mpirun -n N python tests/test_horovod_join.py CASE``.
+This file is also the worker: ``mpirun -n N python tests/test_horovod_join.py OUT CASE``.
 """
 import itertools
-import json
 import sys
 
 import numpy as np
 
+from rank_results import write_result
 
-def _report(name, **values):
-    print(f"RESULT {name} " + json.dumps(values), flush=True)
+OUT = None   # the worker's results folder (its first argument)
+
+
+def _report(**values):
+    write_result(OUT, values)
 
 
 def _same_answer_everywhere(hvd, ret, first):
@@ -73,7 +76,7 @@ def case_torch_allreduce():
                     assert torch.allclose(result, tensor * (size - 1) / size, 0), (dtype, dim, first)
                 checked += 1
         _same_answer_everywhere(hvd, ret, first)
-    _report("torch_allreduce", rank=rank, checked=checked, refused=refused)
+    _report(rank=rank, checked=checked, refused=refused)
     hvd.shutdown()
 
 
@@ -103,7 +106,7 @@ def case_torch_allgather():
     hvd.init()
     tensor = torch.zeros(17, 17, 17)
     refused = _each_rank_joins_first_while_the_others_call(hvd, lambda: hvd.allgather(tensor))
-    _report("torch_allgather", rank=hvd.rank(), refused=refused)
+    _report(rank=hvd.rank(), refused=refused)
     hvd.shutdown()
 
 
@@ -117,7 +120,7 @@ def case_torch_broadcast():
     # every rank names itself as the root, as Horovod's test does
     refused = _each_rank_joins_first_while_the_others_call(
         hvd, lambda: hvd.broadcast(tensor, hvd.rank(), name="test_horovod_join_broadcast"))
-    _report("torch_broadcast", rank=hvd.rank(), refused=refused)
+    _report(rank=hvd.rank(), refused=refused)
     hvd.shutdown()
 
 
@@ -143,12 +146,13 @@ def case_tensorflow_allreduce():
             assert difference == 0, (dtype, dim, first, difference)
             checked += 1
         _same_answer_everywhere(hvd, ret, first)
-    _report("tensorflow_allreduce", rank=rank, checked=checked)
+    _report(rank=rank, checked=checked)
     hvd.shutdown()
 
 
 if __name__ == "__main__":
-    globals()[f"case_{sys.argv[1]}"]()
+    OUT, case = sys.argv[1:]   # where each rank writes what it found; the case
+    globals()[f"case_{case}"]()
     sys.exit(0)
 
 
@@ -161,15 +165,16 @@ from rank_results import rank_results  # noqa: E402
 pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
 
 
-def reports(proc, case, size):
-    found = rank_results(proc, range(size), tag=f"RESULT {case}")
+def reports(run_mpi, tmp_path, case, size, timeout=280):
+    proc = run_mpi(size, [PYTHON, __file__, str(tmp_path), case], timeout=timeout)
+    found = rank_results(proc, range(size), tmp_path)
     return {rank: {k: v for k, v in report.items() if k != "rank"} for rank, report in found.items()}
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("size", [2, 3])
-def test_horovod_join_allreduce_torch(run_mpi, size):
-    found = reports(run_mpi(size, [PYTHON, __file__, "torch_allreduce"], timeout=380), "torch_allreduce", size)
+def test_horovod_join_allreduce_torch(run_mpi, tmp_path, size):
+    found = reports(run_mpi, tmp_path, "torch_allreduce", size, timeout=380)
     for rank, report in found.items():
         # 2 float dtypes x 3 dims x 2 cachings per round in which this rank did not join first
         assert report == {"checked": 12 * (size - 1), "refused": 12 * (size - 1)}, (rank, report)
@@ -178,16 +183,15 @@ def test_horovod_join_allreduce_torch(run_mpi, size):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("case", ["torch_allgather", "torch_broadcast"])
-def test_horovod_join_allgather_and_broadcast_torch_raise_beside_a_joined_rank(run_mpi, case, size):
-    found = reports(run_mpi(size, [PYTHON, __file__, case], timeout=280), case, size)
+def test_horovod_join_allgather_and_broadcast_torch_raise_beside_a_joined_rank(run_mpi, tmp_path, case, size):
+    found = reports(run_mpi, tmp_path, case, size)
     assert found == {rank: {"refused": size - 1} for rank in range(size)}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("size", [2, 3])
-def test_horovod_join_allreduce_tensorflow(run_mpi, size):
-    found = reports(run_mpi(size, [PYTHON, __file__, "tensorflow_allreduce"], timeout=280),
-                    "tensorflow_allreduce", size)
+def test_horovod_join_allreduce_tensorflow(run_mpi, tmp_path, size):
+    found = reports(run_mpi, tmp_path, "tensorflow_allreduce", size)
     for rank, report in found.items():
         # 5 dtypes x 3 dims, in the rounds where rank 0 or 1 joined first and this rank did not
         assert report == {"checked": 15 * sum(1 for first in (0, 1) if first != rank)}, (rank, report)

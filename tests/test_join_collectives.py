@@ -9,13 +9,16 @@ never crash or hang. Then the others join, and join() names the same last rank
 everywhere. The training cases do the same between the steps of a DistributedOptimizer
 whose joined rank takes idle steps.
 
-This file is also the worker: ``mpirun -n N python tests/test_join_collectives.py CASE``.
+This file is also the worker: ``mpirun -n N python tests/test_join_collectives.py OUT CASE``.
 """
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from rank_results import write_result
+
+OUT = None   # the worker's results folder (its first argument)
 
 REFUSED = "called eddis.join()"
 
@@ -41,7 +44,7 @@ def _each_rank_joins_first(hvd, calls):
         rounds.append({"first": first, "last": hvd.join(), "got": got})
     # every rank is past join(): everything runs again
     lasts = hvd.allgather_object([round_["last"] for round_ in rounds])
-    print("RESULT " + json.dumps({"rank": r, "size": n, "rounds": rounds, "lasts": lasts}), flush=True)
+    write_result(OUT, {"rank": r, "size": n, "rounds": rounds, "lasts": lasts})
     hvd.shutdown()
 
 
@@ -166,8 +169,8 @@ def case_torch_training(mode):
         saved = [_refused(lambda: hvd.save_checkpoint(path, model, optimizer)), path.exists()]
     last = hvd.join()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
-    print("RESULT " + json.dumps({"rank": r, "size": n, "mode": mode, "last": last, "losses": losses,
-                                  "counts": counts, "params": flat, "saved": saved}), flush=True)
+    write_result(OUT, {"rank": r, "size": n, "mode": mode, "last": last, "losses": losses, "counts": counts,
+                       "params": flat, "saved": saved})
     optimizer.close()
     hvd.shutdown()
 
@@ -194,14 +197,14 @@ def case_tensorflow_training(mode):
         hvd.barrier()
     last = hvd.join()
     flat = np.concatenate([v.numpy().reshape(-1) for v in model.trainable_variables]).tolist()
-    print("RESULT " + json.dumps({"rank": r, "size": n, "mode": mode, "last": last, "losses": losses,
-                                  "counts": counts, "params": flat}), flush=True)
+    write_result(OUT, {"rank": r, "size": n, "mode": mode, "last": last, "losses": losses, "counts": counts,
+                       "params": flat})
     optimizer.close()
     hvd.shutdown()
 
 
 if __name__ == "__main__":
-    case, *args = sys.argv[1:]
+    OUT, case, *args = sys.argv[1:]   # where each rank writes what it found; the case
     globals()[f"case_{case}"](*args)
     sys.exit(0)
 
@@ -217,8 +220,9 @@ import eddis.smb.server  # noqa: E402,F401  (required: missing is a failure, not
 pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
 
 
-def results(proc, size):
-    found = rank_results(proc, range(size))
+def results(run_mpi, size, tmp_path, *worker):
+    proc = run_mpi(size, [PYTHON, __file__, str(tmp_path), *worker], timeout=280)
+    found = rank_results(proc, range(size), tmp_path)
     return [found[r] for r in range(size)]
 
 
@@ -258,17 +262,16 @@ def check_collectives(found, size, framework):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
-def test_each_collective_beside_a_joined_rank_runs_or_is_refused_on_every_caller(run_mpi, framework, size):
-    proc = run_mpi(size, [PYTHON, __file__, f"{framework}_collectives"], timeout=280)
-    check_collectives(results(proc, size), size, framework)
+def test_each_collective_beside_a_joined_rank_runs_or_is_refused_on_every_caller(run_mpi, tmp_path, framework,
+                                                                                 size):
+    check_collectives(results(run_mpi, size, tmp_path, f"{framework}_collectives"), size, framework)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("framework,mode", [("torch", "sync"), ("torch", "allreduce"), ("tensorflow", "sync")])
-def test_metrics_and_barriers_between_steps_are_served_by_joined_ranks(run_mpi, framework, mode, size):
-    proc = run_mpi(size, [PYTHON, __file__, f"{framework}_training", mode], timeout=280)
-    found = results(proc, size)
+def test_metrics_and_barriers_between_steps_are_served_by_joined_ranks(run_mpi, tmp_path, framework, mode, size):
+    found = results(run_mpi, size, tmp_path, f"{framework}_training", mode)
     for result in found:
         r = result["rank"]
         # at step s the ranks with more than s steps have data: the others add zeros

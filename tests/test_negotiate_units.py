@@ -16,12 +16,14 @@ def allreduce(dtype="float32", shape=(4,), op="average", name="loss", factors=(1
     return Call("allreduce", name=name, dtype=dtype, wire=wire, shape=shape, op=op, factors=factors)
 
 
-def test_a_call_survives_its_slot_and_a_long_name_is_cut():
-    call = Call("broadcast", name="x" * 500, dtype="bfloat16", shape=(2, 3), root=1)
+def test_a_call_survives_its_slot_and_long_texts_are_cut():
+    call = allreduce("bfloat16", shape=(2 ** 40,) * 8, name="x" * 500, factors=(0.1, 1 / 3))
     slot = call.encode()
     assert len(slot) == negotiate.SLOT
     back = Call.decode(slot)
-    assert back == call and len(back.name) == negotiate.NAME_CHARS and back.what.startswith("eddis.broadcast(")
+    assert back == call and len(back.name) == negotiate.NAME_CHARS and back.what.startswith("eddis.allreduce(")
+    invalid = Call(negotiate.INVALID, name="y" * 500, message="why " * 500)
+    assert Call.decode(invalid.encode()) == invalid and len(invalid.message) == negotiate.MESSAGE_CHARS
 
 
 def test_a_call_too_large_for_its_slot_becomes_an_error_on_every_rank():
@@ -31,7 +33,7 @@ def test_a_call_too_large_for_its_slot_becomes_an_error_on_every_rank():
     assert back.kind == negotiate.INVALID
     outcome = decide([back, allreduce(shape=tuple(range(70000, 70300)))])
     assert isinstance(outcome.error, ConfigError) and "rank 0" in str(outcome.error)
-    assert "fewer dimensions" in str(outcome.error)
+    assert "reshape it to fewer" in str(outcome.error)
 
 
 def test_matching_calls_run():

@@ -360,8 +360,7 @@ def _pickled(obj, kind, name):
     except Exception as exc:  # noqa: BLE001 - any pickling failure; every rank must hear of it
         what = Call(kind, name=name).what
         return None, Call(negotiate.INVALID, name=name, message=(
-            f"{what}: the object does not pickle ({type(exc).__name__}: {exc}); pass plain "
-            "values (numbers, strings, lists, dicts, numpy arrays, tensors on the CPU)"))
+            f"{what}: the object does not pickle: pass plain values ({type(exc).__name__}: {exc})"))
 
 
 def broadcast_object(obj, root, name=None):

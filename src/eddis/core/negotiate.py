@@ -33,8 +33,9 @@ import numpy as np
 
 from ..errors import ConfigError, UsageError
 
-SLOT = 1024          # bytes of one rank's announcement
-NAME_CHARS = 200     # a longer name is cut (names are compared, never used as keys)
+SLOT = 256           # bytes of one rank's announcement: every rank receives size * SLOT per call
+NAME_CHARS = 64      # a longer name is cut (names are compared, never used as keys)
+MESSAGE_CHARS = 120  # an invalid call's reason, cut so that it fits the slot with any name
 
 JOINED = "joined"
 INVALID = "invalid"
@@ -65,6 +66,8 @@ class Call:
     def __post_init__(self):
         if self.name is not None:
             object.__setattr__(self, "name", str(self.name)[:NAME_CHARS])
+        if self.message is not None:
+            object.__setattr__(self, "message", str(self.message)[:MESSAGE_CHARS])
         if self.shape is not None:
             object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
 
@@ -79,10 +82,11 @@ class Call:
     def encode(self):
         body = pickle.dumps(tuple(getattr(self, f) for f in _FIELDS), protocol=pickle.HIGHEST_PROTOCOL)
         if len(body) > SLOT - 4:
+            if self.kind == INVALID:   # only with multi-byte characters in its texts; never recurse
+                return Call(INVALID, message=self.message[:40]).encode()
             return Call(INVALID, name=self.name, message=(
-                f"{self.what}: its description takes {len(body)} bytes, more than a collective's "
-                f"announcement holds ({SLOT}); a tensor of {len(self.shape or ())} dimensions? "
-                "Reshape it to fewer dimensions, or shorten the name")).encode()
+                f"{self.what}: a tensor of {len(self.shape or ())} dimensions does not fit a "
+                f"collective's {SLOT}-byte announcement: reshape it to fewer")).encode()
         slot = bytearray(SLOT)
         struct.pack_into("<I", slot, 0, len(body))
         slot[4:4 + len(body)] = body
