@@ -113,3 +113,20 @@ def test_a_step_crosses_each_link_as_the_scheme_says(cluster4, layout, case):
             continue
         for way in ("tx", "rx"):
             assert 0.98 * expected <= moved[way] <= 1.10 * expected, (node, way, moved[way] / wire, found)
+
+
+@pytest.mark.timeout(400)
+def test_sync_over_rdma_between_hosts_matches_one_process(cluster4):
+    """The rdma transport between network hosts: one-sided UCX, here over its tcp transport
+    with the test-only SMB_UCX_ALLOW_TCP=1 (no HCA on these machines); the job records rdma
+    and every server's start line calls the setting unsafe."""
+    rdma = {"SMB_TRANSPORT": "rdma", "SMB_UCX_ALLOW_TCP": "1", "UCX_TLS": "tcp",
+            "EQUIV_CONFIGS": "sync,none,mlp,False;sync,fp16,mlp,False"}
+    text = run_job(cluster4, "2x2", [PYTHON, str(REPO / "tests" / "launch_scripts" / "sync_link_bytes.py")], rdma)
+    results = tagged(text, "RESULT")
+    assert len(results) == 2, text[-3000:]
+    for r in results:
+        assert r["hierarchical"] and r["ranks"] == 4 and r["rank_spread"] == 0.0, r
+        assert r["rel_error"] < TOLERANCE[r["compression"]], r
+    assert "smb transport rdma: SMB_TRANSPORT=rdma" in text, text[-3000:]
+    assert text.count("transport rdma over UCX tcp") == 2 and text.count("UNSAFE") >= 2, text[-3000:]
