@@ -426,6 +426,17 @@ cdef class ClientCore:
     def has_rdma(self):
         return self.cl != NULL and self.cl.worker != NULL
 
+    @property
+    def memory_types(self):
+        """What this core's one-sided transfers may move data from ("host", "cuda", ...);
+        empty without the rdma transport."""
+        cdef ucp.ucp_context_attr_t attr
+        if self.cl == NULL or self.cl.context == NULL:
+            return []
+        attr.field_mask = ucp.UCP_ATTR_FIELD_MEMORY_TYPES
+        CHKERR(ucp.ucp_context_query(self.cl.context, &attr), "ucp_context_query")
+        return [name for code, name in MEMORY_TYPES.items() if attr.memory_types & (1 << code)]
+
     def adopt_socket(self, int fd):
         """Take a socket on which the handshake proved the token; returns its connection index."""
         self._check_open()

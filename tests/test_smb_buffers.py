@@ -53,3 +53,32 @@ def test_the_torch_adapter_views_bfloat16_and_grad_tensors():
     proc = subprocess.run([PYTHON, "-c", WITH_ADAPTER], env=python_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+class CudaInterface:
+    """What a CUDA array hands over (__cuda_array_interface__, v3); the pool only reads it."""
+
+    def __init__(self, typestr, shape, strides=None, address=0x7f0000000000, readonly=False):
+        self.__cuda_array_interface__ = {"data": (address, readonly), "typestr": typestr, "shape": shape,
+                                         "strides": strides, "version": 3}
+
+
+def test_gpu_buffers_are_read_from_the_cuda_array_interface():
+    import numpy as np
+    import pytest
+
+    from eddis.errors import SMBValueError
+    from eddis.smb.pool import device_view
+
+    assert device_view(np.zeros(3, np.float32), "float32", False) is None
+    assert device_view(memoryview(bytearray(8)), "float32", False) is None
+    assert device_view(CudaInterface("<f4", (4, 5)), "float32", True) == (0x7f0000000000, 20)
+    assert device_view(CudaInterface("<f4", (4, 5), strides=(20, 4)), "float32", False)[1] == 20
+    assert device_view(CudaInterface("|u1", (16,)), "float32", False)[1] == 4        # raw bytes
+    assert device_view(CudaInterface("<i2", (6,)), "bfloat16", False)[1] == 6        # bfloat16 bits
+    for bad, words in ((CudaInterface("<f4", (4, 5), strides=(4, 16)), "not C-contiguous"),
+                       (CudaInterface("<f8", (3,)), "GPU buffer is float64"),
+                       (CudaInterface("|u1", (6,)), "not a whole number"),
+                       (CudaInterface("<f4", (3,), readonly=True), "read-only")):
+        with pytest.raises(SMBValueError, match=words):
+            device_view(bad, "float32", True)

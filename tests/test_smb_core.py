@@ -141,6 +141,23 @@ def test_put_and_get_bytes_pass_the_servers_request_loop_only_on_the_socket_tran
             assert moved == [(0, 0, 1)] * 3, moved
 
 
+@pytest.mark.timeout(60)
+def test_a_gpu_buffer_is_refused_without_gpudirect(client):
+    """SMB_GPU_DIRECT is off (and this machine has no CUDA transport): a buffer in GPU memory
+    is refused before anything moves, naming the setting and the way out."""
+    from test_smb_buffers import CudaInterface
+
+    pool = client.pool("gpu", 100)
+    try:
+        assert not client.gpu_direct
+        for attempt in (lambda: pool.write(CudaInterface("<f4", (100,))),
+                        lambda: pool.read(CudaInterface("<f4", (100,)))):
+            with pytest.raises(SMBValueError, match="SMB_GPU_DIRECT=1 on the rdma transport"):
+                attempt()
+    finally:
+        pool.free()
+
+
 @pytest.mark.timeout(120)
 def test_pool_mapped_views_are_the_servers_memory(client, cluster):
     pool = client.pool("mapped", 1000, dtype="float32", slots=2)

@@ -390,6 +390,12 @@ register("SMB_UCX_ALLOW_TCP", "bool", False,
          "UNSAFE, FOR TESTS ONLY: let the rdma transport use UCX's tcp transport, whose one-sided "
          "writes check no key and no address, so any peer that reaches its port can write anywhere "
          "in the smb-server. For running the rdma code paths between hosts without InfiniBand.")
+register("SMB_GPU_DIRECT", "bool", False,
+         "rdma transport: pool put/get straight from and into CUDA memory (GPUDirect: a buffer "
+         "with __cuda_array_interface__, a torch CUDA tensor) where UCX has its CUDA transports "
+         "(cuda_copy, cuda_ipc; `eddis doctor` says). Off: such a buffer is refused and the "
+         "framework adapters stage through pinned host memory. Off until measured on a GPU "
+         "cluster; never run on InfiniBand here.")
 register("SMB_HANDSHAKE_TIMEOUT", "float", 10.0,
          "Seconds a new connection to an smb-server has to prove the job token before it is dropped.",
          min=0, above_min=True)

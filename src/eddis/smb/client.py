@@ -147,6 +147,7 @@ class Client:
         self.transport = None       # the job's: decided from what the servers offer (_connect)
         self.transport_reason = None
         self.ucx_tls = None
+        self.gpu_direct = False
         self._core = _core.ClientCore()
         self._closed = False
         self.lost_servers = set()   # given up for good (note_lost): mirrored objects work around them
@@ -205,13 +206,16 @@ class Client:
         if not remote:
             return
         available = [entry["transport"] for entry in _core.ucx_transports()]
-        tls = transports.ucx_tls(available, allow_tcp=settings.get("SMB_UCX_ALLOW_TCP"))
+        gpu = settings.get("SMB_GPU_DIRECT")
+        tls = transports.ucx_tls(available, allow_tcp=settings.get("SMB_UCX_ALLOW_TCP"), gpu_direct=gpu)
         if not tls:
             raise SMBValueError(f"the job's transport is rdma ({self.transport_reason}), but UCX offers this "
                                 f"process none of the transports SMB may use (it lists {', '.join(available)}); "
                                 "use SMB_TRANSPORT=socket")
         self._core.start_rdma(tls)
         self.ucx_tls = tls
+        # GPUDirect: transfers from CUDA memory, where asked for and UCX can move it
+        self.gpu_direct = gpu and "cuda" in self._core.memory_types
         replies = self._control_nb([(s, {"op": "rdma_address"}) for s in remote], "rdma connect",
                                    lambda rs: [decode_control(r) for r in rs]).wait()
         peer_errors = transports.reports_lost_peers(tls)

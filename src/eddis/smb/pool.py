@@ -102,6 +102,44 @@ def as_array(buf, pool_dtype, writable, np_dtype=None):
     return arr
 
 
+def device_view(buf, pool_dtype, writable):
+    """(address, elements) of a CUDA buffer (one with ``__cuda_array_interface__``: a torch
+    CUDA tensor, a CuPy array, ...) for GPUDirect transfers, checked like :func:`as_array`;
+    None for host memory."""
+    if type(buf) is np.ndarray:
+        return None
+    try:
+        iface = getattr(buf, "__cuda_array_interface__", None)
+    except (TypeError, ValueError) as exc:   # e.g. torch's bfloat16, which the interface lacks
+        raise SMBValueError(f"{type(buf).__name__} on the GPU gives no __cuda_array_interface__ ({exc}); "
+                            "pass its bits (a 16-bit integer view) for bfloat16") from None
+    if iface is None:
+        return None
+    address, readonly = iface["data"]
+    if writable and readonly:
+        raise SMBValueError("read needs a writable buffer; this GPU buffer is read-only")
+    dtype = np.dtype(iface["typestr"])
+    shape = tuple(int(n) for n in iface["shape"])
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    strides = iface.get("strides")
+    if strides is not None and count > 1:
+        expected, step = [], dtype.itemsize
+        for n in reversed(shape):
+            expected.insert(0, step)
+            step *= n
+        if tuple(strides) != tuple(expected):
+            raise SMBValueError("GPU buffer is not C-contiguous; pass it .contiguous()")
+    itemsize = ITEMSIZE[pool_dtype]
+    if dtype == np.uint8 and pool_dtype != "uint8":
+        if count % itemsize:
+            raise SMBValueError(f"raw byte buffer of {count} bytes is not a whole number of {pool_dtype} "
+                                f"elements ({itemsize} bytes each)")
+        return int(address), count // itemsize
+    if not (dtype.name == pool_dtype or (pool_dtype == "bfloat16" and dtype.name in ("uint16", "int16"))):
+        raise SMBValueError(f"the pool holds {pool_dtype} but the GPU buffer is {dtype.name}; convert it first")
+    return int(address), count
+
+
 MAX_SOURCES = 1024  # per server-side weighted sum (the server's limit)
 
 
@@ -250,6 +288,9 @@ class Pool:
     def write_nb(self, buf, slot=0, start=0):
         """Start writing buf into [start, start+len(buf)) of slot; returns a Request."""
         self._live("write")
+        device = device_view(buf, self.dtype, False)
+        if device is not None:
+            return self._device_transfer(buf, device, slot, start, True)
         arr = as_array(buf, self.dtype, False, self.np_dtype)
         slot, start, count = self._range(slot, start, arr.size)
         return self._guarded_transfer(arr, slot, start, count, True)
@@ -264,6 +305,11 @@ class Pool:
             slot, start, count = self._range(slot, start, count)
             out = arr = np.empty(count, dtype=self.np_dtype)
         else:
+            device = device_view(out, self.dtype, True)
+            if device is not None:
+                if count is not None and int(count) != device[1]:
+                    raise SMBValueError(f"count={count} but out holds {device[1]} elements")
+                return self._device_transfer(out, device, slot, start, False)
             arr = as_array(out, self.dtype, True, self.np_dtype)
             if count is not None and int(count) != arr.size:
                 raise SMBValueError(f"count={count} but out holds {arr.size} elements")
@@ -272,6 +318,24 @@ class Pool:
 
     def read(self, out=None, slot=0, start=0, count=None, timeout=None):
         return self.read_nb(out, slot, start, count).wait(timeout)
+
+    def _device_transfer(self, buf, device, slot, start, put):
+        """GPUDirect (SMB_GPU_DIRECT): one-sided put/get straight from or into CUDA memory,
+        which UCX's CUDA transports move; never a copy through this process's host memory."""
+        address, count = device
+        what = "write" if put else "read"
+        slot, start, count = self._range(slot, start, count)
+        if not self.client.gpu_direct:
+            raise SMBValueError(
+                f"pool {self.name!r} {what}: the buffer is in GPU memory; SMB takes it only with "
+                f"SMB_GPU_DIRECT=1 on the rdma transport where UCX has its CUDA transports "
+                f"(eddis doctor: smb_transport), else copy it to host memory first (e.g. .cpu())")
+        mapped = [seg.server for seg, _, _, _ in self._pieces(start, count) if not seg.rkey]
+        if mapped:
+            raise SMBValueError(f"pool {self.name!r} {what}: servers {mapped} are mapped into this process "
+                                "(same node), which a GPU buffer cannot be copied into directly; stage it "
+                                "through host memory, or set SMB_LOCAL_MAP=0")
+        return self._transfer(buf, slot, start, count, put, None if put else buf, base=address)
 
     def _guarded_transfer(self, *args):
         """_transfer, holding the client's mappings when part of the pool is mapped: a close()
@@ -318,12 +382,15 @@ class Pool:
                                 [gen for seg, gen in zip(segments, gens) if not client._core.conn_failed(seg.conn)],
                                 what)
 
-    def _transfer(self, arr, slot, start, count, put, result=None):
-        """One contiguous piece per server: memcpy for mapped servers, else put/get."""
+    def _transfer(self, arr, slot, start, count, put, result=None, base=None):
+        """One contiguous piece per server: memcpy for mapped servers, else put/get.
+        ``arr`` stays alive until the transfers are done; ``base``: its address where it is
+        no host buffer (GPUDirect)."""
         client = self.client
         what = "write" if put else "read"
         core = client._core
-        base = _core.buffer_address(arr, not put)[0]
+        if base is None:
+            base = _core.buffer_address(arr, not put)[0]
         itemsize = self.itemsize
         pending = None
         remote, local = [], []
