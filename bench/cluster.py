@@ -30,6 +30,11 @@ contender in turn on the same data:
   ``eddis-sync-whole`` and ``eddis-sync-fp16-whole`` (not in the default list): the
   optimizer's update once the whole gradient is in (``EDDIS_OVERLAP_OPTIMIZER=off``), where
   the others update bucket by bucket as each bucket's average arrives;
+  ``eddis-sync-rdma``: ``eddis-sync`` on the rdma transport (one-sided put/get, the
+  servers' CPUs touch no byte), in a job of its own, since a job's servers offer one
+  transport; the emulated cluster has no HCA, so UCX carries it over its tcp transport
+  with the test-only ``SMB_UCX_ALLOW_TCP=1`` (``RDMA_SETTINGS``): a measure of the code
+  path and of the servers' CPU, not of InfiniBand;
 - ``solo``, the ideal: every rank trains a model of its own at the same time, with no
   communication, for ``--solo-seconds``; its samples/s is the sum of the ranks' own
   rates, so it carries the same CPU contention and slowdowns as the others, and the
@@ -73,8 +78,13 @@ MODELS = {  # local batch, target loss, learning rate at a batch of 32, steps to
     "lstm": {"batch": 8, "target": 3.5, "lr": 1.0, "warmup": 2},
 }
 CONTENDERS = ["ddp", "ddp-fp16", "horovod", "eddis-allreduce", "eddis-sync", "eddis-sync-fp16",
-              "eddis-sync-bf16", "eddis-sync-flat", "eddis-balanced", "eddis-easgd", "eddis-hybrid",
-              "eddis-hybrid-balanced", "solo"]
+              "eddis-sync-bf16", "eddis-sync-flat", "eddis-sync-rdma", "eddis-balanced", "eddis-easgd",
+              "eddis-hybrid", "eddis-hybrid-balanced", "solo"]
+# the job of the contenders on the rdma transport (name ends in -rdma): its servers offer it,
+# over UCX's tcp here (no HCA on the emulated cluster; unsafe outside a test setting). UCX_TLS
+# keeps UCX off its shared memory, which the nodes of one machine share and would bypass the links.
+RDMA_SETTINGS = {"SMB_TRANSPORT": "rdma", "SMB_UCX_ALLOW_TCP": "1"}
+RDMA_ENV = {"UCX_TLS": "tcp"}
 QUICK = {"links": ["1gbit"], "layouts": ["2x2"], "slowdowns": ["1111"], "models": ["comm"],
          "contenders": ["ddp", "eddis-sync", "eddis-hybrid"]}
 # model averaging whose workers step at the learning rate of their own batch (the rule before
@@ -225,6 +235,12 @@ def worker(args):
     eddis.shutdown()
 
 
+def runtime_transport():
+    from eddis.core import runtime
+
+    return runtime.smb_client().transport
+
+
 def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
     import numpy as np
     import torch
@@ -267,6 +283,9 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
     else:
         net = model
         parts = contender.split("-")[1:]
+        if parts[-1] == "rdma" and runtime_transport() != "rdma":
+            raise RuntimeError(f"{contender}: the SMB client uses {runtime_transport()}, not rdma; its job "
+                               f"must run with {RDMA_SETTINGS} and {RDMA_ENV}")
         eddis_mode = {"sync": "sync", "balanced": "sync", "allreduce": "allreduce", "easgd": "easgd",
                       "hybrid": "hybrid"}[parts[0]]
         compression = parts[1] if len(parts) > 1 and parts[1] in ("fp16", "bf16") else "none"
@@ -388,17 +407,23 @@ def cluster_down(args):
                    text=True, timeout=300)
 
 
-def job_script(nodes, ranks, command, output):
+def job_script(nodes, ranks, command, output, settings=None):
     from eddis.slurm.script import JobComponent, render_job_script
 
     return render_job_script(components=[JobComponent("all", nodes=nodes, tasks_per_node=ranks)],
                              command=command, job_name="eddis-bench", output=output, time="00:45:00",
-                             settings={"SMB_MEMORY": "1G", "EDDIS_COMM_TIMEOUT": "600"})
+                             settings={"SMB_MEMORY": "1G", "EDDIS_COMM_TIMEOUT": "600", **(settings or {})})
 
 
 def run_configuration(args, env, config, contenders):
-    """One Slurm job: every contender of this configuration; returns its records."""
+    """One Slurm job: every contender of this configuration; returns its records. The
+    contenders on the rdma transport get a job of their own (RDMA_SETTINGS)."""
     from eddis.slurm import devcluster
+
+    rdma = [c for c in contenders if c.endswith("-rdma")]
+    if rdma and len(rdma) < len(contenders):
+        return (run_configuration(args, env, config, [c for c in contenders if c not in rdma])
+                + run_configuration(args, env, config, rdma))
 
     work = Path(tempfile.mkdtemp(prefix="eddis-bench-cluster-", dir="/tmp"))
     os.chmod(work, 0o755)
@@ -409,9 +434,10 @@ def run_configuration(args, env, config, contenders):
                config["slowdowns"], "--device-ms", str(args.device_ms), "--contenders", ",".join(contenders),
                "--marker-dir", str(work), "--port", str(29500 + os.getpid() % 1000)]
     script = work / "job.sh"
-    script.write_text(job_script(config["nodes"], config["ranks_per_node"], command, str(output)))
+    script.write_text(job_script(config["nodes"], config["ranks_per_node"], command, str(output),
+                                 RDMA_SETTINGS if rdma else None))
     # a run directory of the job's own: job ids start again with every rebuilt cluster
-    job_env = dict(env, EDDIS_RUN_DIR=str(work / "run"))
+    job_env = dict(env, EDDIS_RUN_DIR=str(work / "run"), **(RDMA_ENV if rdma else {}))
     submit = subprocess.run(["sbatch", "--parsable", str(script)], env=job_env, capture_output=True,
                             text=True, timeout=60)
     if submit.returncode != 0:

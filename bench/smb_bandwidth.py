@@ -2,14 +2,19 @@
 """SMB put/get bandwidth and fetch-add latency beside ucx_perftest and memcpy (a benchmark, not a test).
 
 For each transport:
-  - socket: SMB's default transport (proven sockets), SMB_LOCAL_MAP=0 and distinct
-    fake node names, standing in for a server on another node;
-  - ucx-tcp: the same over SMB_TRANSPORT=ucx with UCX_TLS=tcp;
+  - socket: SMB's socket transport (proven sockets; the server's request loop moves
+    every byte), SMB_LOCAL_MAP=0 and distinct fake node names, standing in for a
+    server on another node; ucx_perftest over UCX_TLS=tcp beside it;
+  - rdma: SMB_TRANSPORT=rdma, the same fake nodes: one-sided UCX put/get, here over
+    UCX's shared memory/CMA (one host, no HCA); ucx_perftest on UCX's defaults;
+  - rdma-tcp: rdma over UCX's tcp with the test-only SMB_UCX_ALLOW_TCP=1 (not in
+    the default list);
   - same-node: the client maps the server's shared memory (UCX's own shared
     memory transports for ucx_perftest);
 it measures, for message sizes 4 KiB .. 64 MiB:
   - SMB pool.write (put) and pool.read (get) against one real smb-server
-    process, with up to --window requests in flight (as ucx_perftest keeps many);
+    process, with up to --window requests in flight (as ucx_perftest keeps many),
+    and the server's CPU seconds (user + system, all its threads) per GB moved;
   - ucx_perftest ucp_put_bw, ucp_get and ucp_am_bw, run as a real server/client
     pair on loopback with the same UCX_TLS;
   - memcpy of the same size;
@@ -17,10 +22,21 @@ and the latency of counter.fetch_add (a blocking round trip) beside the
 ucp_am_lat round trip and ucp_fadd's pipelined time per operation. Figures are
 GB/s (1e9 bytes/s) and microseconds; ratios are SMB/ucx_perftest and
 SMB/memcpy (targets: >= 0.9 of ucx_perftest for 1 MiB and more, >= 0.8 of
-memcpy on the same-node path).
+memcpy on the same-node path). With socket and rdma both measured, a table puts
+them side by side against issue 43's targets (rdma >= 0.8 of memcpy and >= 1.5x
+socket for 1 MiB and more, the server's CPU per GB <= 0.1 of socket's).
 
-    PYTHONPATH=src python bench/smb_bandwidth.py [--transports socket,ucx-tcp,same-node]
+    PYTHONPATH=src python bench/smb_bandwidth.py [--transports socket,rdma,same-node]
         [--sizes 4K,64K,1M,16M,64M] [--bytes-per-size 256M] [--markdown]
+
+Two nodes (--pair, one task per node of a Slurm allocation, a run directory both
+see): the first task serves, the second measures socket and rdma and runs
+ucx_perftest (and ib_write_bw / ib_read_bw where perftest is installed) against the
+first, for the same sizes; see docs/smb-programming.md, "Verifying on your
+InfiniBand cluster":
+
+    srun -N2 -n2 --ntasks-per-node=1 python bench/smb_bandwidth.py --pair
+        [--transports socket,rdma] [--sizes 64K,1M,16M,64M] [--run-dir DIR]
 
 Cluster mode (--cluster, as root, under flock /tmp/eddis-bench.lock): SMB pooling on
 many hosts. A private netns cluster of scripts/eddis-dev-cluster (--cluster-dir, own
@@ -56,10 +72,12 @@ import numpy as np
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 TRANSPORTS = {
-    "socket": {"env": {"SMB_LOCAL_MAP": "0"}, "server_host": "smb-node",
+    "socket": {"env": {"SMB_TRANSPORT": "socket", "SMB_LOCAL_MAP": "0"}, "server_host": "smb-node",
                "client_host": "client-node", "perftest_env": {"UCX_TLS": "tcp"}},
-    "ucx-tcp": {"env": {"SMB_TRANSPORT": "ucx", "UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"},
-                "server_host": "smb-node", "client_host": "client-node", "perftest_env": {"UCX_TLS": "tcp"}},
+    "rdma": {"env": {"SMB_TRANSPORT": "rdma", "SMB_LOCAL_MAP": "0"}, "server_host": "smb-node",
+             "client_host": "client-node", "perftest_env": {}},
+    "rdma-tcp": {"env": {"SMB_TRANSPORT": "rdma", "SMB_UCX_ALLOW_TCP": "1", "UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"},
+                 "server_host": "smb-node", "client_host": "client-node", "perftest_env": {"UCX_TLS": "tcp"}},
     "same-node": {"env": {"SMB_LOCAL_MAP": "1"}, "server_host": None, "client_host": None,
                   "perftest_env": {}},
 }
@@ -196,45 +214,65 @@ def timed_pipeline(post, n, window):
     return time.perf_counter() - t0
 
 
+def server_cpu(client):
+    """CPU seconds the client's servers have used so far (all their threads)."""
+    return sum(client.stats(s)["cpu_seconds"] for s in range(client.num_servers))
+
+
+def measure(client, transport, sizes, bytes_per_size, window, repeat, many_samples):
+    """SMB put/get GB/s per size (each run with the servers' CPU seconds per GB moved) and
+    the fetch_add latency, with ``client``."""
+    want = "rdma" if transport.startswith("rdma") else "socket"
+    if transport != "same-node" and client.transport != want:
+        raise SystemExit(f"{transport}: the client runs on {client.transport} ({client.transport_reason})")
+    results = {"sizes": {}, "transport": client.transport, "ucx_tls": client.ucx_tls}
+    pool = client.pool("bench-bandwidth", max(sizes), dtype="uint8")
+
+    def timed(post, n):
+        cpu = server_cpu(client)
+        seconds = timed_pipeline(post, n, window)  # one buffer each way: no memory cap on the window
+        moved = size * n / 1e9
+        return moved / seconds, (server_cpu(client) - cpu) / moved
+
+    for size in sizes:
+        n = iterations(size, bytes_per_size)
+        src = np.ones(size, np.uint8)
+        # One destination, as ucx_perftest and the memcpy reference use: rotating over
+        # `window` buffers made the reads cache-cold while the references stayed warm.
+        out = np.empty(size, np.uint8)
+        pool.write(src)
+        pool.read(out)
+        puts = [timed(lambda i: pool.write_nb(src), n) for _ in range(repeat)]
+        gets = [timed(lambda i: pool.read_nb(out), n) for _ in range(repeat)]
+        if not (out == 1).all():
+            raise SystemExit(f"{transport}: read back wrong data at size {size}")
+        results["sizes"][size] = {"put runs": [g for g, _ in puts], "get runs": [g for g, _ in gets],
+                                  "put cpu runs": [c for _, c in puts], "get cpu runs": [c for _, c in gets]}
+    pool.free()
+    counter = client.counter("bench-fetch-add")
+    for _ in range(200):
+        counter.fetch_add(1)
+    samples = []
+    for _ in range(3000 if many_samples else 1000):
+        t0 = time.perf_counter()
+        counter.fetch_add(1)
+        samples.append(time.perf_counter() - t0)
+    results["fetch_add_median_us"] = statistics.median(samples) * 1e6
+    results["fetch_add_mean_us"] = statistics.fmean(samples) * 1e6
+    return results
+
+
 def smb_child(transport, run_dir, servers, sizes, bytes_per_size, window, repeat):
     """Runs in a child process (its own UCX_TLS); prints one JSON line."""
     from eddis.smb import Client
 
-    results = {"sizes": {}}
     with Client(run_dir, expected_servers=servers, timeout=60) as client:
         want_local = transport == "same-node"
         local = [client.is_local(i) for i in range(client.num_servers)]
         if local != [want_local] * servers:
             raise SystemExit(f"{transport}: expected is_local={want_local} for {servers} "
                              f"servers, got {local}")
-        pool = client.pool("bench-bandwidth", max(sizes), dtype="uint8")
-        for size in sizes:
-            n = iterations(size, bytes_per_size)
-            depth = window  # one buffer each way, so no memory cap on the requests in flight
-            src = np.ones(size, np.uint8)
-            # One destination, as ucx_perftest and the memcpy reference use: rotating over
-            # `depth` buffers made the reads cache-cold while the references stayed warm.
-            out = np.empty(size, np.uint8)
-            pool.write(src)
-            pool.read(out)
-            puts = [size * n / timed_pipeline(lambda i: pool.write_nb(src), n, depth) / 1e9
-                    for _ in range(repeat)]
-            gets = [size * n / timed_pipeline(lambda i: pool.read_nb(out), n, depth) / 1e9
-                    for _ in range(repeat)]
-            if not (out == 1).all():
-                raise SystemExit(f"{transport}: read back wrong data at size {size}")
-            results["sizes"][size] = {"put runs": puts, "get runs": gets}
-        pool.free()
-        counter = client.counter("bench-fetch-add")
-        for _ in range(200):
-            counter.fetch_add(1)
-        samples = []
-        for _ in range(3000 if want_local else 1000):
-            t0 = time.perf_counter()
-            counter.fetch_add(1)
-            samples.append(time.perf_counter() - t0)
-        results["fetch_add_median_us"] = statistics.median(samples) * 1e6
-        results["fetch_add_mean_us"] = statistics.fmean(samples) * 1e6
+        results = measure(client, transport, sizes, bytes_per_size, window, repeat, want_local)
     print(json.dumps(results))
 
 
@@ -592,16 +630,184 @@ def cluster_main(args):
 
 
 # ---------------------------------------------------------------------------
+# two nodes (--pair): task 0 serves, task 1 measures; a real cluster's fabric
+# ---------------------------------------------------------------------------
+
+PAIR_WAIT_S = 300
+PAIR_PORT = 18515
+
+
+def pair_plan(sizes, bytes_per_size):
+    """The reference runs both tasks go through in the same order: (tool, test, size, iterations)."""
+    plan = []
+    for size in sizes:
+        iters = iterations(size, bytes_per_size)
+        plan += [("ucx_perftest", test, size, iters) for test in ("ucp_put_bw", "ucp_get")]
+        plan += [(tool, tool, size, iters) for tool in ("ib_write_bw", "ib_read_bw")]
+    return plan
+
+
+def reference_argv(tool, test, size, iters, host, args):
+    """The server's argv (host None) or the client's, of one reference run."""
+    if tool == "ucx_perftest":
+        if host is None:
+            return ["ucx_perftest", "-p", str(PAIR_PORT)]
+        return ["ucx_perftest", host, "-p", str(PAIR_PORT), "-t", test, "-s", str(size), "-n", str(iters),
+                "-w", str(max(2, iters // 10)), *args.perftest_args.split()]
+    argv = [tool, "-p", str(PAIR_PORT), "-s", str(size), "-n", str(iters), "-F", "--report_gbits",
+            *args.ib_args.split()]
+    return argv if host is None else argv + [host]
+
+
+def reference_gbs(tool, output):
+    """GB/s (1e9 bytes/s) of one reference client run."""
+    if tool == "ucx_perftest":
+        return perftest_final(output)[1] * (1 << 20) / 1e9     # ucx_perftest's MB is 2^20 bytes
+    lines = output.splitlines()
+    for i, line in enumerate(lines):   # perftest: "#bytes #iterations BW peak[Gb/sec] BW average[Gb/sec] ..."
+        if "BW average" in line and i + 1 < len(lines):
+            return float(lines[i + 1].split()[3]) / 8
+    raise RuntimeError(f"no bandwidth line in the {tool} output:\n" + output[-2000:])
+
+
+def wait_for_file(path, what, timeout=PAIR_WAIT_S):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            sys.exit(f"smb_bandwidth.py --pair: {what} did not happen within {timeout} s ({path} missing)")
+        time.sleep(0.2)
+
+
+def pair_serve(base, transports, plan, args):
+    """Task 0: an smb-server per transport until the other task is done with it, then the
+    server side of every reference run."""
+    sys.path.insert(0, str(SRC))
+    from eddis.smb import rundir
+
+    memory = f"{2 * max(parse_size(x) for x in args.sizes.split(',')) // (1 << 20) + 64}M"
+    for transport in transports:
+        run_dir = base / transport
+        rundir.create_run_dir(run_dir)
+        env = dict(os.environ, SMB_TRANSPORT=transport,
+                   PYTHONPATH=os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p))
+        server = subprocess.Popen([sys.executable, "-m", "eddis.smb.server", "--run-dir", str(run_dir),
+                                   "--index", "0", "--memory", memory], env=env)
+        try:
+            wait_for_file(run_dir / "measured", f"the measurement of {transport}", PAIR_WAIT_S * 4)
+        finally:
+            server.terminate()
+            server.wait(30)
+    (base / "references-host").write_text(socket.gethostname())
+    for i, (tool, test, size, iters) in enumerate(plan):
+        if shutil.which(tool) is None:
+            (base / f"reference-{i}-missing").write_text(tool)
+            continue
+        server = subprocess.Popen(reference_argv(tool, test, size, iters, None, args), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        (base / f"reference-{i}-serving").write_text("")
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def pair_measure(base, transports, plan, sizes, bytes_per_size, args):
+    """Task 1: SMB put/get against task 0's servers, then the client side of every reference run."""
+    sys.path.insert(0, str(SRC))
+    from eddis.smb import Client, rundir
+
+    results, references = {}, {}
+    for transport in transports:
+        run_dir = base / transport
+        rundir.wait_for_servers(run_dir, 1, PAIR_WAIT_S)
+        os.environ["SMB_TRANSPORT"] = transport
+        with Client(run_dir, expected_servers=1, timeout=120) as client:
+            if client.is_local(0):
+                sys.exit("smb_bandwidth.py --pair: the server is on this node; run one task per node")
+            results[transport] = measure(client, transport, sizes, bytes_per_size, args.window, args.repeat, False)
+            results[transport]["server_host"] = client.servers[0]["hostname"]
+        (run_dir / "measured").write_text("")
+    wait_for_file(base / "references-host", "the reference servers' start")
+    host = (base / "references-host").read_text().strip()
+    for i, (tool, test, size, iters) in enumerate(plan):
+        missing, serving = base / f"reference-{i}-missing", base / f"reference-{i}-serving"
+        deadline = time.monotonic() + 60
+        while not missing.exists() and not serving.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if missing.exists() or shutil.which(tool) is None:
+            continue
+        argv = reference_argv(tool, test, size, iters, host, args)
+        for _ in range(50):      # until the server listens
+            time.sleep(0.2)
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            if proc.returncode == 0:
+                references.setdefault(size, {})[test] = reference_gbs(tool, proc.stdout)
+                break
+        else:
+            print(f"{' '.join(argv)} failed: {proc.stdout[-500:]}{proc.stderr[-500:]}", file=sys.stderr)
+    return results, references
+
+
+def pair_main(args, sizes, bytes_per_size):
+    rank, ntasks = int(os.environ.get("SLURM_PROCID", "-1")), int(os.environ.get("SLURM_NTASKS", "0"))
+    if ntasks != 2 or rank not in (0, 1):
+        sys.exit("smb_bandwidth.py --pair runs as two tasks on two nodes: "
+                 "srun -N2 -n2 --ntasks-per-node=1 python bench/smb_bandwidth.py --pair")
+    transports = [t.strip() for t in args.transports.split(",")]
+    if not set(transports) <= {"socket", "rdma"}:
+        sys.exit("smb_bandwidth.py --pair measures the transports socket and rdma")
+    base = Path(args.run_dir or Path.home() / ".eddis" / f"bench-pair-{os.environ.get('SLURM_JOB_ID', 'local')}")
+    plan = pair_plan(sizes, bytes_per_size)
+    if rank == 0:
+        base.mkdir(parents=True, exist_ok=True)
+        pair_serve(base, transports, plan, args)
+        return
+    wait_for_file(base, "the run directory (shared by both nodes?)")
+    results, references = pair_measure(base, transports, plan, sizes, bytes_per_size, args)
+    shutil.rmtree(base, ignore_errors=True)
+    for transport, smb in results.items():
+        smb["sizes"] = {size: {**runs, "put": max(runs["put runs"]), "get": max(runs["get runs"]),
+                               "put cpu": statistics.median(runs["put cpu runs"]),
+                               "get cpu": statistics.median(runs["get cpu runs"])}
+                        for size, runs in smb["sizes"].items()}
+    print(f"SMB between two nodes: client on {socket.gethostname()}, server on "
+          f"{next(iter(results.values()))['server_host']}; {', '.join(results)}; rdma over UCX "
+          f"{results.get('rdma', {}).get('ucx_tls')}")
+    cols = ["size"] + [f"{t} {op}" for t in results for op in ("put", "get")] + [
+        "ucp_put_bw", "ucp_get", "ib_write_bw", "ib_read_bw"]
+    rows = []
+    for size in sizes:
+        ref = references.get(size, {})
+        rows.append([size_label(size)] + [f"{results[t]['sizes'][size][op]:.2f}" for t in results
+                                          for op in ("put", "get")]
+                    + [f"{ref[k]:.2f}" if k in ref else "-" for k in ("ucp_put_bw", "ucp_get", "ib_write_bw",
+                                                                        "ib_read_bw")])
+    print("GB/s (1e9 bytes/s), best run")
+    print_table(cols, rows, args.markdown)
+    if "rdma" in results:
+        ratios = [f"{size_label(x)} put {results['rdma']['sizes'][x]['put'] / references[x][ref]:.2f}"
+                  for x in sizes if x in references for ref in ("ucp_put_bw", "ib_write_bw") if ref in references[x]]
+        print("rdma / reference (ucp_put_bw, then ib_write_bw): " + (", ".join(ratios) or "no reference ran"))
+    if "socket" in results and "rdma" in results:
+        side_by_side(results["socket"], results["rdma"], None, sizes, args.markdown, "socket and rdma, two nodes")
+
+
+# ---------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------
 
-def describe(transport):
+def describe(transport, ucx_tls=None):
     if transport == "socket":
         return ("socket: SMB's proven sockets, SMB_LOCAL_MAP=0, servers on fake nodes smb-node-<i> "
                 "(stand in for other nodes); ucx_perftest over UCX_TLS=tcp")
-    if transport == "ucx-tcp":
-        return ("ucx-tcp: SMB_TRANSPORT=ucx, UCX_TLS=tcp, SMB_LOCAL_MAP=0, servers on fake nodes "
-                "smb-node-<i> (stand in for other nodes)")
+    if transport == "rdma":
+        return (f"rdma: SMB_TRANSPORT=rdma, one-sided over UCX {ucx_tls} (one host: shared memory/CMA, "
+                "no HCA), SMB_LOCAL_MAP=0, servers on fake nodes smb-node-<i>; ucx_perftest on UCX's "
+                "default (shared memory) transports")
+    if transport == "rdma-tcp":
+        return (f"rdma-tcp: SMB_TRANSPORT=rdma over UCX {ucx_tls} (SMB_UCX_ALLOW_TCP=1, UCX_TLS=tcp, "
+                "unsafe: tests only), servers on fake nodes smb-node-<i>; ucx_perftest over UCX_TLS=tcp")
     return ("same-node: the client maps the server's shared memory; ucx_perftest on UCX's "
             "default (shared memory) transports")
 
@@ -609,12 +815,14 @@ def describe(transport):
 def merge_rounds(rounds, sizes):
     """One (smb, perf, small_ops) from several rounds: every run's figure kept, the best
     as the headline figure, latencies as the median of the rounds' figures."""
-    smb = {"sizes": {}}
+    smb = {"sizes": {}, "ucx_tls": rounds[0][0].get("ucx_tls")}
     for size in sizes:
         merged = {}
         for op in ("put", "get"):
             runs = [x for s, _, _ in rounds for x in s["sizes"][size][op + " runs"]]
             merged[op], merged[op + " runs"] = max(runs), runs
+            cpu = [x for s, _, _ in rounds for x in s["sizes"][size][op + " cpu runs"]]
+            merged[op + " cpu"], merged[op + " cpu runs"] = statistics.median(cpu), cpu
         smb["sizes"][size] = merged
     for key in ("fetch_add_median_us", "fetch_add_mean_us"):
         smb[key] = statistics.median(s[key] for s, _, _ in rounds)
@@ -644,20 +852,9 @@ def report(transport, smb, perf, small_ops, memcpy, sizes, markdown):
                      f"{s['get'] / p['ucp_get']:.2f}", f"{p['ucp_am_bw']:.2f}", f"{m:.2f}",
                      f"{s['put'] / m:.2f}", f"{s['get'] / m:.2f}"])
     print()
-    print(("### " if markdown else "") + describe(transport))
+    print(("### " if markdown else "") + describe(transport, smb.get("ucx_tls")))
     print("bandwidth in GB/s (1e9 bytes/s); ratios: SMB / ucx_perftest and SMB / memcpy")
-    if markdown:
-        print()
-        print("| " + " | ".join(cols) + " |")
-        print("|" + "---|" * len(cols))
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
-        print()
-    else:
-        widths = [max(len(c), *(len(r[i]) for r in rows)) + 2 for i, c in enumerate(cols)]
-        print("".join(c.rjust(w) for c, w in zip(cols, widths)))
-        for row in rows:
-            print("".join(v.rjust(w) for v, w in zip(row, widths)))
+    print_table(cols, rows, markdown)
     rtt = small_ops["ucp_am_rtt_us"]
     print(f"fetch_add (one blocking round trip): SMB median {smb['fetch_add_median_us']:.1f} us "
           f"(mean {smb['fetch_add_mean_us']:.1f} us); ucx_perftest ucp_am_lat round trip "
@@ -692,10 +889,57 @@ def report(transport, smb, perf, small_ops, memcpy, sizes, markdown):
     sys.stdout.flush()
 
 
+def print_table(cols, rows, markdown):
+    if markdown:
+        print()
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        print()
+        return
+    widths = [max(len(c), *(len(r[i]) for r in rows)) + 2 for i, c in enumerate(cols)]
+    print("".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for row in rows:
+        print("".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def side_by_side(socket_smb, rdma_smb, memcpy, sizes, markdown, title):
+    """socket and rdma per size: bandwidth, rdma/socket, rdma/memcpy and the server's CPU
+    seconds per GB, against issue 43's targets for 1 MiB and more."""
+    cols = ["size", "socket put", "rdma put", "x socket", "socket get", "rdma get", "x socket",
+            "rdma/memcpy put", "get", "server CPU s/GB put socket", "rdma", "get socket", "rdma"]
+    rows = []
+    for size in sizes:
+        s, r = socket_smb["sizes"][size], rdma_smb["sizes"][size]
+        m = memcpy.get(size) if memcpy else None
+        rows.append([size_label(size), f"{s['put']:.2f}", f"{r['put']:.2f}", f"{r['put'] / s['put']:.2f}",
+                     f"{s['get']:.2f}", f"{r['get']:.2f}", f"{r['get'] / s['get']:.2f}",
+                     f"{r['put'] / m:.2f}" if m else "-", f"{r['get'] / m:.2f}" if m else "-",
+                     f"{s['put cpu']:.3f}", f"{r['put cpu']:.3f}", f"{s['get cpu']:.3f}", f"{r['get cpu']:.3f}"])
+    print()
+    print(("### " if markdown else "") + title)
+    print("GB/s (best run); the servers' CPU seconds (user + system) per GB moved (median run)")
+    print_table(cols, rows, markdown)
+    big = [size for size in sizes if size >= 1 << 20]
+    if not big:
+        return
+    worst = {op: min(rdma_smb["sizes"][x][op] / socket_smb["sizes"][x][op] for x in big) for op in ("put", "get")}
+    cpu = {op: max(rdma_smb["sizes"][x][op + " cpu"] / max(socket_smb["sizes"][x][op + " cpu"], 1e-9)
+                   for x in big) for op in ("put", "get")}
+    line = (f"sizes >= 1 MiB: worst rdma/socket put {worst['put']:.2f}, get {worst['get']:.2f} (target 1.5); "
+            f"highest rdma/socket server CPU per GB put {cpu['put']:.3f}, get {cpu['get']:.3f} (target 0.1)")
+    if memcpy:
+        line += (f"; worst rdma/memcpy put {min(rdma_smb['sizes'][x]['put'] / memcpy[x] for x in big):.2f}, "
+                 f"get {min(rdma_smb['sizes'][x]['get'] / memcpy[x] for x in big):.2f} (target 0.8)")
+    print(line)
+    sys.stdout.flush()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transports", default="socket,ucx-tcp,same-node",
-                        help="comma-separated: socket, ucx-tcp, same-node")
+    parser.add_argument("--transports", default="socket,rdma,same-node",
+                        help="comma-separated: socket, rdma, rdma-tcp, same-node (--pair: socket, rdma)")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes, e.g. 4K,1M,64M")
     parser.add_argument("--bytes-per-size", default="256M",
                         help="bytes moved per measurement (iterations = this / size)")
@@ -713,6 +957,11 @@ def main():
                         help="extra ucx_perftest client arguments for the bandwidth tests, "
                              "e.g. '-O 16' to cap its outstanding operations like --window")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
+    pair = parser.add_argument_group("two nodes (--pair: srun -N2 -n2 --ntasks-per-node=1)")
+    pair.add_argument("--pair", action="store_true",
+                      help="task 0 serves, task 1 measures socket and rdma against it, then ucx_perftest "
+                           "and ib_write_bw/ib_read_bw between the same nodes")
+    pair.add_argument("--ib-args", default="", help="extra ib_write_bw/ib_read_bw arguments, e.g. '-d mlx5_0'")
     cluster = parser.add_argument_group("cluster mode (SMB pooling on many hosts)")
     cluster.add_argument("--cluster", action="store_true",
                          help="one client on n1 (unlimited link) striping one pool over N smb-servers on "
@@ -728,7 +977,7 @@ def main():
                          help="leave the cluster up (and keep each job's script and output)")
     cluster.add_argument("--json", help="also write the cluster figures to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help="--pair: a directory both nodes see (default ~/.eddis/bench-pair-<job>)")
     parser.add_argument("--cluster-client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--server-nodes", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -740,6 +989,11 @@ def main():
         return
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     bytes_per_size = parse_size(args.bytes_per_size)
+    if args.pair:
+        if args.transports == parser.get_default("transports"):
+            args.transports = "socket,rdma"
+        pair_main(args, sizes, bytes_per_size)
+        return
     if args.child:
         smb_child(args.child, args.run_dir, args.servers, sizes, bytes_per_size, args.window,
                   args.repeat)
@@ -752,10 +1006,10 @@ def main():
           f"sizes {', '.join(size_label(s) for s in sizes)}, "
           f"{size_label(bytes_per_size)} per figure, window {args.window}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    measured, memcpy = {}, {size: 0.0 for size in sizes}
     for transport in transports:
         # Rounds alternate SMB, ucx_perftest and memcpy, so a slow spell of the machine hits all.
         rounds = []
-        memcpy = {size: 0.0 for size in sizes}
         for _ in range(args.rounds):
             for size in sizes:
                 memcpy[size] = max(memcpy[size], memcpy_gbs(size, bytes_per_size, args.repeat))
@@ -764,8 +1018,13 @@ def main():
                                              args.perftest_args.split())
             rounds.append((smb, perf, small_ops))
         smb, perf, small_ops = merge_rounds(rounds, sizes)
+        measured[transport] = smb
         report(transport, smb, perf, small_ops, memcpy, sizes, args.markdown)
         print(f"load average after {transport}: {os.getloadavg()[0]:.1f}")
+    for rdma in ("rdma", "rdma-tcp"):
+        if "socket" in measured and rdma in measured:
+            side_by_side(measured["socket"], measured[rdma], memcpy, sizes, args.markdown,
+                         f"socket and {rdma} side by side ({describe(rdma, measured[rdma].get('ucx_tls'))})")
 
 
 if __name__ == "__main__":

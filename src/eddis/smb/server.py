@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -592,9 +593,12 @@ class Server:
         return status, payload
 
     def _op_stats(self, conn, req_id, q):
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         stats = dict(self.core.stats, regions=len(self.regions), transport=self.transport,
                      handshake=dict(self.gate.stats) if self.gate is not None else None,
-                     free_bytes=sum(n for _, n in self.allocator.free), keys_given=self.keys_given)
+                     free_bytes=sum(n for _, n in self.allocator.free), keys_given=self.keys_given,
+                     # the server's CPU (all its threads): what a transfer costs it (bench/smb_bandwidth.py)
+                     cpu_seconds=usage.ru_utime + usage.ru_stime)
         if self.gate is not None:
             # a connection refused at the handshake is a refused request of the other transport
             stats["refused"] += self.gate.stats["refused"]
