@@ -397,3 +397,97 @@ def test_recipe_follows_spack_style():
     long_lines = [n for n, line in enumerate(source.splitlines(), 1) if len(line) > 99]
     assert not long_lines, f"lines longer than 99: {long_lines}"
     assert "run_after" not in source
+
+
+# ---------------------------------------------------------------- the guide's Spack steps
+GUIDE = REPO / "docs" / "install.md"
+CHECK_SCRIPT = REPO / "scripts" / "check-spack-guide.sh"
+EXTERNALS = REPO / "spack" / "externals-debian12.yaml"
+PINS = REPO / "spack" / "pydeps-constraints.txt"
+
+
+def spack_section():
+    text = GUIDE.read_text()
+    start = text.index("## With Spack\n")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def guide_blocks():
+    """(marker kind, marker name, language, body) of every fenced block of the Spack section;
+    the kind and name are None for a block without a marker comment right above it."""
+    lines = spack_section().splitlines()
+    found, i = [], 0
+    while i < len(lines):
+        fence = re.fullmatch(r"```(\w+)", lines[i])
+        if not fence:
+            i += 1
+            continue
+        above = next((line for line in reversed(lines[:i]) if line.strip()), "")
+        marker = re.fullmatch(r"<!-- (spack-guide|spack-guide-excerpt): (\S+) -->", above)
+        end = lines.index("```", i + 1)
+        found.append((*(marker.groups() if marker else (None, None)), fence.group(1), "\n".join(lines[i + 1:end])))
+        i = end + 1
+    return found
+
+
+def script_steps():
+    (steps,) = re.findall(r'^STEPS="([^"]*)"$', CHECK_SCRIPT.read_text(), re.M)
+    return steps.split()
+
+
+def test_every_block_of_the_spack_guide_is_a_step_of_the_check_script():
+    blocks = guide_blocks()
+    unmarked = [body.splitlines()[0] for kind, _, _, body in blocks if kind is None]
+    assert not unmarked, ("blocks of docs/install.md 'With Spack' that scripts/check-spack-guide.sh does not "
+                          f"run: {unmarked}; mark each <!-- spack-guide: NAME --> and add NAME to its STEPS")
+    steps = [name for kind, name, _, _ in blocks if kind == "spack-guide"]
+    assert sorted(steps) == sorted(script_steps()) and len(set(steps)) == len(steps)
+    for kind, name, language, _ in blocks:
+        assert language in ("bash", "yaml"), (name, language)
+
+
+def test_excerpts_in_the_spack_guide_are_the_files_text():
+    excerpts = [(name, body) for kind, name, _, body in guide_blocks() if kind == "spack-guide-excerpt"]
+    assert excerpts
+    for name, body in excerpts:
+        assert body in (REPO / name).read_text(), f"docs/install.md shows a part of {name} that it does not hold"
+
+
+@pytest.mark.timeout(60)
+def test_the_check_script_runs_the_guides_commands_in_a_scratch_directory(tmp_path):
+    import subprocess
+
+    proc = subprocess.run([str(CHECK_SCRIPT), "--print", str(tmp_path)], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    program = proc.stdout
+    syntax = subprocess.run(["bash", "-n"], input=program, capture_output=True, text=True, timeout=30)
+    assert syntax.returncode == 0, syntax.stderr
+    for _, name, language, body in guide_blocks():
+        if language != "bash":
+            continue
+        for line in body.replace("<checkout>", str(REPO)).splitlines():
+            command = re.sub(r"\s+# refused: .*$", "", line)
+            if re.match(r"(PYDEPS|SITE_GIT|SCRATCH|SPACK_ROOT|SPACK_PACKAGES)=", line) or "<commit>" in line:
+                continue  # the values the script gives (below)
+            assert command in program, f"step {name}: {line!r} is not run as written"
+    # every path the guide names for a site is the scratch directory's
+    for documented in ("PYDEPS=/opt/eddis-pydeps", "SCRATCH=/tmp/spack-check", "/srv/git/eddis.git"):
+        assert documented not in program
+    assert f'PYDEPS="{tmp_path}/eddis-pydeps"' in program and f"git: file://{tmp_path}/eddis-src.git" in program
+    # a spec the guide says is refused must be refused, with the guide's words
+    assert "refused 'needs the GPUs'\\'' compute capabilities' spack spec py-eddis@0.1.0 +cuda\n" in program
+    assert "refused 'EDDIS trains PyTorch or TensorFlow models' spack spec py-eddis@0.1.0 ~torch ~tensorflow\n" \
+        in program
+
+
+def test_the_pinned_python_packages_are_the_declared_externals():
+    pins = dict(line.split("==") for line in PINS.read_text().splitlines() if line and not line.startswith("#"))
+    declared = dict(re.findall(r"^    - spec: py-([\w-]+)@([\w.]+)", EXTERNALS.read_text(), re.M))
+    assert declared.pop("pip") == "23.0.1"  # the venv's own (Debian 12's python3-venv), not installed by pip
+    assert declared == {name.lower(): version for name, version in pins.items()}
+    # torch 2.13 needs setuptools 77 or later, which +tensorflow's py-flatbuffers cannot build with:
+    # Spack must be free to build an older one (docs/install.md, "Externals")
+    setuptools = EXTERNALS.read_text().split("  py-setuptools:\n")[1].split("\n  py-")[0]
+    assert "buildable: false" not in setuptools
+    assert "prefix: /opt/eddis-pydeps" in setuptools
