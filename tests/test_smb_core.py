@@ -21,7 +21,7 @@ from eddis.smb.pool import numpy_dtype
 from eddis.smb.testing import LocalServers
 
 TRANSPORTS = {
-    "socket": {"env": {"SMB_LOCAL_MAP": "0"},
+    "socket": {"env": {"SMB_TRANSPORT": "socket", "SMB_LOCAL_MAP": "0"},
                "hostnames": ["smb-node0", "smb-node1", "smb-node2"], "client_host": "client-node"},
     "rdma-shm": {"env": {"SMB_TRANSPORT": "rdma", "SMB_LOCAL_MAP": "0"},
                  "hostnames": ["smb-node0", "smb-node1", "smb-node2"], "client_host": "client-node"},

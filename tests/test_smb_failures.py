@@ -29,7 +29,7 @@ from eddis.smb.protocol import COUNTER_REQUEST, VEC_REQUEST, VEC_SOURCE
 from eddis.smb.testing import LocalServers
 
 TRANSPORTS = {
-    "socket": ({"SMB_LOCAL_MAP": "0"}, ["smb-node0", "smb-node1"], "client-node"),
+    "socket": ({"SMB_TRANSPORT": "socket", "SMB_LOCAL_MAP": "0"}, ["smb-node0", "smb-node1"], "client-node"),
     "rdma-shm": ({"SMB_TRANSPORT": "rdma", "SMB_LOCAL_MAP": "0"}, ["smb-node0", "smb-node1"], "client-node"),
     "rdma-tcp": ({"SMB_TRANSPORT": "rdma", "SMB_UCX_ALLOW_TCP": "1", "UCX_TLS": "tcp", "SMB_LOCAL_MAP": "0"},
                  ["smb-node0", "smb-node1"], "client-node"),

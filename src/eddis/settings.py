@@ -377,7 +377,7 @@ register("SMB_LOCAL_MAP", "bool", True,
          "Map the memory of a server on the same host directly (zero-copy). "
          "0 forces every transfer through the network transport, to test the remote path on one "
          "machine.")
-register("SMB_TRANSPORT", "str", "socket",
+register("SMB_TRANSPORT", "str", "auto",
          "How clients reach an smb-server that is not mapped. `socket`: requests and data over one "
          "TCP connection per server, opened only after a challenge-response proof of the job token, "
          "every byte checked and copied by the server. `rdma`: the same proven connection for "
