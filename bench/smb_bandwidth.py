@@ -540,18 +540,7 @@ def cluster_report(rows, link, markdown):
           f"smb-servers on n2.. ({link} links)")
     print("aggregate GB/s (1e9 bytes/s) of one pool striped over N servers; ratios: best to best "
           "(median to median); CPUs busy: all of the machine's cores during the transfers (median)")
-    if markdown:
-        print()
-        print("| " + " | ".join(cols) + " |")
-        print("|" + "---|" * len(cols))
-        for cells in table:
-            print("| " + " | ".join(cells) + " |")
-        print()
-    else:
-        widths = [max(len(c), *(len(t[i]) for t in table)) + 2 for i, c in enumerate(cols)]
-        print("".join(c.rjust(w) for c, w in zip(cols, widths)))
-        for cells in table:
-            print("".join(v.rjust(w) for v, w in zip(cells, widths)))
+    print_table(cols, table, markdown)
     print()
     print("bytes that crossed each node's link during the timed transfers (MB, headers included):")
     for r in rows:
