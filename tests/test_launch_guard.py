@@ -49,6 +49,22 @@ def test_stuck_srun_is_ended_with_the_ranks_status(tmp_path, capsys, exits, stat
 
 
 @pytest.mark.timeout(60)
+def test_a_stuck_srun_gets_the_root_causes_status_not_a_stopped_peers(tmp_path, capsys):
+    """A rank that failed before its exit record and a peer its launcher stopped with SIGTERM:
+    the guard says the status the job ends with, the root cause's, not the peer's 143."""
+    records = _launch(tmp_path, [(None, 15), (1, None)])
+    records.fail(1, {"rank": 1, "host": "n1", "code": 1, "signal": None, "why": "failed",
+                     "time": time.time() - 5})
+    srun = _stuck_srun()
+    try:
+        assert jobsteps.guard_trainer_step(tmp_path, srun.pid, grace=0.2, poll=0.05) == 0
+    finally:
+        srun.kill()
+    assert (tmp_path / "launch" / "trainers.status").read_text().strip() == "1"
+    assert "Job status 1," in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
 def test_srun_that_returns_is_left_alone(tmp_path):
     _launch(tmp_path, [(0, None)])
     srun = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])

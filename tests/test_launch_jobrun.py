@@ -13,7 +13,8 @@ from conftest import PYTHON, python_env
 
 from eddis.errors import ConfigError
 from eddis.launch import jobrun, jobsteps
-from eddis.launch.jobrun import (Component, components, exit_status, fewest_cpus, server_step_command,
+from eddis.launch.status import exit_status, run_status
+from eddis.launch.jobrun import (Component, components, fewest_cpus, server_step_command,
                                  stop_steps, trainer_step_command, trainers_status)
 
 HETJOB = {"SLURM_JOB_ID": "41", "SLURM_HET_SIZE": "2",
@@ -70,6 +71,14 @@ def test_trainer_step_spans_every_component():
 
 def test_exit_status_is_the_shells():
     assert [exit_status(c) for c in (0, 3, -9, -15)] == [0, 3, 137, 143]
+    assert [exit_status(None, s) for s in (9, 15)] == [137, 143] and exit_status(None) == 1
+
+
+def test_a_runs_status_is_its_root_causes_and_never_0():
+    assert run_status(None, 137) == 137
+    assert run_status({"code": 3, "signal": None}, 137) == 3
+    assert run_status({"code": None, "signal": 11}, 0) == 139
+    assert run_status({"code": None, "signal": None, "why": "vanished"}, 0) == 1
 
 
 def test_steps_named_reads_squeue_lines():

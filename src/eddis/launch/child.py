@@ -32,6 +32,7 @@ import time
 import traceback
 
 from .liveness import start_in_child
+from .status import INTERRUPTED_STATUS
 
 DUPLICATE_INTERRUPT_SECONDS = 2.0
 # what a job sends its trainers: an interrupt, the end, a checkpoint request (Slurm's warning)
@@ -111,7 +112,7 @@ def main():
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: report and leave
         traceback.print_exception(type(exc), exc, _user_frames(exc.__traceback__))
         # an uncaught interrupt ends with the status a shell gives a process ended by SIGINT
-        _exit_now(128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1)
+        _exit_now(INTERRUPTED_STATUS if isinstance(exc, KeyboardInterrupt) else 1)
     return 0
 
 

@@ -60,6 +60,7 @@ from . import jobsteps, mpirun_step, placement, preemption
 from .hostlist import expand_hostlist
 from .elastic import elastic_run, elastic_status, survives_server_loss
 from .report import LAUNCH_DIR, describe_failure, request_servers_stop, request_stop, root_cause, start_up_crash
+from .status import INTERRUPTED_STATUS, SIGNALLED_STATUS, exit_status
 from .topwatch import TopWatch
 
 SERVER_STEP_NAME = "smb-server"
@@ -71,8 +72,6 @@ SLURM_ASK_SECONDS = 1.0  # between two squeue calls while steps stop
 SLURM_COMMAND_TIMEOUT = 10.0
 GUARD_JOIN_SECONDS = 15.0  # the guard may be inside one squeue call when srun ends
 POLL_SECONDS = 0.2
-SIGNALLED_STATUS = 143  # 128 + SIGTERM, what a shell reports for a job script ended by scancel
-INTERRUPTED_STATUS = 130  # 128 + SIGINT: every rank's supervisor passed an interrupt on
 # #SBATCH --signal=B:USR1@N (eddis.slurm.script): the time limit is N seconds away
 CHECKPOINT_SIGNAL = signal.SIGUSR1
 
@@ -186,11 +185,6 @@ def job_nodes(env):
 
 
 # ---------------------------------------------------------------- steps as processes
-def exit_status(returncode):
-    """A Popen return code as a shell reports it: 128 + N for a process ended by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def start_step(argv):
     # srun would pass the job's stdin on to the step's first task
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL)

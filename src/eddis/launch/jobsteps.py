@@ -13,9 +13,10 @@ from pathlib import Path
 
 from .. import settings
 from ..errors import SMBServerError, SMBTimeoutError, SMBValueError
-from .report import (LAUNCH_DIR, describe_exit, exit_status, finished_ranks, format_report, launches,
-                     read_records, root_cause)
+from .report import (LAUNCH_DIR, describe_exit, finished_ranks, format_report, launches, read_records,
+                     root_cause)
 from .startbeats import StartWatch, announce
+from .status import exit_status, run_status
 
 # what eddis-train and the job say when the trainers refused a checkpoint request (rank 0's
 # answer in the run dir) because it came after training had ended on some rank
@@ -105,8 +106,7 @@ def report_failure(path, job_code=None):
     whether a root cause was found."""
     first, failures, exits = root_cause(path)
     print(format_report(first, failures, exits, run_dir=path, job_code=job_code), file=sys.stderr, flush=True)
-    status = exit_status(first) if first is not None else (job_code if job_code is not None else 1)
-    return status, first is not None
+    return run_status(first, 1 if job_code is None else job_code), first is not None
 
 
 def print_report(path, job_code=None):
@@ -192,12 +192,11 @@ def descendants(pid):
 
 
 def _status_of(exits):
-    """The job status the exit records stand for: the first failure's, else 0."""
+    """What srun would have returned for these exit records: the first bad exit's status
+    (a rank the launcher stopped exits 0), else 0."""
     for record in sorted(exits, key=lambda r: r.get("time", 0.0)):
-        if record.get("signal"):
-            return 128 + int(record["signal"])
-        if record.get("code") and record.get("why") != "stopped":
-            return int(record["code"])
+        if record.get("signal") or (record.get("code") and record.get("why") != "stopped"):
+            return exit_status(record.get("code"), record.get("signal"))
     return 0
 
 
@@ -306,13 +305,15 @@ def guard_trainer_step(path, srun_pid, grace=None, poll=1.0, env=None, elastic=F
 
 
 def _end_stuck_launcher(path, pid, exits, size, why, ended=None):
-    status = _status_of(exits)
+    # the job's status, by the rule the job applies once srun has ended: a rank that vanished
+    # has a failure record and no exit record, and a peer stopped by a signal is no root cause
+    status = run_status(root_cause(path)[0], _status_of(exits))
     (Path(path) / "launch" / TRAINERS_STATUS_FILE).write_text(f"{status}\n")
     outcomes = ", ".join(sorted({describe_exit(e.get("code"), e.get("signal")) for e in exits}))
     launcher = process_name(pid) or "the launcher"
     count = f"all {size}" if ended is None else f"{ended} of {size}"
     print(f"eddis-train: {count} ranks exited ({outcomes}) but {launcher} (pid {pid}) had not returned: "
-          f"{why}; ending it. Job status {status}, from the ranks' exit records.", file=sys.stderr, flush=True)
+          f"{why}; ending it. Job status {status}, from the ranks' records.", file=sys.stderr, flush=True)
     kill_tree(pid)
 
 

@@ -23,7 +23,8 @@ from ..errors import REQUEUE_EXIT_STATUS, ConfigError
 from ..smb import rundir
 from . import jobsteps
 from .elastic import MPIRUN_OPTIONS, elastic_run, elastic_status
-from .report import LAUNCH_DIR, STOP_FILE, exit_status, format_report, request_stop, root_cause
+from .report import LAUNCH_DIR, STOP_FILE, format_report, request_stop, root_cause
+from .status import exit_status, run_status
 from .topwatch import TopWatch
 
 SERVER_STOP_SECONDS = 10.0
@@ -158,7 +159,7 @@ def _launch_once(argv, ranks, memory, restarts, stop_signal):
                 code = _wait_or_kill(mpirun, settings.get("EDDIS_STOP_GRACE") + 10)
                 code = code or 1
                 break
-        code = code if code >= 0 else 128 - code
+        code = exit_status(code)
         if stop_signal:
             what = "interrupted" if stop_signal[0] == signal.SIGINT else "stopped"
             print(f"eddis-train: {what} by {signal.Signals(stop_signal[0]).name}; the ranks have ended "
@@ -180,8 +181,7 @@ def _launch_once(argv, ranks, memory, restarts, stop_signal):
             first, failures, exits = root_cause(run_dir)
             print(format_report(first, failures, exits, run_dir=run_dir, job_code=code),
                   file=sys.stderr, flush=True)
-            if first is not None:  # the root cause's status, not the first stopped peer's
-                code = exit_status(first)
+            code = run_status(first, code)  # the root cause's status, not the first stopped peer's
         return code
     finally:
         _stop(mpirun, signal.SIGTERM, timeout=settings.get("EDDIS_STOP_GRACE") + 10)

@@ -176,13 +176,6 @@ def _short(record):
     return f"{name}@{record.get('host')} ({what})"
 
 
-def exit_status(record):
-    """The exit status a failure record stands for (128 + signal for a signal)."""
-    if record.get("signal"):
-        return 128 + int(record["signal"])
-    return int(record.get("code") or 1)
-
-
 class LaunchRecords:
     """The record folders of one launch."""
 

@@ -43,6 +43,7 @@ from .liveness import LivenessWatch, supervisor_verdict
 from .output import LinePump, TracebackCatcher
 from .preemption import checkpoint_on_sigterm, server_wait_seconds
 from .report import describe_failure, request_stop, server_records, servers_stop_requested
+from .status import exit_status
 
 SERVER_STOP_SECONDS = 10.0
 WATCH_SECONDS = 1.0
@@ -220,8 +221,8 @@ class ServerSupervisor:
             request_stop(self.run_dir, describe_failure(record))
         self.records.finish(self.index, record)
         if asked_to_stop:
-            return 0 if rc == 0 else 128 + self.stop_signal
-        return code if sig is None else 128 + sig
+            return 0 if rc == 0 else exit_status(None, self.stop_signal)
+        return exit_status(code, sig)
 
 
 def serve(run_dir, index, memory=None):

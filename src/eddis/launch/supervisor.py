@@ -53,6 +53,7 @@ from .output import LinePump, TracebackCatcher
 from .preemption import checkpoint_on_sigterm
 from .report import LaunchRecords, describe_exit, describe_failure, launch_key, stop_request
 from .startbeats import StartBeat
+from .status import INTERRUPTED_STATUS, SIGNALLED_STATUS, exit_status
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.25
@@ -61,8 +62,6 @@ POLL_SECONDS = 0.25
 # metadata server; 1 s keeps the fail-fast bound far below 30 s. A trainer's own exit is seen
 # at once (pidfd).
 WATCH_SECONDS = 1.0
-STOPPED_EXIT_CODE = 128 + signal.SIGTERM
-INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
@@ -386,7 +385,7 @@ class Supervisor:
             # Asked through the run dir (eddis-train --local): that launcher says it was
             # interrupted and exits 130 itself; a non-zero status here would only make mpirun
             # report that it aborted the job.
-            return 0 if requested else INTERRUPTED_EXIT_CODE
+            return 0 if requested else INTERRUPTED_STATUS
         if why == "checkpointed":
             # 0, not 75: srun --kill-on-bad-exit would kill the peers still closing down after
             # the same checkpoint; the answer rank 0 left in the run dir tells the job why
@@ -395,8 +394,8 @@ class Supervisor:
             # Stopped because a peer failed: exit 0, so that srun --kill-on-bad-exit does not
             # SIGKILL the ranks still cleaning up; the failed rank exits last, with its own
             # status, which becomes the step's. Stopped by a signal (scancel): 143.
-            return STOPPED_EXIT_CODE if self.stop_signal is not None else 0
-        return code if sig is None else 128 + sig
+            return SIGNALLED_STATUS if self.stop_signal is not None else 0
+        return exit_status(code, sig)
 
     def _wait_for_checkpoint(self):
         """After the first SIGTERM (a checkpoint request): say so once; past the grace, stop."""

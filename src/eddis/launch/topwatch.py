@@ -41,6 +41,7 @@ import time
 
 from .. import identity, settings
 from .liveness import HUNG_SIGNAL, LivenessWatch, beat_interval, start_in_child
+from .status import exit_status
 
 IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 MAX_RESTARTS = 3
@@ -202,17 +203,17 @@ def end_job(kind, top_pid, run_dir, why):
         pass
     _wait(lambda: not below_top(), SERVERS_SECONDS)
     first, failures, exits = root_cause(run_dir)
-    print(format_report(first, failures, exits, run_dir=run_dir, job_code=128 + HUNG_SIGNAL),
+    print(format_report(first, failures, exits, run_dir=run_dir, job_code=exit_status(None, HUNG_SIGNAL)),
           file=sys.stderr, flush=True)
     retire_run_dir(run_dir)   # the token must not outlive the job
     left = below_top()
     for pid in reversed(left):   # the deepest first
         _kill(pid)
     say(f"killing {who(record)}" + (f" and {len(left)} process(es) left below it" if left else "")
-        + f"; the job's status is {128 + HUNG_SIGNAL}")
+        + f"; the job's status is {exit_status(None, HUNG_SIGNAL)}")
     _kill(top_pid)   # this process ends with it (PR_SET_PDEATHSIG)
     time.sleep(CLOSE_SECONDS)
-    return 128 + HUNG_SIGNAL
+    return exit_status(None, HUNG_SIGNAL)
 
 
 def _wait(done, seconds):
