@@ -464,7 +464,8 @@ def test_an_exchange_part_names_a_rank_that_made_another_call():
 
 
 def test_elastic_trainers_sharing_a_node_start_under_mpirun_and_a_lost_server_task_ends_alone(monkeypatch):
-    from eddis.launch.jobrun import Component, launched_by_mpirun, server_step_command, trainer_step_command
+    from eddis.launch.allocation import Component
+    from eddis.launch.stepcommands import launched_by_mpirun, server_step_command, trainer_step_command
 
     monkeypatch.setenv("EDDIS_ELASTIC", "1")
     monkeypatch.setenv("EDDIS_MODE", "hybrid")
@@ -488,7 +489,7 @@ def test_elastic_trainers_sharing_a_node_start_under_mpirun_and_a_lost_server_ta
 
 
 def test_a_lost_components_server_step_ends_training_only_without_mirrored_state():
-    from eddis.launch.jobrun import server_steps_end_training
+    from eddis.launch.stepcommands import server_steps_end_training
 
     # a hetjob of 2 components: one smb-server step each
     assert server_steps_end_training(1, 2, survivable=False)

@@ -12,10 +12,12 @@ import pytest
 from conftest import PYTHON, python_env
 
 from eddis.errors import ConfigError
-from eddis.launch import jobrun, jobsteps
+from eddis.launch import jobsteps, stepcommands, stepcontrol
+from eddis.launch.allocation import Component, components, fewest_cpus
+from eddis.launch.jobsteps import trainers_status
 from eddis.launch.status import exit_status, run_status
-from eddis.launch.jobrun import (Component, components, fewest_cpus, server_step_command,
-                                 stop_steps, trainer_step_command, trainers_status)
+from eddis.launch.stepcommands import server_step_command, trainer_step_command
+from eddis.launch.stepcontrol import stop_steps
 
 HETJOB = {"SLURM_JOB_ID": "41", "SLURM_HET_SIZE": "2",
           "SLURM_JOB_ID_HET_GROUP_0": "41", "SLURM_JOB_ID_HET_GROUP_1": "42",
@@ -51,7 +53,7 @@ def test_server_steps_one_per_node_indexed_over_all_components():
         "--ntasks-per-node=1", "--cpus-per-task=8", "--gres=none", "--kill-on-bad-exit=1",
         "bash", "-c", "exec eddis-train --smb-server $((2 + SLURM_NODEID))"]
     assert server_step_command(Component(None, 2, 4), 0)[1:3] == ["--job-name=smb-server", "--overlap"]
-    assert jobrun.server_count([first, second]) == 3
+    assert stepcommands.server_count([first, second]) == 3
 
 
 def test_server_index_is_offset_by_the_node_id():
@@ -157,7 +159,7 @@ def test_server_steps_end_by_themselves_when_asked(tmp_path, capsys):
                               cwd=str(SRC), stdin=subprocess.DEVNULL)
     try:
         assert jobsteps.wait_servers(run_dir, 1, timeout=60, watch_pids=[server.pid]) == 0
-        jobrun.end_server_steps(run_dir, [server], env=env, wait=60)
+        stepcontrol.end_server_steps(run_dir, [server], env=env, wait=60)
         assert server.poll() == 0
     finally:
         if server.poll() is None:
@@ -177,7 +179,7 @@ def test_server_steps_that_do_not_end_are_cancelled_and_the_job_says_so(tmp_path
                              "signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"],
                             stdout=subprocess.PIPE, text=True)
     assert deaf.stdout.readline().strip() == "ready"
-    jobrun.end_server_steps(tmp_path, [deaf], env=env, wait=2)
+    stepcontrol.end_server_steps(tmp_path, [deaf], env=env, wait=2)
     assert deaf.poll() == -signal.SIGKILL
     assert "1 smb-server step(s) did not end within 2 s of the request to stop; cancelling them" in \
         capsys.readouterr().err
@@ -188,7 +190,7 @@ def test_server_steps_that_do_not_end_are_cancelled_and_the_job_says_so(tmp_path
 SIGNALS_PROBE = """
 import os, signal, sys
 from eddis.errors import JobSignalled
-from eddis.launch.jobrun import JobSignals
+from eddis.launch.jobsignals import JobSignals
 signals = JobSignals().install()
 try:
     os.kill(os.getpid(), signal.SIGTERM)
@@ -214,7 +216,7 @@ def test_the_first_stop_signal_stops_the_job_and_later_ones_do_not_interrupt_it(
 
 CHECKPOINT_SIGNAL_PROBE = """
 import os, signal
-from eddis.launch.jobrun import JobSignals
+from eddis.launch.jobsignals import JobSignals
 signals = JobSignals().install()
 os.kill(os.getpid(), signal.SIGUSR1)
 os.kill(os.getpid(), signal.SIGUSR1)
@@ -294,7 +296,7 @@ def test_an_elastic_mpirun_is_asked_in_the_run_dir_then_terminated_then_killed(t
     it and SIGTERM is killed with everything below it."""
     import json
 
-    from eddis.launch.jobrun import stop_mpirun
+    from eddis.launch.stepcontrol import stop_mpirun
     from eddis.launch.report import LAUNCH_DIR, STOP_FILE
 
     monkeypatch.setenv("EDDIS_STOP_GRACE", "0.2")

@@ -5,8 +5,9 @@ whole restart runs on the real cluster in test_restart_requeue.py."""
 import pytest
 
 from eddis.errors import ConfigError, NodeFailureError
-from eddis.launch import jobrun, placement
-from eddis.launch.jobrun import Component, server_step_command, trainer_step_command
+from eddis.launch import allocation, placement, stepcommands
+from eddis.launch.allocation import Component
+from eddis.launch.stepcommands import server_step_command, trainer_step_command
 from eddis.slurm.discovery import parse_sinfo
 from eddis.slurm.nodes import (NodeHealth, job_no_kill, parse_job_node_lists, parse_node_lines,
                                script_asks_no_kill, state_words)
@@ -87,12 +88,12 @@ def test_steps_name_their_nodes_only_when_the_job_holds_spares():
     whole = placement.Placement(("n1", "n2"), 2, narrowed=False)
     assert server_step_command(component, 0, whole) == server_step_command(component, 0)
     assert trainer_step_command([component], ["t.py"], whole) == trainer_step_command([component], ["t.py"])
-    assert jobrun.server_count([component], narrowed) == 1 and jobrun.server_count([component]) == 2
+    assert stepcommands.server_count([component], narrowed) == 1 and stepcommands.server_count([component]) == 2
 
 
 def test_job_nodes_span_every_component():
-    assert jobrun.job_nodes({"SLURM_JOB_NODELIST": "n[1-3]"}) == ("n1", "n2", "n3")
-    assert jobrun.job_nodes({"SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "a[1-2]",
+    assert allocation.job_nodes({"SLURM_JOB_NODELIST": "n[1-3]"}) == ("n1", "n2", "n3")
+    assert allocation.job_nodes({"SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "a[1-2]",
                              "SLURM_JOB_NODELIST_HET_GROUP_1": "v1"}) == ("a1", "a2", "v1")
 
 

@@ -51,291 +51,24 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional
 
-from ..errors import ConfigError, JobSignalled, NodeFailureError
-from . import jobsteps, mpirun_step, placement, preemption
-from .hostlist import expand_hostlist
+from ..errors import ConfigError, JobSignalled
+from . import jobsteps, placement, preemption
+from .allocation import components, job_nodes
 from .elastic import elastic_run, elastic_status, survives_server_loss
-from .report import LAUNCH_DIR, describe_failure, request_servers_stop, request_stop, root_cause, start_up_crash
+from .jobsignals import CHECKPOINT_SIGNAL, JobSignals
+from .jobsteps import TRAINER_STEP_NAME, trainers_status
+from .report import describe_failure, request_servers_stop, request_stop, root_cause, start_up_crash
 from .status import INTERRUPTED_STATUS, SIGNALLED_STATUS, exit_status
+from .stepcommands import (SERVER_STEP_NAME, launched_by_mpirun, server_count, server_step_command,
+                           server_steps_end_training, trainer_step_command)
+from .stepcontrol import (POLL_SECONDS, SLURM_COMMAND_TIMEOUT, end_server_steps, running, scancel, start_step,
+                          stop_mpirun, stop_steps, wait_ended)
 from .topwatch import TopWatch
 
-SERVER_STEP_NAME = "smb-server"
-TRAINER_STEP_NAME = jobsteps.TRAINER_STEP_NAME
-STOP_SECONDS = 30.0  # for the steps to end after scancel --signal=TERM
 # for the sruns to end once Slurm signalled the job; Slurm's KillWait (30 s by default) ends the rest
 SIGNAL_WAIT_SECONDS = 30.0
-SLURM_ASK_SECONDS = 1.0  # between two squeue calls while steps stop
-SLURM_COMMAND_TIMEOUT = 10.0
 GUARD_JOIN_SECONDS = 15.0  # the guard may be inside one squeue call when srun ends
-POLL_SECONDS = 0.2
-# #SBATCH --signal=B:USR1@N (eddis.slurm.script): the time limit is N seconds away
-CHECKPOINT_SIGNAL = signal.SIGUSR1
-
-
-# ---------------------------------------------------------------- the allocation, from Slurm's variables
-@dataclass(frozen=True)
-class Component:
-    """One hetjob component (the whole job when it is not a hetjob)."""
-
-    group: Optional[int]  # its --het-group; None for a job of one component
-    nodes: int
-    cpus_per_node: int  # the fewest CPUs the job holds on one of its nodes
-
-    def het_group_option(self):
-        return [] if self.group is None else [f"--het-group={self.group}"]
-
-
-def fewest_cpus(text):
-    """The fewest CPUs per node in Slurm's SLURM_JOB_CPUS_PER_NODE form ("16(x2),8" -> 8); 1 if none."""
-    counts = [part.split("(")[0].strip() for part in (text or "").split(",")]
-    return min((int(c) for c in counts if c.isdigit()), default=1)
-
-
-def _count(env, name, default=None):
-    text = env.get(name)
-    if not text:
-        if default is not None:
-            return default
-        raise ConfigError(f"{name} is not set: eddis-train --job runs as the command of a Slurm batch "
-                          "job script (sbatch eddis_job.sh train.py)")
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"{name}={text!r} from Slurm is not a whole number") from None
-
-
-def components(env):
-    """The job's components, from SLURM_HET_SIZE and the per-component SLURM_*_HET_GROUP_<g>."""
-    size = _count(env, "SLURM_HET_SIZE", default=1)
-    if size <= 1:
-        return [Component(None, _count(env, "SLURM_JOB_NUM_NODES"),
-                          fewest_cpus(env.get("SLURM_JOB_CPUS_PER_NODE")))]
-    return [Component(g, _count(env, f"SLURM_JOB_NUM_NODES_HET_GROUP_{g}"),
-                      fewest_cpus(env.get(f"SLURM_JOB_CPUS_PER_NODE_HET_GROUP_{g}")))
-            for g in range(size)]
-
-
-# ---------------------------------------------------------------- the steps' command lines
-def server_step_command(component, first_index, nodes=None):
-    """The srun of one component's smb-servers, one per node, indexed from ``first_index``;
-    on the nodes of ``nodes`` (a :class:`~eddis.launch.placement.Placement`) when given.
-
-    The step may use every CPU the job holds on the node (it overlaps the trainers): the
-    servers' reduction threads (SMB_REDUCE_THREADS) would share one bound CPU otherwise.
-    An elastic run with mirrored state outlives a lost server, so its task must not take
-    the other servers down with it."""
-    where = (nodes.step_options(tasks_per_node=1) if nodes is not None and nodes.narrowed else
-             [f"--nodes={component.nodes}", f"--ntasks={component.nodes}", "--ntasks-per-node=1"])
-    kill = "--kill-on-bad-exit=0" if survives_server_loss() else "--kill-on-bad-exit=1"
-    return ["srun", *component.het_group_option(), f"--job-name={SERVER_STEP_NAME}", "--overlap", *where,
-            f"--cpus-per-task={component.cpus_per_node}", "--gres=none", kill,
-            # a server's index needs its node's place in the step, which only that node knows
-            "bash", "-c", f"exec eddis-train --smb-server $(({first_index} + SLURM_NODEID))"]
-
-
-def trainer_step_command(parts, train, nodes=None, env=None):
-    """The launch of the trainers: one rank per task of every component, one MPI world; on the
-    nodes of ``nodes`` (a :class:`~eddis.launch.placement.Placement`) when given.
-
-    ``srun --mpi=pmix``, except in an elastic run with more than one rank on a node: there
-    ``mpirun`` inside the allocation (:mod:`eddis.launch.mpirun_step`), since Slurm's PMIx plugin
-    kills the whole step when a rank that shares its node with another is lost. Sets
-    EDDIS_HOST_GROUPS in ``env`` (default: this process's environment, which the launch
-    inherits) for mpirun's ranks."""
-    elastic = elastic_run()
-    if elastic:
-        env = os.environ if env is None else env
-        hosts = mpirun_step.trainer_hosts(env, nodes)
-        if mpirun_step.needs_mpirun(hosts):
-            env["EDDIS_HOST_GROUPS"] = mpirun_step.host_groups_text(hosts)
-            return mpirun_step.mpirun_command(hosts, train)
-    het = [f"--het-group={','.join(str(c.group) for c in parts)}"] if len(parts) > 1 else []
-    # elastic runs: a lost rank's task must not take the survivors' step down with it (said
-    # explicitly: a cluster's KillOnBadExit=1 would otherwise)
-    kill = "--kill-on-bad-exit=0" if elastic else "--kill-on-bad-exit=1"
-    where = [] if nodes is None else nodes.step_options()
-    return ["srun", *het, f"--job-name={TRAINER_STEP_NAME}", "--mpi=pmix", kill, *where, "eddis-train", *train]
-
-
-def launched_by_mpirun(argv):
-    return bool(argv) and argv[0] == "mpirun"
-
-
-def server_steps_end_training(ended, steps, survivable):
-    """Whether ``ended`` of the job's ``steps`` smb-server steps (one per hetjob component)
-    having ended stops the trainers: any of them, unless the state outlives a lost server
-    (``survivable``: elastic and mirrored), where only all of them do."""
-    return ended >= steps if survivable else ended > 0
-
-
-def server_count(parts, nodes=None):
-    return len(nodes.nodes) if nodes is not None and nodes.narrowed else sum(c.nodes for c in parts)
-
-
-def job_nodes(env):
-    """Every node the job started with, in component order (SLURM_JOB_NODELIST[_HET_GROUP_<g>])."""
-    size = _count(env, "SLURM_HET_SIZE", default=1)
-    if size <= 1:
-        return placement.allocation_nodes(env)
-    return tuple(n for g in range(size) for n in expand_hostlist(env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}", "")))
-
-
-# ---------------------------------------------------------------- steps as processes
-def start_step(argv):
-    # srun would pass the job's stdin on to the step's first task
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
-
-
-def running(sruns):
-    return [p for p in sruns if p.poll() is None]
-
-
-def wait_ended(sruns, seconds, poll=POLL_SECONDS):
-    """Wait until every srun has ended, at most ``seconds``; the ones still running."""
-    deadline = time.monotonic() + seconds
-    while running(sruns) and time.monotonic() < deadline:
-        time.sleep(poll)
-    return running(sruns)
-
-
-def scancel(args, env=None):
-    try:
-        subprocess.run(["scancel", *args], capture_output=True, timeout=SLURM_COMMAND_TIMEOUT,
-                       env=None if env is None else dict(env))
-    except (OSError, subprocess.TimeoutExpired):
-        pass  # the kill that follows ends the sruns; Slurm ends their steps with the job
-
-
-def _wait_steps(name, sruns, env, wait, poll):
-    """Wait, at most ``wait`` s, for the sruns of this job's steps named ``name`` to end.
-    srun can miss the end of a hetjob step (Slurm 22.05): once Slurm lists none of these
-    steps any more, their sruns get STEP_GONE_GRACE s. True when Slurm lists them no more."""
-    deadline = time.monotonic() + wait
-    next_ask = time.monotonic() + SLURM_ASK_SECONDS
-    gone_at = None
-    while running(sruns) and time.monotonic() < deadline:
-        now = time.monotonic()
-        if now >= next_ask:
-            next_ask = now + SLURM_ASK_SECONDS
-            if jobsteps.step_ids(name, env) == []:
-                gone_at = gone_at or now
-                if now - gone_at >= jobsteps.STEP_GONE_GRACE:
-                    break
-        time.sleep(poll)
-    return gone_at is not None
-
-
-def _kill_waiting(sruns, poll):
-    for srun in running(sruns):  # an srun still waiting for a step that has ended
-        srun.kill()
-    wait_ended(sruns, SLURM_COMMAND_TIMEOUT, poll)
-
-
-def stop_steps(name, sruns, env=None, wait=STOP_SECONDS, poll=POLL_SECONDS):
-    """Stop this job's steps named ``name`` and wait, bounded, for their sruns (Popen objects).
-
-    SIGTERM through scancel, not to srun: srun answers SIGTERM with SIGKILL, which would
-    leave the servers' shared memory behind. What is left after ``wait`` s (or once Slurm
-    lists none of the steps, :func:`_wait_steps`) is cancelled, and its srun killed."""
-    sruns = [p for p in sruns if p is not None]
-    if not sruns:
-        return
-    steps = jobsteps.step_ids(name, env) or []
-    if steps:
-        scancel(["--signal=TERM", *steps], env)
-    _wait_steps(name, sruns, env, wait, poll)
-    if steps and running(sruns):
-        scancel(steps, env)
-    _kill_waiting(sruns, poll)
-
-
-def stop_mpirun(run_dir, mpirun, reason, env=None, wait=STOP_SECONDS, poll=POLL_SECONDS):
-    """Stop the elastic trainers' ``mpirun`` (a Popen) and wait, bounded, for it: first through the
-    run dir, where every rank's supervisor stops its trainer gently (EDDIS_STOP_GRACE), then
-    SIGTERM to mpirun, which passes it on to the supervisors and ends them soon after; what is
-    left ``wait`` s later is killed, the nodes' daemon steps cancelled."""
-    from .. import settings
-
-    if mpirun is None or mpirun.poll() is not None:
-        return
-    request_stop(run_dir, reason, signal.SIGTERM)
-    if not wait_ended([mpirun], settings.get("EDDIS_STOP_GRACE") + wait, poll):
-        return
-    mpirun.send_signal(signal.SIGTERM)
-    if not wait_ended([mpirun], wait, poll):
-        return
-    steps = jobsteps.step_ids(TRAINER_STEP_NAME, env) or []
-    if steps:
-        scancel(steps, env)
-    jobsteps.kill_tree(mpirun.pid)
-    wait_ended([mpirun], SLURM_COMMAND_TIMEOUT, poll)
-
-
-def end_server_steps(run_dir, sruns, env=None, wait=STOP_SECONDS, poll=POLL_SECONDS):
-    """End the smb-server steps of a job whose trainers have ended: every server's supervisor
-    is asked in the run dir to stop its server, and exits 0, so that its step ends COMPLETED
-    and slurmstepd prints nothing (a cancelled step prints ``error: *** STEP ... CANCELLED ***``
-    into the job's output). Steps still running after ``wait`` s are cancelled
-    (:func:`stop_steps`), and the job's output says so."""
-    sruns = [p for p in sruns if p is not None]
-    if not running(sruns):
-        return
-    request_servers_stop(run_dir, "the job's trainers have ended")
-    if _wait_steps(SERVER_STEP_NAME, sruns, env, wait, poll) or not running(sruns):
-        _kill_waiting(sruns, poll)
-        return
-    say(f"eddis_job: {len(running(sruns))} smb-server step(s) did not end within {wait:.0f} s of the "
-        "request to stop; cancelling them", sys.stderr)
-    stop_steps(SERVER_STEP_NAME, sruns, env, wait, poll)
-
-
-def trainers_status(run_dir, status):
-    """The status the trainer guard wrote when it had to end srun, else ``status``."""
-    try:
-        return int((Path(run_dir) / LAUNCH_DIR / jobsteps.TRAINERS_STATUS_FILE).read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return status
-
-
-# ---------------------------------------------------------------- signals
-class JobSignals:
-    """What the job does with the signals Slurm sends its batch step.
-
-    SIGTERM and SIGINT (scancel, the time limit) stop the job: the first raises
-    :class:`JobSignalled` in the main thread; later ones, and any once the job is
-    finishing, are ignored. A signal that must not stop the job (a checkpoint request,
-    ``#SBATCH --signal=B:USR1@...``) gets its own entry in :meth:`handlers`."""
-
-    def __init__(self):
-        self.stopping = None
-        self.armed = False
-        self.checkpoint_asked = False  # Slurm's warning before the time limit came
-
-    def handlers(self):
-        return {signal.SIGTERM: self._stop, signal.SIGINT: self._stop, CHECKPOINT_SIGNAL: self._ask_checkpoint}
-
-    def _ask_checkpoint(self, signum, frame):
-        # only noted here: the main loop passes it on (squeue and scancel are no work for a handler)
-        self.checkpoint_asked = True
-
-    def install(self):
-        for signum, handler in self.handlers().items():
-            signal.signal(signum, handler)
-        self.armed = True
-        return self
-
-    def disarm(self):
-        self.armed = False
-
-    def _stop(self, signum, frame):
-        if not self.armed or self.stopping is not None:
-            return
-        self.stopping = signum
-        raise JobSignalled(signum)
 
 
 # ---------------------------------------------------------------- the job
@@ -356,7 +89,8 @@ class Job:
         self.components = components(os.environ)
         self.nodes_started = job_nodes(os.environ)
         self.batch_host = os.environ.get("SLURMD_NODENAME")
-        self.placement = self._first_placement()
+        self.placement = placement.first_placement(self.nodes_started, self.components, os.environ,
+                                                   self.batch_host)
         self.signals = JobSignals()
         self.run_dir = None
         self.servers = []
@@ -365,20 +99,6 @@ class Job:
         self.checkpoint_requested = False  # passed on to the trainers
         self.answer = None  # the checkpoint the trainers wrote on request, then stopped
         self.topwatch = None  # this process's sentinel (.topwatch), once the run dir exists
-
-    def _first_placement(self):
-        """Where the steps run at first: every node, or all but EDDIS_SPARE_NODES of them."""
-        from .. import settings
-
-        spare = settings.get("EDDIS_SPARE_NODES")
-        if not spare:
-            return None
-        if len(self.components) > 1:
-            raise ConfigError(f"EDDIS_SPARE_NODES={spare} is for a job of one component, and this hetjob "
-                              f"has {len(self.components)}: each component's trainers use all its nodes. "
-                              "Unset EDDIS_SPARE_NODES, or submit one GPU type with spare nodes")
-        return placement.plan(self.nodes_started, spare, placement.tasks_per_node(os.environ),
-                              batch_host=self.batch_host)
 
     def run(self):
         try:
@@ -549,39 +269,13 @@ class Job:
             say(f"eddis_job: the trainers failed again after {restarts} restart(s) (EDDIS_MAX_RESTARTS={limit}); "
                 "the job ends", sys.stderr)
             return False
-        if not self._place_without_failed_nodes():
+        self.placement, enough = placement.without_failed_nodes(
+            self.job_id, self.nodes_started, self.placement, self.batch_host,
+            lambda text: say(f"eddis_job: {text}", sys.stderr))
+        if not enough:
             return False
         say(f"eddis_job: restarting the smb-servers and trainers in this allocation (restart {restarts + 1} "
             f"of {limit}); a script that calls eddis.resume() continues from its last checkpoint", sys.stderr)
-        return True
-
-    def _place_without_failed_nodes(self):
-        """Ask Slurm which of the job's nodes failed and plan the next attempt without them;
-        False (and why, on stderr) when too few healthy nodes remain."""
-        from .. import settings
-        from ..slurm.nodes import job_node_lists, node_health
-
-        if not self.nodes_started:
-            return True
-        lists = job_node_lists(self.job_id)
-        health = node_health(",".join(self.nodes_started))
-        if lists is None or health is None:
-            say("eddis_job: Slurm did not say which of the job's nodes are healthy (scontrol show job/node "
-                "failed); the restart uses the same nodes", sys.stderr)
-            return True
-        current = {n for text in lists for n in expand_hostlist(text)}
-        failed = placement.failed_nodes(self.nodes_started, current, health)
-        if not failed:
-            return True
-        try:
-            self.placement = placement.plan(self.nodes_started, settings.get("EDDIS_SPARE_NODES"),
-                                            None if self.placement is None else self.placement.tasks_per_node,
-                                            failed, self.batch_host)
-        except NodeFailureError as exc:
-            say(f"eddis_job: error: {exc}", sys.stderr)
-            return False
-        say(f"eddis_job: node(s) {'; '.join(failed.values())} failed: the smb-servers and trainers restart on "
-            f"{','.join(self.placement.nodes)}, without {', '.join(failed)}", sys.stderr)
         return True
 
     def _attempt(self):

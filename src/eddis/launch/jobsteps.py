@@ -171,6 +171,14 @@ def every_rank_interrupted(path):
 TRAINERS_STATUS_FILE = "trainers.status"
 
 
+def trainers_status(run_dir, status):
+    """The status the trainer guard wrote when it had to end srun, else ``status``."""
+    try:
+        return int((Path(run_dir) / LAUNCH_DIR / TRAINERS_STATUS_FILE).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return status
+
+
 def descendants(pid):
     """pid and every process below it, from /proc."""
     children = {}
@@ -308,7 +316,7 @@ def _end_stuck_launcher(path, pid, exits, size, why, ended=None):
     # the job's status, by the rule the job applies once srun has ended: a rank that vanished
     # has a failure record and no exit record, and a peer stopped by a signal is no root cause
     status = run_status(root_cause(path)[0], _status_of(exits))
-    (Path(path) / "launch" / TRAINERS_STATUS_FILE).write_text(f"{status}\n")
+    (Path(path) / LAUNCH_DIR / TRAINERS_STATUS_FILE).write_text(f"{status}\n")
     outcomes = ", ".join(sorted({describe_exit(e.get("code"), e.get("signal")) for e in exits}))
     launcher = process_name(pid) or "the launcher"
     count = f"all {size}" if ended is None else f"{ended} of {size}"

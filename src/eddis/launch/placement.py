@@ -127,3 +127,47 @@ def failed_nodes(started: Sequence[str], current: Optional[Sequence[str]],
         if why:
             found[name] = f"{name} ({'; '.join(why)})"
     return found
+
+
+def first_placement(nodes, parts, env, batch_host=None):
+    """Where a job's steps run at first: every node (None), or all but EDDIS_SPARE_NODES of
+    ``nodes``; ``parts``: the job's hetjob components (a job of one only may hold spares)."""
+    from .. import settings
+
+    spare = settings.get("EDDIS_SPARE_NODES")
+    if not spare:
+        return None
+    if len(parts) > 1:
+        raise ConfigError(f"EDDIS_SPARE_NODES={spare} is for a job of one component, and this hetjob "
+                          f"has {len(parts)}: each component's trainers use all its nodes. "
+                          "Unset EDDIS_SPARE_NODES, or submit one GPU type with spare nodes")
+    return plan(nodes, spare, tasks_per_node(env), batch_host=batch_host)
+
+
+def without_failed_nodes(job_id, started, current, batch_host, say):
+    """Ask Slurm which of the job's nodes (``started``) failed, and plan its next attempt without
+    them: ``(placement, True)``, the ``current`` one when none failed or Slurm cannot tell;
+    ``(current, False)`` when too few healthy nodes remain. ``say`` takes what the job tells."""
+    from .. import settings
+    from ..slurm.nodes import job_node_lists, node_health
+
+    if not started:
+        return current, True
+    lists = job_node_lists(job_id)
+    health = node_health(",".join(started))
+    if lists is None or health is None:
+        say("Slurm did not say which of the job's nodes are healthy (scontrol show job/node failed); the "
+            "restart uses the same nodes")
+        return current, True
+    failed = failed_nodes(started, {n for text in lists for n in expand_hostlist(text)}, health)
+    if not failed:
+        return current, True
+    try:
+        chosen = plan(started, settings.get("EDDIS_SPARE_NODES"), None if current is None else current.tasks_per_node,
+                      failed, batch_host)
+    except NodeFailureError as exc:
+        say(f"error: {exc}")
+        return current, False
+    say(f"node(s) {'; '.join(failed.values())} failed: the smb-servers and trainers restart on "
+        f"{','.join(chosen.nodes)}, without {', '.join(failed)}")
+    return chosen, True
