@@ -30,6 +30,7 @@ servers (``eddis.core.adasum_sync``).
 import numpy as np
 
 from ..errors import ConfigError
+from .waits import start, wait_request
 
 try:  # the C kernels (fp32 accumulation, bit-identical on every path); numpy otherwise
     from ..smb import _vecops
@@ -136,8 +137,6 @@ class PairwiseExchange:
     def reduce(self, vector, segments, tag=0, offset=0):
         """Replace ``vector`` (fp32) by the Adasum of every rank's; ``segments`` relative to it.
         ``offset``: where ``vector`` starts in this exchange's scratch (the bucket's start)."""
-        from .collectives import _start, wait_request
-
         count = vector.size
         theirs = self._theirs[offset:offset + count]
         for distance in tree_levels(self.size):
@@ -148,8 +147,8 @@ class PairwiseExchange:
                 send = self.codec.compress(vector, out=self._wire_mine[offset:offset + count])
                 recv = self._wire_theirs[offset:offset + count]
                 self.codec.decompress(send, vector)  # round own values as the partner sees them
-            recv_req = _start(self.comm.Irecv, self._message(recv), source=partner, tag=tag)
-            send_req = _start(self.comm.Isend, self._message(send), dest=partner, tag=tag)
+            recv_req = start(self.comm.Irecv, self._message(recv), source=partner, tag=tag)
+            send_req = start(self.comm.Isend, self._message(send), dest=partner, tag=tag)
             what = f"{self.what} (Adasum with rank {partner} at distance {distance})"
             wait_request(send_req, self.timeout, what)
             wait_request(recv_req, self.timeout, what)
@@ -165,16 +164,14 @@ def allreduce_array(array, comm, timeout, what):
     segment; a new array, the same on every rank."""
     from mpi4py import MPI
 
-    from .collectives import _start, wait_request
-
     rank, size = comm.Get_rank(), comm.Get_size()
     check_ranks(size, what)
     mine = np.array(array, dtype=np.float64).reshape(-1)
     theirs = np.empty_like(mine)
     for distance in tree_levels(size):
         partner = rank ^ distance
-        recv_req = _start(comm.Irecv, [theirs, MPI.DOUBLE], source=partner, tag=1)
-        send_req = _start(comm.Isend, [mine, MPI.DOUBLE], dest=partner, tag=1)
+        recv_req = start(comm.Irecv, [theirs, MPI.DOUBLE], source=partner, tag=1)
+        send_req = start(comm.Isend, [mine, MPI.DOUBLE], dest=partner, tag=1)
         wait_request(send_req, timeout, what)
         wait_request(recv_req, timeout, what)
         lower, upper = (mine, theirs) if rank < partner else (theirs, mine)

@@ -1,7 +1,7 @@
 """Collectives over MPI that never wait forever.
 
-Each call starts the non-blocking MPI operation and polls it until it completes
-or ``timeout`` seconds (default ``EDDIS_COMM_TIMEOUT``) pass; then it raises
+Each call starts the non-blocking MPI operation and polls it (:mod:`eddis.core.waits`) until
+it completes or ``timeout`` seconds (default ``EDDIS_COMM_TIMEOUT``) pass; then it raises
 :class:`CollectiveTimeoutError`, naming the call, so a rank that crashed or
 skipped a collective turns into an error instead of a hang. After such a
 timeout the communicator is unusable; :func:`eddis.core.shutdown` aborts the
@@ -16,64 +16,19 @@ MPI job instead of finalizing it.
   is identical everywhere (naming the ranks and the first line that differs).
 """
 import pickle
-import time
 
 import numpy as np
 
 from .. import settings, timeline
 # CollectiveTimeoutError: also importable from here, its old address
-from ..errors import CollectiveTimeoutError, ConfigError
-from . import runtime
+from ..errors import CollectiveTimeoutError, ConfigError  # noqa: F401
+from . import adasum, runtime
 from .ops import resolve_op
+from .waits import start, wait_request
 
 
 def _timeout(timeout):
     return settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
-
-
-PROBE_AFTER = 1.0   # seconds a collective waits before asking the probes why
-_wait_probes = []
-
-
-def add_wait_probe(fn):
-    """``fn(what)`` is called once in a collective's wait that lasts PROBE_AFTER seconds; it
-    raises an EddisError when it knows the others cannot come (eddis.core.join)."""
-    if fn not in _wait_probes:
-        _wait_probes.append(fn)
-
-
-def wait_request(request, timeout, what, deadline=None):
-    """Poll an MPI request until done; raise CollectiveTimeoutError after ``timeout`` s, or
-    once ``deadline()`` (a callable: a monotonic time that may move later while the caller
-    sees the others alive) has passed."""
-    start = time.monotonic()
-    end = start + timeout
-    probed = False
-    delay = 2e-6
-    while True:
-        with runtime.mpi_lock():
-            if request.Test():
-                return
-
-        now = time.monotonic()
-        if not probed and now - start > PROBE_AFTER:
-            probed = True
-            for probe in _wait_probes:
-                probe(what)
-        if now > (end if deadline is None else deadline()):
-            runtime.mark_broken(what)
-            raise CollectiveTimeoutError(
-                f"{what}: not every rank joined within {timeout:g} s. Another rank failed, "
-                "is stuck, or skipped this call (every rank must make the same collective "
-                "calls in the same order); raise EDDIS_COMM_TIMEOUT if it is only slow.")
-        time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
-
-
-def _start(method, *args, **kwargs):
-    """Start a non-blocking MPI call (under the MPI lock when threads must take turns)."""
-    with runtime.mpi_lock():
-        return method(*args, **kwargs)
 
 
 def _comm(comm):
@@ -94,13 +49,11 @@ def allreduce_array(array, op="sum", out=None, comm=None, timeout=None, what="al
     key = resolve_op(op).name  # one spelling of the ops for every caller
     comm = _comm(comm)
     if key == "adasum":
-        from .adasum import allreduce_array as adasum_allreduce
-
         src = np.asarray(array)
         if src.dtype.kind != "f":
             raise ConfigError(f"{what}: Adasum combines float tensors by their directions; "
                               f"{src.dtype.name} is not one: reduce a float tensor, or use op=Sum")
-        result = adasum_allreduce(src, comm, _timeout(timeout), what).astype(src.dtype, copy=False)
+        result = adasum.allreduce_array(src, comm, _timeout(timeout), what).astype(src.dtype, copy=False)
         if out is None:
             return result
         np.copyto(out, result)
@@ -110,7 +63,7 @@ def allreduce_array(array, op="sum", out=None, comm=None, timeout=None, what="al
         out = src.copy()
     elif out is not src:
         np.copyto(out, src)
-    req = _start(comm.Iallreduce, MPI.IN_PLACE, out, getattr(MPI, _MPI_OPS[key]))
+    req = start(comm.Iallreduce, MPI.IN_PLACE, out, getattr(MPI, _MPI_OPS[key]))
     wait_request(req, _timeout(timeout), what)
     if key == "average":
         if np.issubdtype(out.dtype, np.integer):
@@ -125,7 +78,7 @@ def broadcast_array(array, root=0, comm=None, timeout=None, what="broadcast"):
     if not array.flags.c_contiguous or not array.flags.writeable:
         raise ConfigError("broadcast_array needs a writable C-contiguous numpy array; "
                           "pass np.ascontiguousarray(x) and copy the result back")
-    wait_request(_start(comm.Ibcast, array, root=root), _timeout(timeout), what)
+    wait_request(start(comm.Ibcast, array, root=root), _timeout(timeout), what)
     return array
 
 
@@ -136,9 +89,9 @@ def broadcast_object(obj, root=0, comm=None, timeout=None, what="broadcast_objec
     is_root = comm.Get_rank() == root
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_root else b""
     length = np.array([len(payload)], dtype=np.int64)
-    wait_request(_start(comm.Ibcast, length, root=root), t, what)
+    wait_request(start(comm.Ibcast, length, root=root), t, what)
     data = np.frombuffer(payload, dtype=np.uint8).copy() if is_root else np.empty(int(length[0]), np.uint8)
-    wait_request(_start(comm.Ibcast, data, root=root), t, what)
+    wait_request(start(comm.Ibcast, data, root=root), t, what)
     return obj if is_root else pickle.loads(data.tobytes())
 
 
@@ -149,7 +102,7 @@ def allgather_object(obj, comm=None, timeout=None, what="allgather_object"):
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
     lengths = np.empty(comm.Get_size(), dtype=np.int64)
     mine = np.array([payload.size], dtype=np.int64)
-    wait_request(_start(comm.Iallgather, mine, lengths), t, what)
+    wait_request(start(comm.Iallgather, mine, lengths), t, what)
     data, offsets = allgatherv_bytes(payload, lengths, comm=comm, timeout=t, what=what)
     return [pickle.loads(data[d:d + n].tobytes()) for d, n in zip(offsets, lengths)]
 
@@ -164,7 +117,7 @@ def allgatherv_bytes(payload, lengths, comm=None, timeout=None, what="allgather"
     offsets = np.zeros(lengths.size, dtype=np.int64)
     np.cumsum(lengths[:-1], out=offsets[1:])
     data = np.empty(int(lengths.sum()), dtype=np.uint8)
-    wait_request(_start(comm.Iallgatherv, [payload, MPI.BYTE], [data, (lengths, offsets), MPI.BYTE]),
+    wait_request(start(comm.Iallgatherv, [payload, MPI.BYTE], [data, (lengths, offsets), MPI.BYTE]),
                  _timeout(timeout), what)
     return data, offsets
 
@@ -172,7 +125,7 @@ def allgatherv_bytes(payload, lengths, comm=None, timeout=None, what="allgather"
 def barrier(comm=None, timeout=None, what="barrier"):
     comm = _comm(comm)
     with timeline.span(timeline.BARRIER, args={"what": what}):
-        wait_request(_start(comm.Ibarrier), _timeout(timeout), what)
+        wait_request(start(comm.Ibarrier), _timeout(timeout), what)
 
 
 def check_same(text, what, fix, comm=None, timeout=None):

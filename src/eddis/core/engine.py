@@ -39,7 +39,7 @@ import numpy as np
 
 from .. import settings
 from ..errors import CollectiveTimeoutError, EddisError, UsageError
-from . import collectives, negotiate, runtime
+from . import adasum, collectives, negotiate, runtime, waits
 from .negotiate import Call
 
 log = logging.getLogger("eddis.core.engine")
@@ -247,11 +247,11 @@ class Engine:
 
         mine = np.frombuffer(call.encode(), dtype=np.uint8)
         slots = np.empty(self.size * negotiate.SLOT, dtype=np.uint8)
-        request = collectives._start(self.comm.Iallgather, [mine, MPI.BYTE], [slots, MPI.BYTE])
+        request = waits.start(self.comm.Iallgather, [mine, MPI.BYTE], [slots, MPI.BYTE])
         if deadline is None:
             end = time.monotonic() + self.timeout
             deadline = lambda: end  # noqa: E731
-        collectives.wait_request(request, self.timeout, call.what, deadline=self._deadline(deadline))
+        waits.wait_request(request, self.timeout, call.what, deadline=self._deadline(deadline))
         self.rounds += 1
         width = negotiate.SLOT
         return negotiate.decide([Call.decode(slots[r * width:(r + 1) * width]) for r in range(self.size)])
@@ -259,8 +259,6 @@ class Engine:
     # ------------------------------------------------------------ moving the data
     def reduce(self, array, op, what):
         if op == "adasum":
-            from . import adasum
-
             return adasum.allreduce_array(array, self.comm, self.timeout, what)
         return collectives.allreduce_array(array, op=op, comm=self.comm, timeout=self.timeout, what=what)
 

@@ -70,7 +70,7 @@ import weakref
 
 from .. import settings
 from ..errors import CollectiveTimeoutError, ConfigError, SMBTimeoutError, UsageError
-from . import collectives, engine, runtime
+from . import engine, runtime, waits
 
 log = logging.getLogger("eddis.core.join")
 
@@ -195,7 +195,7 @@ def _refuse(what, who):
         "after join() returned.")
 
 
-collectives.add_wait_probe(probe)
+waits.add_wait_probe(probe)
 
 
 def _pick(live, what):

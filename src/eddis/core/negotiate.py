@@ -32,6 +32,7 @@ import struct
 import numpy as np
 
 from ..errors import ConfigError, UsageError
+from . import adasum
 
 SLOT = 256           # bytes of one rank's announcement: every rank receives size * SLOT per call
 NAME_CHARS = 64      # a longer name is cut (names are compared, never used as keys)
@@ -194,8 +195,6 @@ def _floating(dtype_name):
 
 def _allreduce_rules(ref, size):
     """The numeric rules of eddis.allreduce, the same on every caller."""
-    from . import adasum
-
     if not _floating(ref.dtype) and ref.op == "adasum":
         return ConfigError(f"allreduce of an integer tensor ({ref.dtype}) with op=Adasum: Adasum "
                            "combines float tensors by their directions; reduce a float tensor, or "

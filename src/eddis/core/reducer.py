@@ -48,6 +48,7 @@ from .. import settings
 from ..errors import ConfigError, ReductionError, ReductionTimeoutError, UsageError
 from . import adasum, observe, runtime
 from .compression import get_codec
+from .waits import start, wait_request
 
 log = logging.getLogger("eddis.core.reducer")
 _built = [0]  # gradient reducers built in this process: something synchronises the ranks
@@ -403,9 +404,7 @@ class AllreduceReducer(Reducer):
         if runtime.thread_multiple():
             self.comm.Allreduce(MPI.IN_PLACE, [buf, mpi_type], op)
             return
-        from .collectives import _start, wait_request
-
-        req = _start(self.comm.Iallreduce, MPI.IN_PLACE, [buf, mpi_type], op)
+        req = start(self.comm.Iallreduce, MPI.IN_PLACE, [buf, mpi_type], op)
         wait_request(req, self.timeout, f"{self.mode} reduction")
 
     def _prepare_step(self):
