@@ -16,7 +16,7 @@ bucket_bytes, dtype)`` lays parameters out in one flat buffer (float32, or
 float64 for float64 models) in reverse order of definition and cuts it into
 buckets.
 
-Reduction (``reducer``): ``make_reducer(mode, plan, compression, op)`` with
+Reduction (``reducer``, ``registry``): ``make_reducer(mode, plan, compression, op)`` with
 modes ``sync`` (through SMB: each rank writes its slot, the server computes
 the sample-weighted average) and ``allreduce`` (MPI baseline); the reducer's
 ``set_weight``/``mark_ready``/``wait`` drive one step, overlapped with the
@@ -39,8 +39,9 @@ from .buckets import Bucket, BucketPlan, Slot
 from .collectives import (CollectiveTimeoutError, allgather_object, allreduce_array, barrier,
                           broadcast_array, broadcast_object, check_same)
 from .compression import BF16, FP16, NONE, Codec, get_codec
-from .reducer import (REDUCERS, AllreduceReducer, LocalReducer, Reducer, ReductionError,
-                      ReductionTimeoutError, available_modes, make_reducer, register_mode)
+from .reducer import (AllreduceReducer, LocalReducer, Reducer, ReductionError,
+                      ReductionTimeoutError)
+from .registry import REDUCERS, available_modes, make_reducer, register_mode
 from .runtime import (comm, group, hostname, init, is_initialized, local_rank, local_size,
                       num_groups, rank, shutdown, size, smb_client)
 from .sampler import batch_slice, shard_indices, split_sizes

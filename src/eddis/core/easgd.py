@@ -69,7 +69,7 @@ import numpy as np
 
 from .. import settings, timeline
 from ..errors import ConfigError, SMBTimeoutError, UsageError
-from .reducer import LocalReducer, register_mode
+from .reducer import LocalReducer
 
 WEIGHTINGS = ("throughput", "equal")
 RATE_SMOOTHING = 0.25   # weight of the newest interval in a worker's measured throughput
@@ -286,6 +286,3 @@ class LocalGradients(LocalReducer):
     through the centre variable, in ``ElasticAverager.exchange``)."""
 
     mode = "easgd"
-
-
-register_mode("easgd", LocalGradients)

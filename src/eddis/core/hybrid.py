@@ -43,7 +43,7 @@ from .. import settings
 from ..errors import ConfigError, SMBTimeoutError
 from . import collectives, elastic, runtime
 from .buckets import column_share
-from .reducer import Reducer, register_mode
+from .reducer import Reducer
 from .smb_sync import arrivals, sum_bucket_share
 
 log = logging.getLogger("eddis.core.hybrid")
@@ -283,9 +283,6 @@ def default_alpha(workers):
     """EASGD's moving rate: beta = workers x alpha = 0.9 (Zhang, Choromanska, LeCun 2015)."""
     alpha = settings.get("EDDIS_EASGD_ALPHA")
     return 0.9 / max(1, int(workers)) if alpha is None else float(alpha)
-
-
-register_mode("hybrid", GroupSyncReducer)
 
 
 def share_group_move(averager, move, comm, start=0, count=None):

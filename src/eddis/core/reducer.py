@@ -25,10 +25,9 @@ ready; a *finish* thread collects the results and decompresses them into
 ``plan.buffer``; so sending bucket k+1 overlaps receiving bucket k, and both
 overlap the backward pass.
 
-Modes are registered in :data:`REDUCERS` (``register_mode(name, cls)``):
-``allreduce`` (MPI, this module) and ``sync`` (SMB, ``eddis.core.smb_sync``);
-``make_reducer(mode, plan, ...)`` builds one. With one rank every mode is the
-:class:`LocalReducer` (nothing to communicate).
+This module holds the base class, :class:`LocalReducer` (one rank: nothing to communicate)
+and mode ``allreduce`` (MPI); :mod:`eddis.core.registry` knows the modes and builds one
+(``make_reducer(mode, plan, ...)``).
 
 Observability: ``add_listener(fn)`` calls ``fn(event, step, bucket, nbytes,
 t_ns)`` for ``ready``, ``push_start``, ``push_end`` and ``done`` events (from
@@ -62,7 +61,7 @@ def any_built():
 INNER_ERROR_GRACE = 1.0
 
 
-def _op_name(op):
+def op_name(op):
     key = str(getattr(op, "name", op)).lower()
     if key in ("average", "mean", "avg"):
         return "average"
@@ -81,7 +80,7 @@ class Reducer:
     def __init__(self, plan, compression="none", op="average", timeout=None, name="grads"):
         self.plan = plan
         self.codec = get_codec(compression).for_dtype(plan.dtype)
-        self.op = _op_name(op)
+        self.op = op_name(op)
         self.timeout = settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
         self.name = name
         self.rank = runtime.rank()
@@ -462,68 +461,3 @@ def _bf16_sum(inbuf, inoutbuf, datatype):
     b = bfloat16_bits_to_float32(out)
     b += a
     float32_to_bfloat16_bits(b, out)
-
-
-REDUCERS = {"allreduce": AllreduceReducer}
-
-
-def register_mode(name, cls):
-    """Make ``make_reducer(name, ...)`` build ``cls`` (a Reducer subclass)."""
-    REDUCERS[name] = cls
-
-
-def available_modes():
-    _load_builtin_modes()
-    return sorted(REDUCERS)
-
-
-def _load_builtin_modes():
-    if "sync" not in REDUCERS:
-        try:
-            from . import smb_sync  # noqa: F401  (registers "sync")
-        except ImportError as exc:  # SMB extension not built
-            log.debug("mode sync unavailable: %s", exc)
-    if "easgd" not in REDUCERS or "hybrid" not in REDUCERS:
-        from . import easgd, hybrid  # noqa: F401  (register "easgd" and "hybrid")
-
-
-def _check_dtype(plan, mode, op):
-    """Refuse what would reduce a float64 plan in less than float64 (checked on every number of
-    ranks alike, so that a script that runs on one rank runs on many)."""
-    if plan.dtype != np.float64:
-        return
-    if mode in ("easgd", "hybrid"):
-        raise ConfigError(f"mode {mode!r} averages the model's parameters in float32 (the centre variable), "
-                          "which would round this float64 model: use mode 'sync' or 'allreduce' for float64 "
-                          "models (they reduce in float64), or train in float32 (model.float())")
-    if _op_name(op) == "adasum":
-        raise ConfigError("op=Adasum combines gradients in float32 and this model's are float64: use "
-                          "op=Average (or Sum), which reduces float64 in float64, or train in float32")
-
-
-def make_reducer(mode, plan, compression="none", op="average", timeout=None, name="grads"):
-    """Build the reducer of ``mode`` (None: EDDIS_MODE) over ``plan``."""
-    mode = settings.get("EDDIS_MODE") if mode is None else str(mode).lower()
-    _load_builtin_modes()
-    _check_dtype(plan, mode, op)
-    if _op_name(op) == "adasum":
-        if mode in ("easgd", "hybrid"):
-            raise ConfigError(f"op=Adasum combines every rank's gradients at every step, but mode "
-                              f"{mode!r} averages models elastically between groups: use mode 'sync' or "
-                              "'allreduce' with Adasum, or op=Average with this mode")
-        adasum.check_ranks(runtime.size(), f"mode {mode!r}")
-    if mode not in REDUCERS and mode not in ("sync", "easgd", "hybrid"):
-        raise ConfigError(f"unknown mode {mode!r}; available: {', '.join(available_modes())}")
-    if runtime.size() == 1:  # nothing to communicate: no SMB needed either
-        reducer = LocalReducer(plan, compression, op, timeout, name)
-        observe.reducer_built(reducer, mode)
-        return reducer
-    if mode not in REDUCERS:
-        hint = (" (it needs the SMB extension eddis.smb._core: build it with `python setup.py "
-                "build_ext --inplace` where libucx-dev is installed, or use mode='allreduce')"
-                if mode == "sync" else "")
-        raise ConfigError(f"mode {mode!r} is not available in this build{hint}; available: "
-                          f"{', '.join(available_modes())}")
-    reducer = REDUCERS[mode](plan, compression, op, timeout, name)
-    observe.reducer_built(reducer, mode)
-    return reducer

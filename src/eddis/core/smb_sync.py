@@ -53,7 +53,7 @@ from .smb_wire import bucket_on_the_wire, read_result
 from .buckets import column_share
 from .hier_sync import HierarchicalSyncReducer, NodeLayout
 from .join import JoinBoard
-from .reducer import Reducer, register_mode
+from .reducer import Reducer
 
 log = logging.getLogger("eddis.core.sync")
 
@@ -289,6 +289,3 @@ def make_sync_reducer(plan, compression="none", op="average", timeout=None, name
             log.warning("mode sync: %s; every rank's slot goes to the servers instead (flat path)",
                         layout.problem)
     return SyncReducer(plan, compression, op, timeout, name)
-
-
-register_mode("sync", make_sync_reducer)
