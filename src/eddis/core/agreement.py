@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import settings
 from ..errors import ParameterDriftError
-from . import collectives, hetero, reducer, runtime
+from . import collectives, driver, reducer, runtime
 
 log = logging.getLogger("eddis.core.agreement")
 
@@ -40,7 +40,7 @@ def register_source(fn):
 
 
 def _mode():
-    state = hetero.current()
+    state = driver.current()
     return state.mode if state is not None else settings.get("EDDIS_MODE")
 
 

@@ -18,8 +18,8 @@ import os
 
 from .. import settings, timeline
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import (adasum, checkpoint, checkpoint_run, checkpoint_state, collectives, elastic, engine, hetero,
-               join as _join, progress, reducer, runtime, sampler)
+from . import (adasum, checkpoint, checkpoint_run, checkpoint_state, collectives, driver, elastic, engine,
+               hetero, join as _join, progress, reducer, runtime, sampler)
 from .ops import Average, resolve_op
 
 
@@ -205,7 +205,7 @@ class EddisBasics:
     def configure_progress(self, total=None, chunk=None, staleness=None, record=False):
         """Set up the global learning counter (collective; optional: the first
         should_stop() does it from EDDIS_TOTAL_ITERATIONS, EDDIS_CLAIM_CHUNK, EDDIS_STALENESS)."""
-        state = hetero.current()
+        state = driver.current()
         return progress.configure(total=total, chunk=chunk, staleness=staleness,
                                   mode=state.mode if state is not None else None, record=record)
 
@@ -231,7 +231,7 @@ class EddisBasics:
         synchronises the ranks at all (their models would differ)."""
         if state is not None:
             return state
-        state = hetero.current()
+        state = driver.current()
         if state is None and not reducer.any_built():
             raise UsageError("no eddis.DistributedOptimizer (or DistributedGradientTape) was created, "
                              "so nothing trained across the ranks: wrap the optimizer with "

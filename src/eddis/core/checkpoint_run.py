@@ -65,7 +65,7 @@ from ..errors import CheckpointError, CheckpointStop, SMBTimeoutError, UsageErro
 from . import checkpoint as layout
 from . import checkpoint_state as cstate
 from . import checkpoint_verify as verify
-from . import collectives, elastic, progress, runtime
+from . import collectives, driver, elastic, progress, runtime
 
 log = logging.getLogger("eddis.core.checkpoint")
 
@@ -674,10 +674,8 @@ def at_step_boundary(state, participant):
 def _at_end_of_training():
     """A rank's training is over (progress control): join a save that others began, so that
     nobody waits in it while this rank goes on to the script's end-of-training collectives."""
-    from . import hetero
-
     directory = settings.get("EDDIS_CHECKPOINT_DIR")
-    state = hetero.current()
+    state = driver.current()
     if directory is None or state is None or not runtime.is_initialized():
         return
     schedule = schedule_of(state, directory)

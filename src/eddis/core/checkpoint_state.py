@@ -19,8 +19,7 @@ import random
 import numpy as np
 
 from ..errors import ConfigError
-from . import hetero as _hetero
-from . import progress
+from . import driver, progress
 
 # ---------------------------------------------------------------- the data position
 # The epoch the EDDIS samplers were last set to and the optimizer step it began at (after a
@@ -29,7 +28,7 @@ _epoch = {"epoch": 0, "start_step": 0}
 
 
 def _current_step():
-    state = _hetero.current()
+    state = driver.current()
     return state.step if state is not None else 0
 
 

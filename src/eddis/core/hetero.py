@@ -35,20 +35,14 @@ from .. import settings
 from ..errors import ConfigError, FinalModelWarning, UsageError
 from ..smb import rundir
 from . import balance as _balance
-from . import collectives, easgd, elastic, hybrid, join, progress, runtime, simulate
+from . import collectives, driver, easgd, elastic, hybrid, join, progress, runtime, simulate
 
 log = logging.getLogger("eddis.core.hetero")
 CLOSE_TIMEOUT_S = 60.0   # how long close() waits for the other ranks before leaving the centre
 
-_current = [None]   # the newest HeteroStep (for module-level helpers)
 _loop_mark = [0.0]  # when should_stop() last returned
 _names = [0]
 _serials = itertools.count(1)
-
-
-def current():
-    """The newest HeteroStep, or None."""
-    return _current[0]
 
 
 def should_stop():
@@ -62,7 +56,7 @@ def should_stop():
         stop = progress.should_stop()
     finally:
         _loop_mark[0] = time.perf_counter()
-    state = _current[0]
+    state = driver.current()
     if stop and state is not None and state.needs_centre:
         state.init_centre()
     return stop
@@ -158,7 +152,7 @@ class HeteroStep:
         self.flat = None
         self._when_attached = []   # e.g. a resumed centre variable, once its pool exists
         progress.set_mode_hint(self.mode)
-        _current[0] = self
+        driver.make_current(self)
         if plan is not None:
             self.attach(plan, reducer)
 

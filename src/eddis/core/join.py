@@ -70,7 +70,7 @@ import weakref
 
 from .. import settings
 from ..errors import CollectiveTimeoutError, ConfigError, SMBTimeoutError, UsageError
-from . import engine, runtime, waits
+from . import driver, engine, runtime, waits
 
 log = logging.getLogger("eddis.core.join")
 
@@ -177,9 +177,7 @@ def probe(what):
 
 def _elastic_arrivals():
     """easgd: how many ranks wait in the current join() while this one is not in it."""
-    from . import hetero
-
-    state = hetero.current()
+    state = driver.current()
     barrier = None if state is None else getattr(state, "join_barrier", None)
     if barrier is None or barrier.waiting:
         return 0
@@ -221,10 +219,8 @@ def join(what="eddis.join()"):
     runtime.require(what)
     if runtime.size() == 1:
         return 0
-    from . import hetero  # it imports this module (its easgd barrier)
-
     reducer, idle_step = _pick(_live(), what)
-    state = hetero.current()
+    state = driver.current()
     mode = reducer.mode if reducer is not None else (state.mode if state is not None else None)
     if mode in ("easgd", "hybrid") or (reducer is None and state is not None and state.averager is not None):
         return _join_elastic(state, what)

@@ -95,9 +95,9 @@ def shard_batches(dataset, global_batch_size, weights=None, rank=None, size=None
 
 def balanced_batches(dataset, global_batch_size, optimizer=None):
     """This rank's part of each global batch, as the optimizer's (balanced) shares say."""
-    from ..core import hetero
+    from ..core import driver
 
-    state = hetero.current() if optimizer is None else getattr(getattr(optimizer, "_eddis", None),
+    state = driver.current() if optimizer is None else getattr(getattr(optimizer, "_eddis", None),
                                                                 "hetero", None)
     if state is None:
         raise ConfigError("balanced_batches needs an eddis.DistributedOptimizer: create it first "
