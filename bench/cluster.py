@@ -236,9 +236,9 @@ def worker(args):
 
 
 def runtime_transport():
-    from eddis.core import runtime
+    from eddis.core import connection
 
-    return runtime.smb_client().transport
+    return connection.smb_client().transport
 
 
 def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):

@@ -44,10 +44,10 @@ def worker():
     slow = os.environ.get("RACE_SLOW_RANK")
     if slow is not None and slow == os.environ.get("SLURM_PROCID"):
         os.nice(19)
-    from eddis.core import runtime
+    from eddis.core import lifecycle
 
-    runtime.init()
-    runtime.shutdown()
+    lifecycle.init()
+    lifecycle.shutdown()
     return 0
 
 

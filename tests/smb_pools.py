@@ -3,11 +3,11 @@
 
 def pool_left_on_servers(pool):
     """Whether ``pool`` is still on the job's servers (looked up by name, never created)."""
-    from eddis.core import runtime
+    from eddis.core import connection
     from eddis.errors import SMBKeyError
 
     try:
-        runtime.smb_client().pool(pool.name, pool.length, dtype=pool.dtype, slots=pool.slots,
+        connection.smb_client().pool(pool.name, pool.length, dtype=pool.dtype, slots=pool.slots,
                                   create=False, servers=pool.servers)
     except SMBKeyError:
         return False

@@ -127,12 +127,12 @@ def case_global_batch_too_small():
 def case_unit_leader_stalls():
     """Rank 0 waits for its unit's leader (rank 1 here), which never claims: a timeout
     that names the leader, not a hang."""
-    from eddis.core import collectives, progress, runtime
+    from eddis.core import collectives, connection, progress, runtime
 
     rank = runtime.rank()
     unit = runtime.comm().Split(0, runtime.size() - 1 - rank)   # world rank 1 leads
     try:
-        ctl = progress.ProgressController(runtime.smb_client(), 10, rank, runtime.size(),
+        ctl = progress.ProgressController(connection.smb_client(), 10, rank, runtime.size(),
                                           lockstep_comm=unit, name="misuse.stalled", timeout=1.0)
         if rank == 0:
             ctl.should_stop()

@@ -32,11 +32,11 @@ def worker():
     os.environ["EDDIS_HOSTNAME"] = HOSTS[rank]
     import time
 
-    from eddis.core import checkpoint_state, collectives, hetero, hybrid, progress, runtime
+    from eddis.core import checkpoint_state, collectives, connection, hetero, hybrid, lifecycle, progress
 
-    runtime.init()
+    lifecycle.init()
     ctl = progress.configure(total=TOTAL, chunk=1, mode="hybrid")
-    client = runtime.smb_client()
+    client = connection.smb_client()
     leader_home = client.servers_on_hosts([HOSTS[ctl.unit_leader]])
     steps, consistent = 0, None
     group = hybrid.group_comm()
@@ -74,7 +74,7 @@ def worker():
         "hashed_servers": [client.server_for("counter:" + c.name) for c in (ctl._posted, ctl._posted_value)],
         "early_left": left, "early_had_ahead": had_ahead, "early_counter": after_early,
         "centre_crosses": crosses}) + "\n").encode())
-    runtime.shutdown()
+    lifecycle.shutdown()
 
 
 _runs = []

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import eddis.torch as eddis  # noqa: E402
-from eddis.core import checkpoint_run, runtime  # noqa: E402
+from eddis.core import checkpoint_run, connection  # noqa: E402
 from eddis.smb.mirror import MirroredCounter  # noqa: E402
 
 elastic_steps.before_init(args)
@@ -80,7 +80,7 @@ eddis.save_checkpoint(os.path.join(args.out, "model.pt"), model, optimizer)
 schedules = list(checkpoint_run._schedules.values())
 with open(os.path.join(args.out, f"{rank}.json"), "w") as f:
     json.dump({"rank": rank, "steps": ctl.steps_done, "counter": ctl.counter.read(),
-               "lost_servers": sorted(runtime.smb_client().lost_servers),
+               "lost_servers": sorted(connection.smb_client().lost_servers),
                "group_servers": getattr(optimizer.reducer, "servers", None) if args.mode == "hybrid" else None,
                "checkpoint_requests": [{"mirrored": isinstance(s.requests, MirroredCounter),
                                         "value": s.requests.read()} for s in schedules],

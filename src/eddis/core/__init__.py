@@ -5,7 +5,7 @@ The PyTorch adapter (``eddis.torch``) and the TensorFlow adapter
 modes (easgd, hybrid, balanced sync) plug into it. Nothing here imports a
 deep-learning framework.
 
-Runtime (``runtime``): ``init()``, ``shutdown()``, ``is_initialized()``,
+Runtime (``lifecycle``, ``runtime``, ``connection``): ``init()``, ``shutdown()``, ``is_initialized()``,
 ``rank()``, ``size()``, ``local_rank()``, ``local_size()``, ``group()``,
 ``num_groups()``, ``hostname()``, ``comm()`` (private duplicate of MPI
 COMM_WORLD), ``smb_client()`` (the job's SMB client; collective on first use;
@@ -42,8 +42,10 @@ from .compression import BF16, FP16, NONE, Codec, get_codec
 from .reducer import (AllreduceReducer, LocalReducer, Reducer, ReductionError,
                       ReductionTimeoutError)
 from .registry import REDUCERS, available_modes, make_reducer, register_mode
-from .runtime import (comm, group, hostname, init, is_initialized, local_rank, local_size,
-                      num_groups, rank, shutdown, size, smb_client)
+from .connection import smb_client
+from .lifecycle import init, shutdown
+from .runtime import (comm, group, hostname, is_initialized, local_rank, local_size, num_groups, rank,
+                      size)
 from .sampler import batch_slice, shard_indices, split_sizes
 
 __all__ = [

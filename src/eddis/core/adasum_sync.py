@@ -31,7 +31,7 @@ import logging
 from .. import timeline
 from ..errors import SMBMemoryError, SMBTimeoutError
 from ..timeline.events import CAT_COMM
-from . import adasum, collectives, runtime
+from . import adasum, collectives, connection
 from .reducer import Reducer
 from .smb_wire import bucket_on_the_wire, read_result
 
@@ -55,7 +55,7 @@ class AdasumSyncReducer(Reducer):
     def __init__(self, plan, compression="none", op="adasum", timeout=None, name="grads"):
         super().__init__(plan, compression, op, timeout, name)
         adasum.check_ranks(self.size, "mode 'sync'")
-        self.client = runtime.smb_client()
+        self.client = connection.smb_client()
         self.pool_name = f"eddis.{name}.adasum"
         self.slots_pool = self._pool(".slots", self.size, self.codec.smb_dtype)
         self.tree_pool = self._pool(".tree", self.size // 2, "float32") if self.size > 2 else None

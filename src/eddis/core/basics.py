@@ -19,14 +19,14 @@ import os
 from .. import settings, timeline
 from ..errors import CheckpointError, ConfigError, UsageError
 from . import (adasum, checkpoint, checkpoint_run, checkpoint_state, collectives, driver, elastic, engine,
-               hetero, join as _join, progress, reducer, runtime, sampler)
+               hetero, join as _join, lifecycle, progress, reducer, runtime, sampler)
 from .ops import Average, resolve_op
 
 
 class EddisBasics:
     # ------------------------------------------------------------ the job and this rank
-    init = staticmethod(runtime.init)
-    shutdown = staticmethod(runtime.shutdown)
+    init = staticmethod(lifecycle.init)
+    shutdown = staticmethod(lifecycle.shutdown)
     is_initialized = staticmethod(runtime.is_initialized)
     rank = staticmethod(runtime.rank)
     size = staticmethod(runtime.size)

@@ -65,7 +65,7 @@ from ..errors import CheckpointError, CheckpointStop, SMBTimeoutError, UsageErro
 from . import checkpoint as layout
 from . import checkpoint_state as cstate
 from . import checkpoint_verify as verify
-from . import collectives, driver, elastic, progress, runtime
+from . import collectives, connection, driver, elastic, progress, runtime
 
 log = logging.getLogger("eddis.core.checkpoint")
 
@@ -458,7 +458,7 @@ class Schedule:
         else:
             unit = [self.rank]
         name = f"eddis.checkpoint.h{state.serial}"
-        client = runtime.smb_client()
+        client = connection.smb_client()
         # elastic runs: on two servers, so that a node lost with its server leaves the schedule
         mirrored = state.members is not None and elastic.mirroring(client)
         self.requests = client.counter(f"{name}.requests", initial=0, mirrored=mirrored)

@@ -48,7 +48,7 @@ import numpy as np
 
 from .. import settings
 from ..errors import ConfigError, MembershipTimeoutError, UsageError
-from . import collectives, runtime
+from . import collectives, connection, runtime
 
 log = logging.getLogger("eddis.core.elastic")
 
@@ -282,7 +282,7 @@ def join(mode):
     if not requested(mode):
         return None
     st = runtime.require("eddis elastic training")
-    client = runtime.smb_client()
+    client = connection.smb_client()
     if _members[0] is not None:
         return _members[0]
     # only rank 0 knows whether it runs the server itself

@@ -35,7 +35,7 @@ from .. import settings
 from ..errors import ConfigError, FinalModelWarning, UsageError
 from ..smb import rundir
 from . import balance as _balance
-from . import collectives, driver, easgd, elastic, hybrid, join, progress, runtime, simulate
+from . import collectives, connection, driver, easgd, elastic, hybrid, join, progress, runtime, simulate
 
 log = logging.getLogger("eddis.core.hetero")
 CLOSE_TIMEOUT_S = 60.0   # how long close() waits for the other ranks before leaving the centre
@@ -211,7 +211,7 @@ class HeteroStep:
         _names[0] += 1
         name = collectives.broadcast_object(f"eddis.{self.mode}.centre.h{_names[0]}", root=0,
                                             what=f"{self.mode} set-up")
-        client = runtime.smb_client()
+        client = connection.smb_client()
         mirrored = self.members is not None and elastic.mirroring(client)   # outlives a lost node
         self.averager = easgd.ElasticAverager(client, self.plan.total, worker, workers,
                                               alpha=hybrid.default_alpha(workers), name=name,
@@ -452,7 +452,7 @@ class HeteroStep:
         except Exception as exc:  # the servers free everything when they stop anyway
             log.warning("could not free %s: %s", what, exc)
             return
-        runtime.smb_client().free_when_all_arrive(
+        connection.smb_client().free_when_all_arrive(
             averager.name + ".close", self.size, [averager.pool, averager.rates] if self.rank == 0 else [],
             CLOSE_TIMEOUT_S, what)
 

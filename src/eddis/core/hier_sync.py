@@ -41,7 +41,7 @@ from .. import timeline
 from ..errors import ConfigError, SMBTimeoutError
 from ..smb import _vecops
 from ..timeline.events import CAT_COMM
-from . import collectives, runtime
+from . import collectives, connection, runtime
 from .buckets import column_share
 from .join import JoinBoard
 from .reducer import Reducer
@@ -91,7 +91,7 @@ class HierarchicalSyncReducer(Reducer):
         super().__init__(plan, compression, op, timeout, name)
         if layout is None or layout.problem:
             raise ConfigError(f"hierarchical mode sync: {layout.problem if layout else 'no node layout'}")
-        self.client = client = runtime.smb_client()
+        self.client = client = connection.smb_client()
         # before this reducer's first collective (eddis.core.join)
         self.join_board = JoinBoard(client, f"eddis.{name}", self.rank, self.size)
         self.layout = layout

@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import settings
 from ..errors import ConfigError, SMBTimeoutError
-from . import collectives, elastic, runtime
+from . import collectives, connection, elastic, runtime
 from .buckets import column_share
 from .reducer import Reducer
 from .smb_sync import arrivals, sum_bucket_share
@@ -119,7 +119,7 @@ class GroupSyncReducer(Reducer):
         instance = collectives.broadcast_object(next(_pool_ids), root=0, comm=comm,
                                                 what="hybrid reducer set-up")
         self.alone = self.group_size == 1   # nothing to average: the gradients stay as they are
-        client = self.client = runtime.smb_client()
+        client = self.client = connection.smb_client()
         self.servers = None if self.alone else self._group_servers(client, comm)
         self._comm = comm
         self._in_slot = not self.alone and self._agree_in_slot(client, comm)

@@ -74,7 +74,7 @@ import warnings
 from .. import settings, timeline
 # ProgressError, ProgressTimeoutError: also importable from here, their old address
 from ..errors import ConfigError, ProgressError, ProgressTimeoutError, SMBTimeoutError, UsageError
-from . import collectives, elastic, runtime
+from . import collectives, connection, elastic, runtime
 
 log = logging.getLogger("eddis.core.progress")
 
@@ -436,7 +436,7 @@ def configure(total=None, chunk=None, staleness=None, mode=None, record=False):
                          "call it once per training run (reset_progress() to start over)")
     comm = _lockstep_comm(mode)
     name = f"eddis.progress.{next(_instance)}"
-    client = runtime.smb_client()
+    client = connection.smb_client()
     # decided from the settings, not from elastic.current(): the optimizer may join later
     elastic_run = runtime.size() > 1 and mode in elastic.ELASTIC_MODES and bool(settings.get("EDDIS_ELASTIC"))
     # an elastic run claims only when it needs to: a lost rank then takes the one step it was

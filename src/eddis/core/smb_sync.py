@@ -47,7 +47,7 @@ from ..timeline.events import CAT_COMM
 from ..errors import ConfigError, SMBMemoryError, SMBTimeoutError
 from ..smb import _core  # without the built SMB extension there is no mode sync
 from ..smb import _vecops
-from . import collectives, runtime
+from . import collectives, connection
 from .adasum_sync import AdasumSyncReducer
 from .smb_wire import bucket_on_the_wire, read_result
 from .buckets import column_share
@@ -63,7 +63,7 @@ class SyncReducer(Reducer):
 
     def __init__(self, plan, compression="none", op="average", timeout=None, name="grads"):
         super().__init__(plan, compression, op, timeout, name)
-        self.client = runtime.smb_client()
+        self.client = connection.smb_client()
         self.pool_name = f"eddis.{name}"
         self.join_board = JoinBoard(self.client, self.pool_name, self.rank, self.size)  # before a collective
         self.slots_pool = self._pool(".slots", self.size)
@@ -280,7 +280,7 @@ def make_sync_reducer(plan, compression="none", op="average", timeout=None, name
         return AdasumSyncReducer(plan, compression, op, timeout, name)
     if choice in ("auto", "hierarchical"):
         wait = settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
-        layout = NodeLayout.gather(runtime.smb_client(), wait)
+        layout = NodeLayout.gather(connection.smb_client(), wait)
         if choice == "hierarchical" or layout.num_nodes > 1:
             if layout.problem is None:
                 return HierarchicalSyncReducer(plan, compression, op, timeout, name, layout=layout)
