@@ -45,6 +45,7 @@ from . import collectives, connection, runtime
 from .buckets import column_share
 from .join import JoinBoard
 from .reducer import Reducer
+from .slots import arrivals
 
 log = logging.getLogger("eddis.core.sync")
 
@@ -184,8 +185,6 @@ class HierarchicalSyncReducer(Reducer):
         try:
             counter.wait_for(target, self.timeout)
         except SMBTimeoutError as exc:
-            from .smb_sync import arrivals
-
             raise SMBTimeoutError(
                 f"step {self.step}: {what}: within {self.timeout:g} s only "
                 f"{arrivals(self.client, counter, target, list(self.members))} on node "

@@ -44,7 +44,7 @@ from ..errors import ConfigError, SMBTimeoutError
 from . import collectives, connection, elastic, runtime
 from .buckets import column_share
 from .reducer import Reducer
-from .smb_sync import arrivals, sum_bucket_share
+from .slots import arrivals, sum_bucket_share
 
 log = logging.getLogger("eddis.core.hybrid")
 
