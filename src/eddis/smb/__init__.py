@@ -13,7 +13,7 @@ import importlib
 # Attributes load on first use, so `python -m eddis.smb.server` / `-m eddis.smb.rundir`
 # do not import their own module twice.
 _EXPORTS = {
-    "Server": "server", "Client": "client", "Request": "client", "Counter": "client",
+    "Server": "server", "Client": "client", "Request": "requests", "Counter": "counter",
     "Barrier": "client", "Event": "client", "Pool": "pool",
     "create_run_dir": "rundir", "default_run_dir": "rundir", "read_token": "rundir",
     "wait_for_servers": "rundir",

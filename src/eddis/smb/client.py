@@ -19,97 +19,14 @@ from .. import identity, settings
 from ..errors import (SMBConnectionError, SMBTimeoutError, SMBValueError, UsageError,
                       from_ucs_status)
 from . import handshake, rundir, transport as transports
-from .protocol import (COUNTER_REPLY, COUNTER_REQUEST, decode_control, encode_control)
+from .counter import Counter
+from .protocol import decode_control, encode_control
+from .requests import Completed, Request
 
 log = logging.getLogger("eddis.smb.client")
 
 
 GENERATIONS = "generations"   # the key name of a server's generation table (rdma)
-
-
-class Request:
-    """A non-blocking SMB operation: ``wait(timeout=None)`` returns its result, ``done()`` polls."""
-
-    def __init__(self, client, pending, description, finish=None, servers=()):
-        self._client = client
-        self._pending = pending
-        self._description = description
-        self._finish = finish
-        self._servers = servers
-        self._result = None
-        self._completed = False
-
-    def done(self):
-        return self._completed or self._pending.done()
-
-    def wait(self, timeout=None):
-        if self._completed:
-            return self._result
-        timeout = self._client.timeout if timeout is None else float(timeout)
-        client = self._client
-        rc = self._pending.wait(timeout)
-        if rc == 3:
-            raise UsageError(f"{self._description}: the SMB client was closed while waiting")
-        if rc != 0:
-            if self._pending.has_transfers:
-                # A one-sided transfer that never completes means a stuck server:
-                # give up on it so no late write lands in a buffer we returned.
-                for conn in self._pending.inflight_conns():
-                    client._core.fail_conn(conn)
-            raise SMBTimeoutError(
-                f"{self._description} did not complete within {timeout:g} s "
-                f"(servers {sorted(set(self._servers))}); raise SMB_TIMEOUT or check the servers")
-        status = self._pending.error_status
-        if status != 0:
-            conn = self._pending.error_conn
-            code = client._core.conn_status(conn) or status
-            # A send can fail on a reset connection before the transport's error callback has
-            # marked it failed; mark it now, so that whoever asks which servers are lost
-            # (note_lost, check_alive) sees the loss this error reports.
-            client._core.fail_conn(conn, code)
-            raise SMBConnectionError(
-                f"{self._description}: lost SMB server {conn} ({client.address(conn)}): "
-                f"{client._status_text(code)}; the server died or the network failed", code)
-        replies = self._pending.replies()
-        for conn, reply in zip(self._pending_conns(), replies):
-            st, data = reply
-            if st != 0:
-                raise from_ucs_status(st, f"{self._description}: server {conn}: "
-                                          f"{data.decode(errors='replace')}")
-        self._result = self._finish([data for _, data in replies]) if self._finish else None
-        self._completed = True
-        self._pending = None
-        return self._result
-
-    def _pending_conns(self):
-        return self._pending.slot_conns_list()
-
-    def unanswered_servers(self):
-        """After a timeout: the servers whose part of this request has not completed."""
-        if self._pending is None:
-            return []
-        conns = set(self._pending.inflight_conns())
-        conns.update(c for c, reply in zip(self._pending.slot_conns_list(), self._pending.replies())
-                     if reply is None)
-        return self._client.servers_of(conns)
-
-
-class Completed:
-    """A request that finished when it was issued (same-node copies)."""
-
-    __slots__ = ("_result",)
-
-    def __init__(self, result=None):
-        self._result = result
-
-    def done(self):
-        return True
-
-    def wait(self, timeout=None):
-        return self._result
-
-    def unanswered_servers(self):
-        return []
 
 
 class Client:
@@ -425,107 +342,10 @@ def _parse_address(address):
     return host, int(port)
 
 
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
 def servers_on_hosts(server_hosts, hosts):
     """Indices of the servers (by their host names, in server order) on any of ``hosts``."""
     hosts = set(hosts)
     return [s for s, host in enumerate(server_hosts) if host in hosts]
-
-
-def counter_value(value, counter, argument):
-    """``value`` as an int a counter can hold (signed 64-bit), else SMBValueError naming the range."""
-    number = int(value)
-    if not INT64_MIN <= number <= INT64_MAX:
-        raise SMBValueError(f"counter {counter!r}: {argument}={number} is outside a counter's signed "
-                            f"64-bit range -2**63..2**63-1 ({INT64_MIN}..{INT64_MAX})")
-    return number
-
-
-class Counter:
-    """A 64-bit counter, atomic across all clients of the job."""
-
-    def __init__(self, client, name, initial=0, server=None):
-        """``server``: the index of the server that holds it (default: by its name's hash);
-        a counter that only one node's ranks use belongs on that node's server."""
-        from . import _core
-
-        self._client = client
-        self.name = name
-        self.server = self.home(client, name, server)
-        info, _ = client._control(self.server, {
-            "op": "region_create", "name": "counter:" + name, "slots": 1, "length": 1,
-            "dtype": "int64", "meta": {"kind": "counter"},
-            "initial": counter_value(initial, name, "initial")}, f"counter {name!r}")
-        self._rid = info["id"]
-        base = client.servers[self.server]["base"]
-        self._local = base + info["offset"] if base else 0
-        self._core = _core
-
-    @staticmethod
-    def home(client, name, server=None):
-        """The index of the server that holds counter ``name``: ``server``, checked, or by
-        the name's hash."""
-        if server is None:
-            return client.server_for("counter:" + name)
-        if not 0 <= int(server) < client.num_servers:
-            raise SMBValueError(f"counter {name!r}: server={server} outside 0..{client.num_servers - 1}")
-        return int(server)
-
-    def _remote(self, kind, a=0, b=0):
-        client = self._client
-        pending = client._pending()
-        client._post(pending, self.server, self._core.OP_COUNTER,
-                     COUNTER_REQUEST.pack(self._rid, kind, 0, a, b))
-        return Request(client, pending, f"counter {self.name!r}",
-                       lambda replies: COUNTER_REPLY.unpack(replies[0])[0], [self.server]).wait()
-
-    def _check(self):
-        self._client.check_alive([self.server], f"counter {self.name!r}")
-
-    def fetch_add(self, n=1):
-        """Add n; returns the value before. SMBValueError, the counter unchanged, where the
-        sum would leave the signed 64-bit range (a wrapped counter repeats its values)."""
-        n = counter_value(n, self.name, "fetch_add n")
-        if self._local:
-            with self._client._mapped_access("counter", self.name):
-                self._check()
-                return self._core.local_fetch_add(self._local, n, f"counter {self.name!r}")
-        return self._remote(self._core.COUNTER_FETCH_ADD, n)
-
-    def compare_swap(self, expected, desired):
-        """Set to desired if it equals expected; returns the value before."""
-        expected = counter_value(expected, self.name, "compare_swap expected")
-        desired = counter_value(desired, self.name, "compare_swap desired")
-        if self._local:
-            with self._client._mapped_access("counter", self.name):
-                self._check()
-                return self._core.local_compare_swap(self._local, expected, desired)
-        return self._remote(self._core.COUNTER_COMPARE_SWAP, expected, desired)
-
-    def read(self):
-        if self._local:
-            with self._client._mapped_access("counter", self.name):
-                self._check()
-                return self._core.local_load(self._local)
-        return self._remote(self._core.COUNTER_READ)
-
-    def wait_for(self, target, timeout):
-        """Poll until the counter reaches ``target``; returns the value read. Meant for
-        parties moments away (ranks that step together): it yields the CPU first and
-        then backs off to 0.5 ms between reads. SMBTimeoutError after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        polls = 0
-        while True:
-            value = self.read()
-            if value >= target:
-                return value
-            if time.monotonic() > deadline:
-                raise SMBTimeoutError(f"counter {self.name!r} stayed at {value}, below {target}, "
-                                      f"for {timeout:g} s")
-            polls += 1
-            time.sleep(0 if polls < 64 else min(5e-4, 2e-5 * (polls - 63)))
 
 
 class Barrier:

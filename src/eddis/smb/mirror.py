@@ -32,7 +32,7 @@ bytes) and every counter update is one more round trip; reads cost nothing more.
 import numpy as np
 
 from ..errors import SMBConnectionError, SMBTimeoutError, SMBValueError
-from .client import Counter
+from .counter import Counter
 from .pool import Pool, as_array
 from .protocol import partition
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import SMBBoundsError, SMBKeyError, SMBValueError, UsageError
 from . import _core
-from .client import Completed, Request
+from .requests import Completed, Request
 from .protocol import (DOT_NORMS_REPLY, DTYPES, FLOAT_DTYPES, ITEMSIZE, MAX_VEC_SEGMENTS, VEC_REQUEST,
                        VEC_SEGMENT, VEC_SOURCE, decode_control, partition)
 
