@@ -8,15 +8,45 @@ with the smallest round trip wins, and its ``RTT / 2`` is the uncertainty writte
 into the trace.
 
 Processes on the same running kernel share CLOCK_MONOTONIC exactly (same clock
-domain, see :func:`eddis.timeline.trace.clock_domain`); the merge uses offset 0
-for those and the measurement only across domains (nodes).
+domain, see :func:`clock_domain`); the merge uses offset 0 for those and the
+measurement only across domains (nodes).
+
+The timeline's clock (``perf_ns``), its domain and its anchor to the wall clock live here too,
+below the trace writer (:mod:`eddis.timeline.trace`) that stamps every event with them.
 """
+import socket
 import time
 import warnings
 
-from .trace import TimelineWarning, perf_ns
+from ..errors import EddisWarning
 
 CLOCK_TAG = 0x7E11
+perf_ns = time.perf_counter_ns
+
+
+class TimelineWarning(EddisWarning):
+    """The timeline could not be written; it was turned off and training went on."""
+
+
+def clock_domain():
+    """Processes with equal domains read the same CLOCK_MONOTONIC (same running kernel)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "host:" + socket.gethostname()
+
+
+def clock_anchor(samples=5):
+    """A (monotonic ns, wall ns) pair read as close together as this machine allows."""
+    best = None
+    for _ in range(samples):
+        a = perf_ns()
+        wall = time.time_ns()
+        b = perf_ns()
+        if best is None or b - a < best[2]:
+            best = ((a + b) // 2, wall, b - a)
+    return best[0], best[1]
 
 
 def _wait(req, deadline):

@@ -30,39 +30,13 @@ from collections import deque
 from pathlib import Path
 
 from .. import identity
-from ..errors import EddisWarning
+from .clock import TimelineWarning, clock_anchor, clock_domain, perf_ns, sync_clock_mpi
 from .events import DEFAULT_CATEGORY
 
-perf_ns = time.perf_counter_ns
 _get_ident = threading.get_ident
 # One encoder for all events: json.dumps with keyword arguments builds a new encoder per call.
 _encode_args = json.JSONEncoder(separators=(",", ":"), default=str).encode
 _DRAIN_CHUNK = 256  # events formatted between two GIL releases of the writer thread
-
-
-class TimelineWarning(EddisWarning):
-    """The timeline could not be written; it was turned off and training went on."""
-
-
-def clock_domain():
-    """Processes with equal domains read the same CLOCK_MONOTONIC (same running kernel)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "host:" + socket.gethostname()
-
-
-def clock_anchor(samples=5):
-    """A (monotonic ns, wall ns) pair read as close together as this machine allows."""
-    best = None
-    for _ in range(samples):
-        a = perf_ns()
-        wall = time.time_ns()
-        b = perf_ns()
-        if best is None or b - a < best[2]:
-            best = ((a + b) // 2, wall, b - a)
-    return best[0], best[1]
 
 
 class Timeline:
@@ -511,8 +485,6 @@ def start_timeline(directory=None, rank=None, role="rank", index=None, label=Non
         tl = open_timeline(directory, role=role, index=index, rank=rank, label=label, metadata=metadata)
         _timeline = tl
     if comm is not None:
-        from .clock import sync_clock_mpi
-
         sync_clock_mpi(comm, tl)  # collective: every rank takes part even if its file failed
     return tl
 
