@@ -32,14 +32,14 @@ def worker():
     os.environ["EDDIS_HOSTNAME"] = HOSTS[rank]
     import time
 
-    from eddis.core import checkpoint_state, collectives, connection, hetero, hybrid, lifecycle, progress
+    from eddis.core import checkpoint_state, collectives, connection, groups, hetero, lifecycle, progress
 
     lifecycle.init()
     ctl = progress.configure(total=TOTAL, chunk=1, mode="hybrid")
     client = connection.smb_client()
     leader_home = client.servers_on_hosts([HOSTS[ctl.unit_leader]])
     steps, consistent = 0, None
-    group = hybrid.group_comm()
+    group = groups.group_comm()
     while not ctl.should_stop():
         time.sleep(0.002 * (1 + rank))  # the groups differ in speed: claims interleave
         collectives.barrier(comm=group, what="test: the group's step")   # as its reduction does

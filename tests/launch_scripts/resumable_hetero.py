@@ -54,7 +54,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import eddis.torch as eddis  # noqa: E402
-from eddis.core import checkpoint_run, connection, hybrid, progress  # noqa: E402
+from eddis.core import checkpoint_run, connection, groups, progress  # noqa: E402
 from eddis.errors import CheckpointStop  # noqa: E402
 
 FEATURES, CLASSES, BATCH = 8, 3, 32
@@ -90,7 +90,7 @@ print(f"run {run} starts at step {start.step}", flush=True)
 # what the resume put into this job's servers, before any step moves it
 centre_after_resume = optimizer._eddis_hetero.averager.read_center().tolist() if start.resumed else None
 if args.end_race is not None:
-    steps_with_rank0 = hybrid.group_members()[0] if args.mode == "hybrid" else [0]
+    steps_with_rank0 = groups.group_members()[0] if args.mode == "hybrid" else [0]
     client = connection.smb_client()
     past_last_boundary = client.counter("test.end-race.past-last-boundary")
     training_ended = client.counter("test.end-race.ended")

@@ -65,7 +65,7 @@ from ..errors import CheckpointError, CheckpointStop, SMBTimeoutError, UsageErro
 from . import checkpoint as layout
 from . import checkpoint_state as cstate
 from . import checkpoint_verify as verify
-from . import collectives, connection, driver, elastic, progress, runtime
+from . import collectives, connection, driver, elastic, groups, progress, runtime
 
 log = logging.getLogger("eddis.core.checkpoint")
 
@@ -442,8 +442,6 @@ class Schedule:
     """
 
     def __init__(self, state, directory, interval=None, keep=None):
-        from . import hybrid
-
         rt = runtime.require("periodic checkpoints")
         self.state = state
         self.directory = directory
@@ -454,7 +452,7 @@ class Schedule:
         if mode in SYNC_MODES:
             unit = list(range(rt.size))
         elif mode == "hybrid":
-            unit = hybrid.group_members()[runtime.group()]
+            unit = groups.group_members()[runtime.group()]
         else:
             unit = [self.rank]
         name = f"eddis.checkpoint.h{state.serial}"

@@ -35,7 +35,8 @@ from .. import settings
 from ..errors import ConfigError, FinalModelWarning, UsageError
 from ..smb import rundir
 from . import balance as _balance
-from . import collectives, connection, driver, easgd, elastic, hybrid, join, progress, runtime, simulate
+from . import (collectives, connection, driver, easgd, elastic, groups, hybrid, join, progress, runtime,
+               simulate)
 
 log = logging.getLogger("eddis.core.hetero")
 CLOSE_TIMEOUT_S = 60.0   # how long close() waits for the other ranks before leaving the centre
@@ -115,9 +116,9 @@ class HeteroStep:
         # the ranks that split one batch between them: every rank in sync, a group's in hybrid
         self.split_rank, self.split_size, split_comm, split_members = self.rank, self.size, None, None
         if self.mode == "hybrid" and self.size > 1:
-            members = hybrid.group_members()
+            members = groups.group_members()
             split_members = members[self.group]
-            split_comm = hybrid.group_comm()
+            split_comm = groups.group_comm()
             self.split_rank, self.split_size = split_members.index(self.rank), len(split_members)
         if balance:
             if self.mode not in ("sync", "allreduce", "hybrid"):
@@ -193,10 +194,10 @@ class HeteroStep:
         if self.elastic:
             self.members = elastic.join(self.mode)
         if self.mode == "hybrid":
-            members = hybrid.group_members()
+            members = groups.group_members()
             hybrid.check_groups(members)
             worker, workers = self.group, len(members)
-            self.group_comm = hybrid.group_comm()
+            self.group_comm = groups.group_comm()
             if workers == 1:
                 # one group is plain sync: an elastic pull towards a centre that only
                 # this group moves would merely damp its progress

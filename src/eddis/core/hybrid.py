@@ -29,10 +29,7 @@ nodes, so that only the elastic exchanges cross between groups' nodes, with
 the same threads, bucket order, overlap and compression as every reducer
 (``eddis.core.reducer``).
 
-Helpers: ``group_comm()`` (MPI communicator of this rank's group, ranks in
-COMM_WORLD order), ``world_comm()`` (a private duplicate of the runtime's
-communicator), both created on first use (collective) and freed by
-``eddis.shutdown()``; ``group_members()``.
+The groups' communicators and members: :mod:`eddis.core.groups`.
 """
 import itertools
 import logging
@@ -42,58 +39,13 @@ import numpy as np
 from .. import settings
 from ..errors import ConfigError, SMBTimeoutError
 from . import collectives, connection, elastic, runtime
+from .groups import group_comm, group_ranks
 from .buckets import column_share
 from .reducer import Reducer
 from .slots import arrivals, sum_bucket_share
 
 log = logging.getLogger("eddis.core.hybrid")
-
-_comms = {}
 _pool_ids = itertools.count()
-
-
-class _CommCloser:
-    """Frees the cached communicators at eddis.shutdown()."""
-
-    def close(self):
-        comms = [comm for _, comm in _comms.values()]
-        _comms.clear()
-        for comm in comms:
-            try:
-                comm.Free()
-            except Exception:
-                pass
-
-
-def _cached(key, make):
-    st = runtime.require("eddis group communicators")
-    entry = _comms.get(key)
-    if entry is not None and entry[0] is st:
-        return entry[1]
-    if not _comms:
-        runtime.register_closable(_CommCloser())
-    comm = make()
-    _comms[key] = (st, comm)
-    return comm
-
-
-def group_comm():
-    """MPI communicator of the ranks of this rank's group (collective on first call)."""
-    return _cached("group", lambda: runtime.comm().Split(runtime.group(), runtime.rank()))
-
-
-def world_comm():
-    """A private duplicate of the runtime's communicator (collective on first call)."""
-    return _cached("world", lambda: runtime.comm().Dup())
-
-
-def group_members():
-    """World ranks of every group: ``{group: [ranks]}`` (collective)."""
-    groups = collectives.allgather_object(runtime.group(), what="hybrid: group membership")
-    members = {}
-    for r, g in enumerate(groups):
-        members.setdefault(g, []).append(r)
-    return members
 
 
 def check_groups(members):
@@ -259,18 +211,6 @@ class GroupSyncReducer(Reducer):
         pools = [self.pool, self._weights_pool] if self.group_rank == 0 else []
         self.client.free_when_all_arrive(self.pool.name + ".close", self.group_size, pools,
                                          min(self.timeout, 60.0), f"the hybrid group pool {self.pool.name}")
-
-
-def group_ranks(comm):
-    """World ranks of the members of ``comm`` (a group's communicator), in its order."""
-    from mpi4py import MPI
-
-    mine, world = comm.Get_group(), runtime.comm().Get_group()
-    try:
-        return list(MPI.Group.Translate_ranks(mine, list(range(comm.Get_size())), world))
-    finally:
-        mine.Free()
-        world.Free()
 
 
 def servers_on_hosts(server_hosts, hosts):

@@ -74,7 +74,7 @@ import warnings
 from .. import settings, timeline
 # ProgressError, ProgressTimeoutError: also importable from here, their old address
 from ..errors import ConfigError, ProgressError, ProgressTimeoutError, SMBTimeoutError, UsageError
-from . import collectives, connection, elastic, runtime
+from . import collectives, connection, elastic, groups, runtime
 
 log = logging.getLogger("eddis.core.progress")
 
@@ -412,12 +412,10 @@ def set_mode_hint(mode):
 def _lockstep_comm(mode):
     if runtime.size() == 1 or mode == "easgd":
         return None
-    from . import hybrid
-
     if mode == "hybrid":
-        return hybrid.group_comm()
+        return groups.group_comm()
     if mode in LOCKSTEP_MODES:
-        return hybrid.world_comm()
+        return groups.world_comm()
     raise ConfigError(f"progress control does not know mode {mode!r}")
 
 
