@@ -213,7 +213,7 @@ def worker(args):
 
     torch.set_num_threads(1)
     eddis.init()
-    from eddis.core import runtime
+    from eddis.core.comm import runtime
 
     comm = runtime.comm()
     rank, size = eddis.rank(), eddis.size()
@@ -236,7 +236,7 @@ def worker(args):
 
 
 def runtime_transport():
-    from eddis.core import connection
+    from eddis.core.comm import connection
 
     return connection.smb_client().transport
 

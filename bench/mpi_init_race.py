@@ -72,7 +72,7 @@ def contender_envs(tried):
 
 def inside_mpi_init(text):
     """faulthandler's stack of the crashed thread ends in the runtime's import of mpi4py.MPI."""
-    return "_find_and_load" in text and 'core/runtime.py", line' in text
+    return "_find_and_load" in text and 'core/comm/runtime.py", line' in text
 
 
 def run_job(args, env):

@@ -3,7 +3,7 @@
 
 def pool_left_on_servers(pool):
     """Whether ``pool`` is still on the job's servers (looked up by name, never created)."""
-    from eddis.core import connection
+    from eddis.core.comm import connection
     from eddis.errors import SMBKeyError
 
     try:

@@ -272,7 +272,7 @@ def test_adasum_matches_the_numpy_tree(run_mpi, servers, ranks):
 
 
 def test_pair_coefficients_and_the_zero_cases():
-    from eddis.core.adasum import pair_weights
+    from eddis.core.comm.adasum import pair_weights
 
     rng = np.random.default_rng(3)
     a, b = rng.standard_normal(40), rng.standard_normal(40)
@@ -286,7 +286,7 @@ def test_pair_coefficients_and_the_zero_cases():
 
 
 def test_tree_schedule_pairs_ranks_at_doubling_distances():
-    from eddis.core.adasum import check_ranks
+    from eddis.core.comm.adasum import check_ranks
     from eddis.core.adasum_sync import tree_schedule
     from eddis.errors import ConfigError
 

@@ -327,7 +327,7 @@ def pass_barrier_without_rank_2(zero, one):
 def test_membership_passes_barriers_without_a_silent_rank(smb_client):
     """Ranks 0 and 1 of 3 beat, rank 2 never does: it is counted lost after lost_after
     seconds and no barrier waits for it; a rank that closes is gone, not lost."""
-    from eddis.core.elastic import Membership
+    from eddis.core.comm.elastic import Membership
 
     zero = Membership(smb_client(), 0, 3, name="t.members", lost_after=1.0, timeout=30)
     one = Membership(smb_client(), 1, 3, name="t.members", lost_after=1.0, timeout=30)
@@ -340,7 +340,7 @@ def test_membership_passes_barriers_without_a_silent_rank(smb_client):
 
 
 def test_membership_barrier_is_bounded(smb_client):
-    from eddis.core.elastic import Membership
+    from eddis.core.comm.elastic import Membership
     from eddis.errors import MembershipTimeoutError
 
     zero = Membership(smb_client(), 0, 2, name="t.bounded", lost_after=30.0, timeout=1.0)
@@ -357,7 +357,7 @@ def test_membership_exchanges_objects_among_the_live_ranks(smb_client):
     buffers taking turns, never mix one up with the last."""
     import threading
 
-    from eddis.core.elastic import Membership
+    from eddis.core.comm.elastic import Membership
 
     zero = Membership(smb_client(), 0, 3, name="t.exchange", lost_after=1.0, timeout=30)
     one = Membership(smb_client(), 1, 3, name="t.exchange", lost_after=1.0, timeout=30)
@@ -394,7 +394,7 @@ def test_a_checkpoint_of_the_live_ranks_leaves_the_lost_out_and_outlives_its_com
 
     from eddis.core import checkpoint as layout
     from eddis.core.checkpoint_run import LiveRanks, _write
-    from eddis.core.elastic import Membership
+    from eddis.core.comm.elastic import Membership
 
     class Files:
         framework, ext = "torch", ".pt"
@@ -448,7 +448,7 @@ def test_a_checkpoint_of_the_live_ranks_leaves_the_lost_out_and_outlives_its_com
 
 
 def test_an_exchange_part_names_a_rank_that_made_another_call():
-    from eddis.core.elastic import OBJECT_BYTES, decode_part, encode_part
+    from eddis.core.comm.elastic import OBJECT_BYTES, decode_part, encode_part
     from eddis.errors import UsageError
 
     part = encode_part(5, "checkpoint: folder", ("ckpt", None))
@@ -552,7 +552,7 @@ def test_elastic_status_names_a_node_lost_with_its_server(tmp_path, capsys):
 def test_membership_outlives_a_lost_server():
     """Mirrored heartbeats (EDDIS_ELASTIC_MIRROR): with smb-server 1 of 2 killed, the beats and
     barriers go on with the copies on server 0, and a silent rank is still counted lost."""
-    from eddis.core.elastic import Membership
+    from eddis.core.comm.elastic import Membership
     from eddis.smb import Client
     from eddis.smb.testing import LocalServers
 

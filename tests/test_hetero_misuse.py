@@ -127,7 +127,8 @@ def case_global_batch_too_small():
 def case_unit_leader_stalls():
     """Rank 0 waits for its unit's leader (rank 1 here), which never claims: a timeout
     that names the leader, not a hang."""
-    from eddis.core import collectives, connection, progress, runtime
+    from eddis.core.comm import collectives, connection, runtime
+    from eddis.core import progress
 
     rank = runtime.rank()
     unit = runtime.comm().Split(0, runtime.size() - 1 - rank)   # world rank 1 leads

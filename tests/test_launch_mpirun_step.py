@@ -105,7 +105,7 @@ def test_an_mpirun_rank_inside_slurm_takes_mpiruns_rank_and_its_nodes_group():
 
 
 def test_only_an_elastic_rank_under_mpirun_ends_without_mpi_finalize():
-    from eddis.core.runtime import _skips_mpi_finalize
+    from eddis.core.comm.runtime import _skips_mpi_finalize
 
     launched = {"EDDIS_LAUNCHED": "1", "OMPI_COMM_WORLD_RANK": "0"}
     assert _skips_mpi_finalize(dict(launched, EDDIS_ELASTIC="1"))

@@ -1,11 +1,11 @@
-"""eddis.core.negotiate without MPI: what the ranks conclude from one round of announcements
+"""eddis.core.comm.negotiate without MPI: what the ranks conclude from one round of announcements
 (the decision is a pure function of every rank's Call, which is why every rank draws the
 same one), and the fixed-size slot a Call travels in."""
 import numpy as np
 import pytest
 
-from eddis.core import negotiate
-from eddis.core.negotiate import Call, decide
+from eddis.core.comm import negotiate
+from eddis.core.comm.negotiate import Call, decide
 from eddis.errors import ConfigError, UsageError
 
 JOINED = Call(negotiate.JOINED, key=(3, 7))

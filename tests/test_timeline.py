@@ -234,7 +234,7 @@ def test_merge_without_timeline_says_what_is_missing(tmp_path):
 def test_module_hooks_record_forward_backward_and_batch(tmp_path):
     import torch
 
-    from eddis.core import observe as instrument
+    from eddis.core.comm import observe as instrument
     from eddis.torch import timeline_hooks as torch_hooks
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))

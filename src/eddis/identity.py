@@ -2,7 +2,7 @@
 
 Every layer asks here, so that the server, the client, the runtime, the
 timeline and the profile agree on a process's node and group even before
-``eddis.init()``. After it, :mod:`eddis.core.runtime` holds the answers MPI
+``eddis.init()``. After it, :mod:`eddis.core.comm.runtime` holds the answers MPI
 confirmed (``eddis.group()`` falls back to the node index there, as hybrid
 needs); before it, or in a process without the runtime (an smb-server), these
 are the launcher's word, or None where it said nothing.

@@ -34,7 +34,7 @@ def before_init(args):
 
 
 def before_step(args, rank, step):
-    from eddis.core import elastic
+    from eddis.core.comm import elastic
 
     if rank == args.kill_rank and step == args.kill_step:
         os.kill(os.getpid(), signal.SIGKILL)

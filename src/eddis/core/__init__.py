@@ -35,17 +35,18 @@ with optional per-rank weights.
 Settings: EDDIS_MODE, EDDIS_COMPRESSION, EDDIS_BUCKET_BYTES,
 EDDIS_COMM_TIMEOUT, EDDIS_EMBEDDED_SERVER (see ``eddis settings``).
 """
+from ..errors import CollectiveTimeoutError
 from .buckets import Bucket, BucketPlan, Slot
-from .collectives import (CollectiveTimeoutError, allgather_object, allreduce_array, barrier,
-                          broadcast_array, broadcast_object, check_same)
+from .comm.collectives import (allgather_object, allreduce_array, barrier, broadcast_array, broadcast_object,
+                               check_same)
+from .comm.connection import smb_client
+from .comm.runtime import (comm, group, hostname, is_initialized, local_rank, local_size, num_groups, rank,
+                           size)
 from .compression import BF16, FP16, NONE, Codec, get_codec
+from .lifecycle import init, shutdown
 from .reducer import (AllreduceReducer, LocalReducer, Reducer, ReductionError,
                       ReductionTimeoutError)
 from .registry import REDUCERS, available_modes, make_reducer, register_mode
-from .connection import smb_client
-from .lifecycle import init, shutdown
-from .runtime import (comm, group, hostname, is_initialized, local_rank, local_size, num_groups, rank,
-                      size)
 from .sampler import batch_slice, shard_indices, split_sizes
 
 __all__ = [

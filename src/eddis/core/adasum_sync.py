@@ -31,7 +31,7 @@ import logging
 from .. import timeline
 from ..errors import SMBMemoryError, SMBTimeoutError
 from ..timeline.events import CAT_COMM
-from . import adasum, collectives, connection
+from .comm import adasum, collectives, connection
 from .reducer import Reducer
 from .smb_wire import bucket_on_the_wire, read_result
 

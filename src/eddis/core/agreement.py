@@ -22,7 +22,8 @@ import numpy as np
 
 from .. import settings
 from ..errors import ParameterDriftError
-from . import collectives, driver, reducer, runtime
+from . import driver, reducer
+from .comm import collectives, runtime
 
 log = logging.getLogger("eddis.core.agreement")
 

@@ -54,7 +54,7 @@ import numpy as np
 
 from .. import settings
 from ..errors import ConfigError, UsageError
-from . import collectives
+from .comm import collectives
 from .sampler import split_sizes
 
 log = logging.getLogger("eddis.core.balance")

@@ -18,9 +18,10 @@ import os
 
 from .. import settings, timeline
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import (adasum, checkpoint, checkpoint_run, checkpoint_state, collectives, driver, elastic, engine,
-               hetero, join as _join, lifecycle, progress, reducer, runtime, sampler)
-from .ops import Average, resolve_op
+from . import (checkpoint, checkpoint_run, checkpoint_state, driver, hetero, join as _join, lifecycle,
+               progress, reducer, sampler)
+from .comm import adasum, collectives, elastic, engine, runtime
+from .comm.ops import Average, resolve_op
 
 
 class EddisBasics:
@@ -106,9 +107,9 @@ class EddisBasics:
         return False
 
     # ------------------------------------------------------------ object collectives
-    # The collectives a script calls run on eddis.core.engine's thread, each announced
+    # The collectives a script calls run on eddis.core.comm.engine's thread, each announced
     # first: a rank inside join() takes part where Horovod's would, and every rank that
-    # called one refuses it alike where it cannot run (eddis.core.negotiate).
+    # called one refuses it alike where it cannot run (eddis.core.comm.negotiate).
     def broadcast_object(self, obj, root_rank=0, name=None):
         self.require("eddis.broadcast_object()")
         return engine.broadcast_object(obj, root_rank, name).wait()
@@ -136,7 +137,7 @@ class EddisBasics:
     batch_slice = staticmethod(sampler.batch_slice)
 
     # ------------------------------------------------------------ tensor collectives
-    # numpy in, a Handle out (eddis.core.engine): ``.wait()`` for the blocking calls, a
+    # numpy in, a Handle out (eddis.core.comm.engine): ``.wait()`` for the blocking calls, a
     # handle number (``handle_number``) for Horovod's *_async ones.
     def allreduce_async(self, data, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0,
                         name=None):

@@ -18,7 +18,7 @@ float64 when any parameter is float64; every reducer then sums in float64).
     plan.buckets[k].start, plan.buckets[k].count, plan.buckets[k].params
 
 The same plan on every rank is a precondition of every reducer; compare
-:meth:`BucketPlan.signature` across ranks (eddis.core.collectives.check_same).
+:meth:`BucketPlan.signature` across ranks (eddis.core.comm.collectives.check_same).
 """
 import hashlib
 from dataclasses import dataclass, field

@@ -22,7 +22,7 @@ the same global batches, the gradient weighted by sample counts is the global ba
 the ranks). In ``easgd``/``hybrid`` the centre variable is the shared state: it is restored and
 every worker starts from it, with a fresh optimizer state.
 
-Elastic runs (EDDIS_ELASTIC, :mod:`eddis.core.elastic`): a checkpoint is a collective of the
+Elastic runs (EDDIS_ELASTIC, :mod:`eddis.core.comm.elastic`): a checkpoint is a collective of the
 live ranks, not of every rank: each of its waits and exchanges is a barrier of the live ranks
 over SMB (``Membership.exchange``), which a lost rank holds up for EDDIS_ELASTIC_LOST_AFTER at
 most and then leaves out, never an MPI collective, which would wait for a dead rank until
@@ -65,7 +65,8 @@ from ..errors import CheckpointError, CheckpointStop, SMBTimeoutError, UsageErro
 from . import checkpoint as layout
 from . import checkpoint_state as cstate
 from . import checkpoint_verify as verify
-from . import collectives, connection, driver, elastic, groups, progress, runtime
+from . import driver, progress
+from .comm import collectives, connection, elastic, groups, runtime
 
 log = logging.getLogger("eddis.core.checkpoint")
 
@@ -177,7 +178,7 @@ class EveryRank:
 
 
 class LiveRanks:
-    """In an elastic run: the live ranks, over SMB (:meth:`eddis.core.elastic.Membership.exchange`);
+    """In an elastic run: the live ranks, over SMB (:meth:`eddis.core.comm.elastic.Membership.exchange`);
     a rank lost before or during a checkpoint holds nobody up and is left out of it."""
 
     def __init__(self, members):

@@ -31,7 +31,7 @@ import os
 
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import checkpoint as layout
-from . import collectives, runtime
+from .comm import collectives, runtime
 
 log = logging.getLogger("eddis.core.checkpoint")
 

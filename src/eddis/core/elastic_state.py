@@ -41,7 +41,7 @@ from .. import settings
 from ..errors import UsageError
 from ..smb.rundir import ELASTIC_COMMITS_DIR
 from . import checkpoint_verify as verify
-from . import collectives, elastic, runtime
+from .comm import collectives, elastic, runtime
 
 log = logging.getLogger("eddis.core.elastic_state")
 

@@ -35,8 +35,8 @@ from .. import settings
 from ..errors import ConfigError, FinalModelWarning, UsageError
 from ..smb import rundir
 from . import balance as _balance
-from . import (collectives, connection, driver, easgd, elastic, groups, hybrid, join, progress, runtime,
-               simulate)
+from . import driver, easgd, hybrid, join, progress, simulate
+from .comm import collectives, connection, elastic, groups, runtime
 
 log = logging.getLogger("eddis.core.hetero")
 CLOSE_TIMEOUT_S = 60.0   # how long close() waits for the other ranks before leaving the centre
@@ -136,7 +136,7 @@ class HeteroStep:
         self.averager = None
         self.join_barrier = None   # easgd's counted barrier of eddis.join()
         self.elastic = self.size > 1 and elastic.requested(self.mode)   # refused in sync modes
-        self.members = None   # elastic: who is alive (core/elastic.py)
+        self.members = None   # elastic: who is alive (core/comm/elastic.py)
         self.group_comm = None
         self.exchanging = False
         self._centre_ready = False

@@ -41,8 +41,8 @@ from .. import timeline
 from ..errors import ConfigError, SMBTimeoutError
 from ..smb import _vecops
 from ..timeline.events import CAT_COMM
-from . import collectives, connection, runtime
 from .buckets import column_share
+from .comm import collectives, connection, runtime
 from .join import JoinBoard
 from .reducer import Reducer
 from .slots import arrivals

@@ -29,7 +29,7 @@ nodes, so that only the elastic exchanges cross between groups' nodes, with
 the same threads, bucket order, overlap and compression as every reducer
 (``eddis.core.reducer``).
 
-The groups' communicators and members: :mod:`eddis.core.groups`.
+The groups' communicators and members: :mod:`eddis.core.comm.groups`.
 """
 import itertools
 import logging
@@ -38,9 +38,9 @@ import numpy as np
 
 from .. import settings
 from ..errors import ConfigError, SMBTimeoutError
-from . import collectives, connection, elastic, runtime
-from .groups import group_comm, group_ranks
 from .buckets import column_share
+from .comm import collectives, connection, elastic, runtime
+from .comm.groups import group_comm, group_ranks
 from .reducer import Reducer
 from .slots import arrivals, sum_bucket_share
 

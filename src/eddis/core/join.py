@@ -47,7 +47,7 @@ normal step's path:
 The collectives a script calls beside a joined rank (``eddis.allreduce`` of a metric,
 ``barrier``, ``allgather``, ``broadcast``, their ``*_async`` forms, the object
 collectives, ``broadcast_parameters``...) are announced before they run
-(:mod:`eddis.core.engine`, :mod:`eddis.core.negotiate`): while the joined rank's
+(:mod:`eddis.core.comm.engine`, :mod:`eddis.core.comm.negotiate`): while the joined rank's
 optimizer takes its idle steps, its collectives thread announces ``joined`` and takes its
 part in what the others call, as Horovod's joined ranks do: zeros in an allreduce
 (``Average`` is then divided by all ranks, as in Horovod), nothing in a barrier; an
@@ -70,7 +70,8 @@ import weakref
 
 from .. import settings
 from ..errors import CollectiveTimeoutError, ConfigError, SMBTimeoutError, UsageError
-from . import driver, engine, runtime, waits
+from . import driver
+from .comm import engine, runtime, waits
 
 log = logging.getLogger("eddis.core.join")
 

@@ -4,7 +4,7 @@
     shutdown()              # collective: the last parameter check, the reducers, the timeline,
                             # the SMB connection, an embedded server, the communicators
 
-This module sits on top of core: it starts the process state (:mod:`eddis.core.runtime`) and
+This module sits on top of core: it starts the process state (:mod:`eddis.core.comm.runtime`) and
 the parts that hang off it (the timeline and profile, the checkpoint signals), and ends them
 in the reverse order; nothing below it calls up into it.
 """
@@ -18,7 +18,8 @@ from .. import settings
 from ..errors import ParameterDriftError
 from ..smb import rundir
 from ..timeline import trace
-from . import agreement, checkpoint, collectives, connection, observe, runtime
+from . import agreement, checkpoint
+from .comm import collectives, connection, observe, runtime
 
 
 def init():

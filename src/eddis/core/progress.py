@@ -74,7 +74,7 @@ import warnings
 from .. import settings, timeline
 # ProgressError, ProgressTimeoutError: also importable from here, their old address
 from ..errors import ConfigError, ProgressError, ProgressTimeoutError, SMBTimeoutError, UsageError
-from . import collectives, connection, elastic, groups, runtime
+from .comm import collectives, connection, elastic, groups, runtime
 
 log = logging.getLogger("eddis.core.progress")
 

@@ -17,7 +17,7 @@ or ``reducer.reduce(weight)`` for all buckets at once. ``op="average"`` gives
 ``sum_i w_i g_i / sum_i w_i`` (with equal weights, the plain mean), so ranks with
 unequal shares of a global batch still compute the gradient of the whole batch;
 ``op="sum"`` gives ``sum_i g_i``; ``op="adasum"`` the Adasum of the ranks' gradients
-per tensor (``eddis.core.adasum``; no weights).
+per tensor (``eddis.core.comm.adasum``; no weights).
 
 Buckets go on the wire strictly in plan order (bucket 0 first), the same on
 every rank. A *submit* thread compresses and sends bucket k as soon as it is
@@ -45,9 +45,9 @@ import numpy as np
 from .. import settings
 # ReductionError, ReductionTimeoutError: also importable from here, their old address
 from ..errors import ConfigError, ReductionError, ReductionTimeoutError, UsageError
-from . import adasum, observe, runtime
+from .comm import adasum, observe, runtime
+from .comm.waits import start, wait_request
 from .compression import get_codec
-from .waits import start, wait_request
 
 log = logging.getLogger("eddis.core.reducer")
 _built = [0]  # gradient reducers built in this process: something synchronises the ranks
@@ -366,7 +366,7 @@ class AllreduceReducer(Reducer):
     of a float64 plan do, summed in float64 by MPI_DOUBLE); fp16/bf16
     buckets travel compressed and are summed by a user-defined MPI operation
     (fp16 accumulation for fp16, fp32 per pairwise sum for bf16). ``op="adasum"``
-    swaps whole buckets with recursive doubling instead (``eddis.core.adasum``).
+    swaps whole buckets with recursive doubling instead (``eddis.core.comm.adasum``).
     """
 
     mode = "allreduce"

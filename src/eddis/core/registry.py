@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import settings
 from ..errors import ConfigError
-from . import adasum, observe, runtime
+from .comm import adasum, observe, runtime
 from .reducer import AllreduceReducer, LocalReducer, op_name
 
 log = logging.getLogger("eddis.core.reducer")

@@ -43,9 +43,9 @@ import logging
 from .. import settings
 from ..errors import ConfigError, SMBMemoryError, SMBTimeoutError
 from ..smb import _core  # noqa: F401  (without the built SMB extension there is no mode sync)
-from . import collectives, connection
 from .adasum_sync import AdasumSyncReducer
 from .buckets import column_share
+from .comm import collectives, connection
 from .hier_sync import HierarchicalSyncReducer, NodeLayout
 from .join import JoinBoard
 from .reducer import Reducer

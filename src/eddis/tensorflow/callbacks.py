@@ -12,7 +12,7 @@ import warnings
 import keras
 import numpy as np
 
-from ..core import collectives, runtime
+from ..core.comm import collectives, runtime
 from ..errors import ConfigError
 from . import agreement
 from .ops import broadcast_variables
@@ -253,7 +253,7 @@ class ProgressControlCallback(keras.callbacks.Callback):
         from .. import timeline
 
         if self.samples_per_step:
-            from ..core import observe
+            from ..core.comm import observe
 
             observe.note_samples(self.samples_per_step)
         self._t0 = timeline.now_ns() if timeline.enabled() else None

@@ -31,7 +31,8 @@ import itertools
 import numpy as np
 import tensorflow as tf
 
-from ..core import runtime, sampler
+from ..core import sampler
+from ..core.comm import runtime
 from ..errors import ConfigError
 
 

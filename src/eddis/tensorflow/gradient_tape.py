@@ -13,12 +13,12 @@ tape of the process, so a new tape per step costs nothing.
 import tensorflow as tf
 
 from .. import settings
-from ..core import runtime
+from ..core.basics import basics as _basics
+from ..core.comm import runtime
+from ..core.comm.ops import reject_unsupported_horovod_options
 from ..errors import ConfigError
 from . import agreement
 from .compression import codec_of
-from ..core.basics import basics as _basics
-from ..core.ops import reject_unsupported_horovod_options
 from .ops import Average
 from .reduction import ReducerCache
 

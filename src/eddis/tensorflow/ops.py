@@ -1,7 +1,7 @@
 """Tensor collectives for metrics and set-up: allreduce, broadcast, allgather,
 and ``broadcast_variables``.
 
-They run over MPI on the host on EDDIS's collectives thread (:mod:`eddis.core.engine`:
+They run over MPI on the host on EDDIS's collectives thread (:mod:`eddis.core.comm.engine`:
 each announced first, every wait timing out instead of hanging). Eagerly they act at
 once; inside ``tf.function`` they become ``tf.numpy_function`` ops. They are meant for losses, accuracies and
 start-up synchronization; gradients go through ``DistributedGradientTape`` or
@@ -10,11 +10,11 @@ start-up synchronization; gradients go through ``DistributedGradientTape`` or
 import numpy as np
 import tensorflow as tf
 
-from ..core import collectives
-from . import agreement
 from ..core.basics import basics as _basics
-from ..core.ops import Adasum, Average, Max, Min, ReduceOp, Sum, resolve_op  # noqa: F401
+from ..core.comm import collectives
+from ..core.comm.ops import Adasum, Average, Max, Min, ReduceOp, Sum, resolve_op  # noqa: F401
 from ..errors import ConfigError, UsageError
+from . import agreement
 
 
 def _wire(array):

@@ -24,13 +24,14 @@ import numpy as np
 import tensorflow as tf
 
 from .. import settings
-from ..core import hetero, runtime
+from ..core import hetero
 from ..core import join as _core_join
+from ..core.basics import basics as _basics
+from ..core.comm import runtime
+from ..core.comm.ops import reject_unsupported_horovod_options
 from ..errors import ConfigError, UsageError
 from . import agreement
 from .compression import codec_of
-from ..core.basics import basics as _basics
-from ..core.ops import reject_unsupported_horovod_options
 from .ops import Average
 from .reduction import GradientReducer
 

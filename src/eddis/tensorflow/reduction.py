@@ -22,9 +22,10 @@ import itertools
 import numpy as np
 import tensorflow as tf
 
-from ..core import BucketPlan, collectives, make_reducer
-from ..core.buckets import gradient_dtype
+from ..core import BucketPlan, make_reducer
 from ..core import join as _core_join
+from ..core.buckets import gradient_dtype
+from ..core.comm import collectives
 from ..errors import ConfigError
 from . import agreement
 

@@ -27,7 +27,7 @@ evaluating meets those that stopped in the same exchange. Then every rank raises
 """
 import torch
 
-from ..core import collectives, runtime
+from ..core.comm import collectives, runtime
 from ..errors import UsageError
 
 _EVALUATION, _END = "evaluation", "end"

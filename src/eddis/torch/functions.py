@@ -4,8 +4,8 @@ import collections
 import numpy as np
 import torch
 
-from ..core import collectives, runtime
 from ..core.basics import basics as _basics
+from ..core.comm import collectives, runtime
 from ..errors import ConfigError
 
 

@@ -2,7 +2,7 @@
 ``*_async`` forms with Horovod's handles (``poll``, ``synchronize``).
 
 They run over MPI on the host (CUDA tensors are copied to the host and back), on EDDIS's
-collectives thread (eddis.core.engine): an ``*_async`` call returns a handle at once and
+collectives thread (eddis.core.comm.engine): an ``*_async`` call returns a handle at once and
 the operation goes on while the script computes; handles complete in the order they were
 issued. They are meant for losses, accuracies and start-up synchronization, not for
 gradients (the DistributedOptimizer handles those).
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..core.basics import basics as _basics
-from ..core.ops import Adasum, Average, Max, Min, ReduceOp, Sum, resolve_op  # noqa: F401
+from ..core.comm.ops import Adasum, Average, Max, Min, ReduceOp, Sum, resolve_op  # noqa: F401
 from ..errors import ConfigError
 
 

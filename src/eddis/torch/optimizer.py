@@ -29,17 +29,18 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from .. import settings, timeline
-from ..core import BucketPlan, LocalReducer, collectives, make_reducer, observe, runtime
-from ..core.buckets import gradient_dtype
+from ..core import BucketPlan, LocalReducer, make_reducer
 from ..core import join as _core_join
+from ..core.basics import basics as _basics
+from ..core.buckets import gradient_dtype
+from ..core.comm import collectives, observe, runtime
+from ..core.comm.ops import reject_unsupported_horovod_options
 from ..errors import ConfigError, UsageError
 from . import agreement, hetero
 from .closure import AveragedClosure
 from .compression import codec_of
-from .samples import ForwardSampleCounter
-from ..core.basics import basics as _basics
-from ..core.ops import reject_unsupported_horovod_options
 from .ops import Average
+from .samples import ForwardSampleCounter
 
 # torch.optim's optimizers whose update of a parameter reads only its own gradient and state:
 # their step() may run on a few parameters at a time (EDDIS_OVERLAP_OPTIMIZER=auto)

@@ -21,7 +21,7 @@ timeline is off they return after one global lookup.
 import torch
 
 from .. import settings
-from ..core import observe
+from ..core.comm import observe
 from ..timeline import trace
 from ..timeline.events import BACKWARD, FORWARD
 

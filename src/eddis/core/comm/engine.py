@@ -12,7 +12,7 @@ composite calls (``broadcast_parameters``, ``broadcast_optimizer_state``,
 process, over a communicator of their own (``runtime.api_comm()``), strictly in the order
 this rank issued them. Each operation is
 
-1. a round of announcements (:mod:`eddis.core.negotiate`): every rank's :class:`Call`,
+1. a round of announcements (:mod:`eddis.core.comm.negotiate`): every rank's :class:`Call`,
    gathered with one small allgather;
 2. the decision every rank draws from that round: run it, or refuse it with the same
    error on every rank that called it;
@@ -37,8 +37,8 @@ import time
 
 import numpy as np
 
-from .. import settings
-from ..errors import CollectiveTimeoutError, EddisError, UsageError
+from ... import settings
+from ...errors import CollectiveTimeoutError, EddisError, UsageError
 from . import adasum, collectives, negotiate, runtime, waits
 from .negotiate import Call
 

@@ -31,9 +31,9 @@ holds the whole iteration (data, forward, backward, optimizer).
 """
 import logging
 
-from .. import identity, settings
-from ..timeline import trace
-from ..timeline.events import ALLREDUCE, BUCKET_READY, PULL, PUSH, WAIT
+from ... import identity, settings
+from ...timeline import trace
+from ...timeline.events import ALLREDUCE, BUCKET_READY, PULL, PUSH, WAIT
 
 log = logging.getLogger("eddis.timeline")
 
@@ -75,7 +75,7 @@ def on_init(comm, rank, size, hostname=None, group=0, run_dir=None):
 
     _size = size
     if rank == 0 and settings.get("EDDIS_PROGRESS") != "off":
-        from ..timeline import progress
+        from ...timeline import progress
 
         _progress = progress.Progress(rank=rank, final_line=False)
         progress._active = _progress if _progress.mode != "off" else None
@@ -85,13 +85,13 @@ def on_init(comm, rank, size, hostname=None, group=0, run_dir=None):
         for hook in _timeline_start_hooks:
             hook()
     if settings.get("EDDIS_PROFILE") and _profiler is None:
-        from ..timeline.profile import StepProfiler
+        from ...timeline.profile import StepProfiler
 
         run_dir = run_dir or settings.get("EDDIS_RUN_DIR")
         if not run_dir:
             # Without EDDIS_RUN_DIR each rank's default differs (local-<pid>): take rank 0's,
             # where the embedded SMB server of a plain mpirun run puts its files too.
-            from ..smb import rundir
+            from ...smb import rundir
 
             run_dir = rundir.default_run_dir() if rank == 0 else None
             if comm is not None and size > 1:
@@ -109,7 +109,7 @@ def on_shutdown(comm=None):
     global _profiler, _primary, _progress
     trace.stop_timeline()
     if _progress is not None:
-        from ..timeline import progress
+        from ...timeline import progress
 
         _progress.close()
         _progress = progress._active = None

@@ -10,14 +10,14 @@ they must agree with MPI, which catches ``srun`` without ``--mpi=pmix``.
 
 This module only holds the state; :mod:`eddis.core.lifecycle` starts it (``eddis.init()``:
 MPI, then the topology, which takes a collective) and ends it (``eddis.shutdown()``), and
-:mod:`eddis.core.connection` connects it to the job's SMB servers.
+:mod:`eddis.core.comm.connection` connects it to the job's SMB servers.
 """
 import contextlib
 import logging
 import threading
 
-from .. import identity, settings
-from ..errors import ConfigError, UsageError
+from ... import identity, settings
+from ...errors import ConfigError, UsageError
 
 log = logging.getLogger("eddis.core")
 
@@ -39,7 +39,7 @@ class Runtime:
         self.MPI = MPI
         world = MPI.COMM_WORLD
         self.comm = world.Dup()
-        # the script's collectives (eddis.core.engine) run on a thread of their own: on this
+        # the script's collectives (eddis.core.comm.engine) run on a thread of their own: on this
         # communicator they keep their order whatever the runtime's other collectives do
         self.api_comm = world.Dup()
         self.rank = self.comm.Get_rank()
@@ -52,7 +52,7 @@ class Runtime:
         self.owned_run_dir = None
         self.run_dir = None
         self.closables = []
-        self.departure = None   # replaces shutdown()'s MPI barriers (elastic runs: core/elastic.py)
+        self.departure = None   # replaces shutdown()'s MPI barriers (elastic runs: core/comm/elastic.py)
         self._check_launcher_ranks()
         self.hostname = identity.node_name()
         self.hosts = None
@@ -86,7 +86,7 @@ def _skips_mpi_finalize(environ=None):
     mpirun. Open MPI's MPI_Finalize is a fence of every process, which never completes once a
     node's daemon has lost all its ranks (one rank a node, that rank lost); the launcher gives
     mpirun ``orte_allowed_exit_without_sync`` (eddis.launch.elastic.MPIRUN_OPTIONS), and the live
-    ranks have already left together through SMB (core/elastic.py) by then."""
+    ranks have already left together through SMB (core/comm/elastic.py) by then."""
     env = settings.environ(environ)
     return bool(settings.get("EDDIS_ELASTIC", env) and settings.get("EDDIS_LAUNCHED", env)
                 and "OMPI_COMM_WORLD_RANK" in env)
@@ -154,7 +154,7 @@ def comm():
 
 
 def api_comm():
-    """The communicator of the collectives a script calls (eddis.core.engine)."""
+    """The communicator of the collectives a script calls (eddis.core.comm.engine)."""
     return require("eddis collectives").api_comm
 
 

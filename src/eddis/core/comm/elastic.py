@@ -46,8 +46,8 @@ import time
 
 import numpy as np
 
-from .. import settings
-from ..errors import ConfigError, MembershipTimeoutError, UsageError
+from ... import settings
+from ...errors import ConfigError, MembershipTimeoutError, UsageError
 from . import collectives, connection, runtime
 
 log = logging.getLogger("eddis.core.elastic")

@@ -12,9 +12,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from .. import settings, smb
-from ..errors import ConfigError
-from ..smb import rundir
+from ... import settings, smb
+from ...errors import ConfigError
+from ...smb import rundir
 from . import collectives, runtime
 
 log = logging.getLogger("eddis.core")

@@ -29,11 +29,11 @@ servers (``eddis.core.adasum_sync``).
 """
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .waits import start, wait_request
 
 try:  # the C kernels (fp32 accumulation, bit-identical on every path); numpy otherwise
-    from ..smb import _vecops
+    from ...smb import _vecops
 except ImportError:  # pragma: no cover - depends on the build
     _vecops = None
 

@@ -1,6 +1,6 @@
 """Reduction operators shared by the adapters: ``Average``, ``Sum``, ``Min``, ``Max`` and
-``Adasum`` (gradients and float tensors only; see ``eddis.core.adasum``)."""
-from ..errors import ConfigError
+``Adasum`` (gradients and float tensors only; see ``eddis.core.comm.adasum``)."""
+from ...errors import ConfigError
 
 
 class ReduceOp:

@@ -10,7 +10,7 @@ polls, so that a rank that crashed or skipped a call turns into an error instead
 """
 import time
 
-from ..errors import CollectiveTimeoutError
+from ...errors import CollectiveTimeoutError
 from . import runtime
 
 PROBE_AFTER = 1.0   # seconds a collective waits before asking the probes why

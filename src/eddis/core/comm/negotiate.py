@@ -4,7 +4,7 @@ Before a collective the script called moves any data (``eddis.allreduce``, ``all
 ``broadcast``, their ``*_async`` forms, ``broadcast_object``, ``allgather_object``,
 ``barrier``, the broadcasts of parameters and variables), each rank announces it: a
 :class:`Call` (kind, name, dtype, shape, root, op, ...) in a fixed-size slot, gathered
-from every rank (:mod:`eddis.core.engine`). A rank inside ``join()`` announces
+from every rank (:mod:`eddis.core.comm.engine`). A rank inside ``join()`` announces
 ``joined`` instead. From the same list every rank draws the same :class:`Outcome` with
 :func:`decide`: run the collective, a joined rank taking its part, or refuse it with one
 error on every rank that called it. So a collective is never run by some ranks and refused
@@ -31,7 +31,7 @@ import struct
 
 import numpy as np
 
-from ..errors import ConfigError, UsageError
+from ...errors import ConfigError, UsageError
 from . import adasum
 
 SLOT = 256           # bytes of one rank's announcement: every rank receives size * SLOT per call
