@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from eddis.core import BucketPlan, batch_slice, shard_indices, split_sizes
-from eddis.core import compression
+from eddis.core.layout import compression
 from eddis.errors import ConfigError
 
 

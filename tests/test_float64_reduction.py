@@ -272,8 +272,9 @@ def test_tensorflow_float64_gradients_are_the_float64_mean(run_mpi, ranks):
 def test_plan_and_codec_follow_the_dtype():
     import numpy as np
 
-    from eddis.core import BucketPlan, compression
-    from eddis.core.buckets import gradient_dtype
+    from eddis.core import BucketPlan
+    from eddis.core.layout import compression
+    from eddis.core.layout.buckets import gradient_dtype
     from eddis.errors import ConfigError
 
     params = [("a", (10,)), ("b", (30,))]

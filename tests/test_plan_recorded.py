@@ -9,7 +9,7 @@ link rate a timeline measured), must fall within 10 % of the range the runs gave
 """
 import pytest
 
-from eddis.core.buckets import BucketPlan
+from eddis.core.layout.buckets import BucketPlan
 from eddis.plan import emulated
 from eddis.plan.spec import Bucket, Cluster, Workload
 

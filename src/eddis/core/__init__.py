@@ -36,18 +36,18 @@ Settings: EDDIS_MODE, EDDIS_COMPRESSION, EDDIS_BUCKET_BYTES,
 EDDIS_COMM_TIMEOUT, EDDIS_EMBEDDED_SERVER (see ``eddis settings``).
 """
 from ..errors import CollectiveTimeoutError
-from .buckets import Bucket, BucketPlan, Slot
 from .comm.collectives import (allgather_object, allreduce_array, barrier, broadcast_array, broadcast_object,
                                check_same)
 from .comm.connection import smb_client
 from .comm.runtime import (comm, group, hostname, is_initialized, local_rank, local_size, num_groups, rank,
                            size)
-from .compression import BF16, FP16, NONE, Codec, get_codec
+from .layout.buckets import Bucket, BucketPlan, Slot
+from .layout.compression import BF16, Codec, FP16, NONE, get_codec
+from .layout.sampler import batch_slice, shard_indices, split_sizes
 from .lifecycle import init, shutdown
 from .reducer import (AllreduceReducer, LocalReducer, Reducer, ReductionError,
                       ReductionTimeoutError)
 from .registry import REDUCERS, available_modes, make_reducer, register_mode
-from .sampler import batch_slice, shard_indices, split_sizes
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",

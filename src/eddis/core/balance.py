@@ -55,7 +55,7 @@ import numpy as np
 from .. import settings
 from ..errors import ConfigError, UsageError
 from .comm import collectives
-from .sampler import split_sizes
+from .layout.sampler import split_sizes
 
 log = logging.getLogger("eddis.core.balance")
 

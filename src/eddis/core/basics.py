@@ -19,9 +19,10 @@ import os
 from .. import settings, timeline
 from ..errors import CheckpointError, ConfigError, UsageError
 from . import (checkpoint, checkpoint_run, checkpoint_state, driver, hetero, join as _join, lifecycle,
-               progress, reducer, sampler)
+               progress, reducer)
 from .comm import adasum, collectives, elastic, engine, runtime
 from .comm.ops import Average, resolve_op
+from .layout import sampler
 
 
 class EddisBasics:

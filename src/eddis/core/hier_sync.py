@@ -41,9 +41,9 @@ from .. import timeline
 from ..errors import ConfigError, SMBTimeoutError
 from ..smb import _vecops
 from ..timeline.events import CAT_COMM
-from .buckets import column_share
 from .comm import collectives, connection, runtime
 from .join import JoinBoard
+from .layout.buckets import column_share
 from .reducer import Reducer
 from .slots import arrivals
 

@@ -38,9 +38,9 @@ import numpy as np
 
 from .. import settings
 from ..errors import ConfigError, SMBTimeoutError
-from .buckets import column_share
 from .comm import collectives, connection, elastic, runtime
 from .comm.groups import group_comm, group_ranks
+from .layout.buckets import column_share
 from .reducer import Reducer
 from .slots import arrivals, sum_bucket_share
 

@@ -5,7 +5,7 @@ The buffer holds the plan's dtype (``plan.dtype``): float32, or float64 for floa
 models, which every mode that takes them reduces in float64 (``Compression.none``
 is exact); modes and codecs that cannot refuse a float64 plan with a ConfigError.
 
-A framework adapter owns a :class:`~eddis.core.buckets.BucketPlan`, fills
+A framework adapter owns a :class:`~eddis.core.layout.buckets.BucketPlan`, fills
 ``plan.buffer`` with the local gradients and calls, for each step::
 
     reducer.set_weight(samples)   # optional: this rank's sample count (default 1)
@@ -47,7 +47,7 @@ from .. import settings
 from ..errors import ConfigError, ReductionError, ReductionTimeoutError, UsageError
 from .comm import adasum, observe, runtime
 from .comm.waits import start, wait_request
-from .compression import get_codec
+from .layout.compression import get_codec
 
 log = logging.getLogger("eddis.core.reducer")
 _built = [0]  # gradient reducers built in this process: something synchronises the ranks
@@ -454,7 +454,7 @@ def _half_sum(inbuf, inoutbuf, datatype):
 
 
 def _bf16_sum(inbuf, inoutbuf, datatype):
-    from .compression import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+    from .layout.compression import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
     a = bfloat16_bits_to_float32(np.frombuffer(inbuf, dtype=np.uint16))
     out = np.frombuffer(inoutbuf, dtype=np.uint16)

@@ -44,10 +44,10 @@ from .. import settings
 from ..errors import ConfigError, SMBMemoryError, SMBTimeoutError
 from ..smb import _core  # noqa: F401  (without the built SMB extension there is no mode sync)
 from .adasum_sync import AdasumSyncReducer
-from .buckets import column_share
 from .comm import collectives, connection
 from .hier_sync import HierarchicalSyncReducer, NodeLayout
 from .join import JoinBoard
+from .layout.buckets import column_share
 from .reducer import Reducer
 from .slots import arrivals, sum_bucket_share
 from .smb_wire import bucket_on_the_wire, read_result

@@ -3,13 +3,13 @@
 Pass one to ``DistributedGradientTape(tape, compression=Compression.fp16)`` or
 ``DistributedOptimizer(optimizer, compression=...)``: gradients then travel as
 fp16 (or bf16) and are accumulated in fp32 on the reducing side (the codecs of
-:mod:`eddis.core.compression`). The ``compress``/``decompress`` static methods
+:mod:`eddis.core.layout.compression`). The ``compress``/``decompress`` static methods
 work on tensors like Horovod's.
 """
 import tensorflow as tf
 
-from ..core import compression as _codecs
-from ..core.compression import Compressor, NoneCompressor, codec_of  # noqa: F401
+from ..core.layout import compression as _codecs
+from ..core.layout.compression import Compressor, NoneCompressor, codec_of  # noqa: F401
 
 
 class FP16Compressor(Compressor):

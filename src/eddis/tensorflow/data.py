@@ -9,7 +9,7 @@
 - ``shard_batches(dataset, global_batch_size, weights=None)``: each global batch
   of ``global_batch_size`` consecutive elements, cut into per-rank batches: rank r
   gets ``local_batch_size(global_batch_size, weights)`` samples of every global
-  batch (the ``batch_slice`` of :mod:`eddis.core.sampler`). One step of N ranks
+  batch (the ``batch_slice`` of :mod:`eddis.core.layout.sampler`). One step of N ranks
   then computes exactly the gradient of the global batch (give the optimizer the
   local batch size as its sample count when the shares differ).
 - ``local_batch_size(global_batch_size, weights=None)``.
@@ -31,8 +31,8 @@ import itertools
 import numpy as np
 import tensorflow as tf
 
-from ..core import sampler
 from ..core.comm import runtime
+from ..core.layout import sampler
 from ..errors import ConfigError
 
 

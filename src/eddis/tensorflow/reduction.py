@@ -24,8 +24,8 @@ import tensorflow as tf
 
 from ..core import BucketPlan, make_reducer
 from ..core import join as _core_join
-from ..core.buckets import gradient_dtype
 from ..core.comm import collectives
+from ..core.layout.buckets import gradient_dtype
 from ..errors import ConfigError
 from . import agreement
 

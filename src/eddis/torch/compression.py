@@ -6,8 +6,8 @@ The ``compress``/``decompress`` static methods work on tensors like Horovod's.
 """
 import torch
 
-from ..core import compression as _codecs
-from ..core.compression import Compressor, NoneCompressor, codec_of  # noqa: F401
+from ..core.layout import compression as _codecs
+from ..core.layout.compression import Compressor, NoneCompressor, codec_of  # noqa: F401
 
 
 class FP16Compressor(Compressor):

@@ -32,9 +32,9 @@ from .. import settings, timeline
 from ..core import BucketPlan, LocalReducer, make_reducer
 from ..core import join as _core_join
 from ..core.basics import basics as _basics
-from ..core.buckets import gradient_dtype
 from ..core.comm import collectives, observe, runtime
 from ..core.comm.ops import reject_unsupported_horovod_options
+from ..core.layout.buckets import gradient_dtype
 from ..errors import ConfigError, UsageError
 from . import agreement, hetero
 from .closure import AveragedClosure

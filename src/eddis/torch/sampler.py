@@ -2,9 +2,9 @@
 with optional per-rank weights (unequal shares for ranks of unequal speed)."""
 import torch.utils.data
 
-from ..core import sampler
 from ..core.basics import basics as _basics
 from ..core.comm import runtime
+from ..core.layout import sampler
 
 
 class DistributedSampler(torch.utils.data.Sampler):

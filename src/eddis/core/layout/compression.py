@@ -13,10 +13,10 @@ extension is built; the numpy fallback gives bit-identical results.
 """
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 try:  # C converters from the SMB kernels (optional)
-    from ..smb import _vecops
+    from ...smb import _vecops
 except ImportError:  # pragma: no cover - depends on the build
     _vecops = None
 
@@ -166,7 +166,7 @@ class NoneCompressor(Compressor):
 
 def codec_of(compression):
     """The core codec for a Compression member, a codec name, or None (EDDIS_COMPRESSION)."""
-    from .. import settings
+    from ... import settings
 
     if compression is None:
         return get_codec(settings.get("EDDIS_COMPRESSION"))

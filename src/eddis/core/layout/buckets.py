@@ -27,7 +27,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 @dataclass

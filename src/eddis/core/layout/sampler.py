@@ -16,7 +16,7 @@
 """
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 def check_weights(weights, size):
