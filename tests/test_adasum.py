@@ -287,7 +287,7 @@ def test_pair_coefficients_and_the_zero_cases():
 
 def test_tree_schedule_pairs_ranks_at_doubling_distances():
     from eddis.core.comm.adasum import check_ranks
-    from eddis.core.adasum_sync import tree_schedule
+    from eddis.core.reduce.adasum_sync import tree_schedule
     from eddis.errors import ConfigError
 
     assert [tree_schedule(r, 8) for r in range(8)] == [

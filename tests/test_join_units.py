@@ -4,6 +4,7 @@ import pytest
 
 from eddis import smb
 from eddis.core import join
+from eddis.core.reduce.join_board import JoinBoard
 from eddis.errors import ConfigError
 
 
@@ -26,7 +27,7 @@ def test_last_joined_is_the_rank_with_most_steps_and_of_equals_the_highest():
 
 
 def test_board_ends_only_after_the_step_every_rank_joined_at(client):
-    boards = [join.JoinBoard(client, "units.join", r, 3) for r in range(3)]
+    boards = [JoinBoard(client, "units.join", r, 3) for r in range(3)]
     boards[0].publish(3)                      # rank 0 joins at step 3
     assert not boards[0].everyone_joined_by(3)
     boards[1].publish(4)
@@ -38,10 +39,10 @@ def test_board_ends_only_after_the_step_every_rank_joined_at(client):
 
 
 def test_board_ignores_an_earlier_join_call_and_counters_left_behind(client):
-    old = [join.JoinBoard(client, "units.reused", r, 2) for r in range(2)]
+    old = [JoinBoard(client, "units.reused", r, 2) for r in range(2)]
     for r, b in enumerate(old):
         b.publish(7 + r)                      # an earlier reducer of the same name
-    boards = [join.JoinBoard(client, "units.reused", r, 2) for r in range(2)]
+    boards = [JoinBoard(client, "units.reused", r, 2) for r in range(2)]
     assert boards[0].join_steps() == [None, None]
     boards[0].publish(2)
     boards[1].publish(3)

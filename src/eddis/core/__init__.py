@@ -35,7 +35,7 @@ with optional per-rank weights.
 Settings: EDDIS_MODE, EDDIS_COMPRESSION, EDDIS_BUCKET_BYTES,
 EDDIS_COMM_TIMEOUT, EDDIS_EMBEDDED_SERVER (see ``eddis settings``).
 """
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError, ReductionError, ReductionTimeoutError
 from .comm.collectives import (allgather_object, allreduce_array, barrier, broadcast_array, broadcast_object,
                                check_same)
 from .comm.connection import smb_client
@@ -45,9 +45,10 @@ from .layout.buckets import Bucket, BucketPlan, Slot
 from .layout.compression import BF16, Codec, FP16, NONE, get_codec
 from .layout.sampler import batch_slice, shard_indices, split_sizes
 from .lifecycle import init, shutdown
-from .reducer import (AllreduceReducer, LocalReducer, Reducer, ReductionError,
-                      ReductionTimeoutError)
-from .registry import REDUCERS, available_modes, make_reducer, register_mode
+from .reduce.allreduce import AllreduceReducer
+from .reduce.base import Reducer
+from .reduce.local import LocalReducer
+from .reduce.registry import REDUCERS, available_modes, make_reducer, register_mode
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "group",

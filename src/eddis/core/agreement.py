@@ -22,8 +22,9 @@ import numpy as np
 
 from .. import settings
 from ..errors import ParameterDriftError
-from . import driver, reducer
+from . import driver
 from .comm import collectives, runtime
+from .reduce.base import any_built
 
 log = logging.getLogger("eddis.core.agreement")
 
@@ -118,7 +119,7 @@ def check(when, abstain=False):
         log.debug("parameter check at %s: %d tensors agree (or are not comparable)", when, len(entries))
         return
     rank, names = found
-    raise ParameterDriftError(message(rank, names, len(gathered[0]), when, reducer.any_built()))
+    raise ParameterDriftError(message(rank, names, len(gathered[0]), when, any_built()))
 
 
 def check_at_shutdown():

@@ -18,11 +18,11 @@ import os
 
 from .. import settings, timeline
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import (checkpoint, checkpoint_run, checkpoint_state, driver, hetero, join as _join, lifecycle,
-               progress, reducer)
+from . import checkpoint, checkpoint_run, checkpoint_state, driver, hetero, join as _join, lifecycle, progress
 from .comm import adasum, collectives, elastic, engine, runtime
 from .comm.ops import Average, resolve_op
 from .layout import sampler
+from .reduce.base import any_built
 
 
 class EddisBasics:
@@ -234,7 +234,7 @@ class EddisBasics:
         if state is not None:
             return state
         state = driver.current()
-        if state is None and not reducer.any_built():
+        if state is None and not any_built():
             raise UsageError("no eddis.DistributedOptimizer (or DistributedGradientTape) was created, "
                              "so nothing trained across the ranks: wrap the optimizer with "
                              "eddis.DistributedOptimizer(...) before training")

@@ -69,7 +69,6 @@ import numpy as np
 
 from .. import settings, timeline
 from ..errors import ConfigError, SMBTimeoutError, UsageError
-from .reducer import LocalReducer
 
 WEIGHTINGS = ("throughput", "equal")
 RATE_SMOOTHING = 0.25   # weight of the newest interval in a worker's measured throughput
@@ -279,10 +278,3 @@ class ElasticAverager:
         self.finish()
         out = np.empty(self.length, dtype=np.float32) if out is None else out
         return self.pool.read(out=out, slot=0, timeout=self.timeout)
-
-
-class LocalGradients(LocalReducer):
-    """The reducer of mode ``easgd``: gradients stay local (workers meet only
-    through the centre variable, in ``ElasticAverager.exchange``)."""
-
-    mode = "easgd"

@@ -33,8 +33,8 @@ normal step's path:
   ranks still have data. A step in which it is 0 is the last one. With ``Sum``
   that allreduce is new: one of two doubles per step.
 - ``sync`` (every path: the servers' sum, the ranks' sum on one node, the
-  hierarchy): a :class:`JoinBoard` of SMB counters, one per rank, created with
-  the reducer; a rank that joins writes the step it joined at into its own
+  hierarchy): a join board (:mod:`eddis.core.reduce.join_board`) of SMB counters, one per
+  rank, created with the reducer; a rank that joins writes the step it joined at into its own
   (before it contributes to that step). After each step it took part in, a
   joined rank reads the board: once every rank has joined at that step or
   before, everyone contributed zeros to it, and every rank comes to that
@@ -105,37 +105,6 @@ def _live():
                 and not reducer.closed:
             live.append((reducer, (reduce_zeros, apply_result)))
     return live
-
-
-class JoinBoard:
-    """One SMB counter per rank: ``1 +`` the reducer step at which that rank joined
-    (relative to the value found at creation, so that counters an earlier reducer of
-    the same name left behind do not count). Create it before the reducer's first
-    collective: then every rank has read the bases before any rank can join."""
-
-    def __init__(self, client, name, rank, size):
-        self.rank = rank
-        self.counters = [client.counter(f"{name}.joined.{r}") for r in range(size)]
-        self.bases = [c.read() for c in self.counters]
-        self.published = 0     # this rank's value (relative to its base)
-        self.since = -1        # the last step of the previous join(): joins after it are this one's
-
-    def publish(self, step):
-        value = int(step) + 1
-        self.counters[self.rank].fetch_add(value - self.published)
-        self.published = value
-
-    def join_steps(self):
-        """Per rank, the step it joined at in the current join(), or None (not joined)."""
-        steps = []
-        for counter, base in zip(self.counters, self.bases):
-            step = counter.read() - base - 1
-            steps.append(step if step > self.since else None)
-        return steps
-
-    def everyone_joined_by(self, step):
-        steps = self.join_steps()
-        return all(s is not None and s <= step for s in steps)
 
 
 def _joined_elsewhere(reducer):

@@ -25,7 +25,7 @@ This module holds what every path shares (the rank-count rule, the
 coefficients, the per-tensor segments, the combination of one pair on this
 process) and the recursive doubling over MPI of mode ``allreduce`` and of
 ``eddis.allreduce(op=Adasum)``. Mode ``sync`` runs the same tree on the SMB
-servers (``eddis.core.adasum_sync``).
+servers (``eddis.core.reduce.adasum_sync``).
 """
 import numpy as np
 

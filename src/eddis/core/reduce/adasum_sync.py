@@ -28,11 +28,11 @@ for ``base + generation``, the value read before the first step.
 """
 import logging
 
-from .. import timeline
-from ..errors import SMBMemoryError, SMBTimeoutError
-from ..timeline.events import CAT_COMM
-from .comm import adasum, collectives, connection
-from .reducer import Reducer
+from ... import timeline
+from ...errors import SMBMemoryError, SMBTimeoutError
+from ...timeline.events import CAT_COMM
+from ..comm import adasum, collectives, connection
+from .base import Reducer
 from .smb_wire import bucket_on_the_wire, read_result
 
 log = logging.getLogger("eddis.core.sync")

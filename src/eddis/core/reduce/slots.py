@@ -2,10 +2,10 @@
 share of a bucket in the mapped slots, and who a timed-out counter was waiting for."""
 import numpy as np
 
-from .. import timeline
-from ..errors import ConfigError
-from ..smb import _core, _vecops
-from ..timeline.events import CAT_COMM
+from ... import timeline
+from ...errors import ConfigError
+from ...smb import _core, _vecops
+from ...timeline.events import CAT_COMM
 
 
 def sum_bucket_share(reducer, k, state, generation, rank, parties, in_slot, by):

@@ -37,14 +37,14 @@ import logging
 
 import numpy as np
 
-from .. import timeline
-from ..errors import ConfigError, SMBTimeoutError
-from ..smb import _vecops
-from ..timeline.events import CAT_COMM
-from .comm import collectives, connection, runtime
-from .join import JoinBoard
-from .layout.buckets import column_share
-from .reducer import Reducer
+from ... import timeline
+from ...errors import ConfigError, SMBTimeoutError
+from ...smb import _vecops
+from ...timeline.events import CAT_COMM
+from ..comm import collectives, connection, runtime
+from ..layout.buckets import column_share
+from .base import Reducer
+from .join_board import JoinBoard
 from .slots import arrivals
 
 log = logging.getLogger("eddis.core.sync")

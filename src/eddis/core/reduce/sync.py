@@ -35,20 +35,20 @@ an in-slot rank leaves its share's sum in the slots only. At close the buffer
 moves back to private memory with its contents, before the client unmaps the
 servers.
 
-With op=Adasum, ``make_sync_reducer`` builds ``eddis.core.adasum_sync``'s reducer
+With op=Adasum, ``make_sync_reducer`` builds ``eddis.core.reduce.adasum_sync``'s reducer
 instead: the servers combine the pairs of Adasum's tree.
 """
 import logging
 
-from .. import settings
-from ..errors import ConfigError, SMBMemoryError, SMBTimeoutError
-from ..smb import _core  # noqa: F401  (without the built SMB extension there is no mode sync)
+from ... import settings
+from ...errors import ConfigError, SMBMemoryError, SMBTimeoutError
+from ...smb import _core  # noqa: F401  (without the built SMB extension there is no mode sync)
+from ..comm import collectives, connection
+from ..layout.buckets import column_share
 from .adasum_sync import AdasumSyncReducer
-from .comm import collectives, connection
-from .hier_sync import HierarchicalSyncReducer, NodeLayout
-from .join import JoinBoard
-from .layout.buckets import column_share
-from .reducer import Reducer
+from .base import Reducer
+from .hierarchical import HierarchicalSyncReducer, NodeLayout
+from .join_board import JoinBoard
 from .slots import arrivals, sum_bucket_share
 from .smb_wire import bucket_on_the_wire, read_result
 

@@ -1,6 +1,6 @@
 """A bucket between the plan's fp32 buffer and the SMB pools, which hold the wire dtype:
-the one path both sync reducers (``smb_sync``, ``adasum_sync``) write and read through."""
-from .. import timeline
+the one path both sync reducers (``sync``, ``adasum_sync``) write and read through."""
+from ... import timeline
 
 
 def bucket_on_the_wire(reducer, k, wire):

@@ -1,19 +1,21 @@
 """The modes and how a reducer is built: ``make_reducer(mode, plan, compression, op)``.
 
 :data:`REDUCERS` maps a mode to its reducer class (or a function that chooses one, collective):
-``allreduce`` (MPI, :mod:`eddis.core.reducer`), ``sync`` (the SMB servers,
-:mod:`eddis.core.smb_sync`), ``easgd`` (:mod:`eddis.core.easgd`) and ``hybrid``
-(:mod:`eddis.core.hybrid`); ``register_mode(name, cls)`` adds one. With one rank every mode is
-the :class:`~eddis.core.reducer.LocalReducer` (nothing to communicate).
+``allreduce`` (MPI, :mod:`.allreduce`), ``sync`` (the SMB servers, :mod:`.sync`), ``easgd``
+(:mod:`.local`: nothing to send) and ``hybrid`` (:mod:`.group`); ``register_mode(name, cls)``
+adds one. With one rank every mode is the :class:`~eddis.core.reduce.local.LocalReducer`
+(nothing to communicate).
 """
 import logging
 
 import numpy as np
 
-from .. import settings
-from ..errors import ConfigError
-from .comm import adasum, observe, runtime
-from .reducer import AllreduceReducer, LocalReducer, op_name
+from ... import settings
+from ...errors import ConfigError
+from ..comm import adasum, observe, runtime
+from .allreduce import AllreduceReducer
+from .base import op_name
+from .local import LocalReducer
 
 log = logging.getLogger("eddis.core.reducer")
 
@@ -34,14 +36,14 @@ def _load_builtin_modes():
     """The modes of the SMB servers, on first use: importing eddis.core needs no SMB extension."""
     if "sync" not in REDUCERS:
         try:
-            from .smb_sync import make_sync_reducer
+            from .sync import make_sync_reducer
         except ImportError as exc:  # SMB extension not built
             log.debug("mode sync unavailable: %s", exc)
         else:
             REDUCERS.setdefault("sync", make_sync_reducer)
     if "easgd" not in REDUCERS or "hybrid" not in REDUCERS:
-        from .easgd import LocalGradients
-        from .hybrid import GroupSyncReducer
+        from .local import LocalGradients
+        from .group import GroupSyncReducer
 
         REDUCERS.setdefault("easgd", LocalGradients)
         REDUCERS.setdefault("hybrid", GroupSyncReducer)
