@@ -1,7 +1,7 @@
-"""eddis.core.agreement's comparison of the ranks' checksums, without MPI."""
+"""eddis.core.progress.agreement's comparison of the ranks' checksums, without MPI."""
 import pytest
 
-from eddis.core import agreement
+from eddis.core.progress import agreement
 
 
 def entries(*values, shapes=None):

@@ -73,7 +73,7 @@ def case_configure_twice():
         eddis.should_stop()
         eddis.configure_progress(total=10)
     finally:
-        from eddis.core import progress
+        from eddis.core.progress import counter as progress
 
         progress.reset()
         opt.close()
@@ -89,7 +89,7 @@ def case_counter_before_optimizer():
     try:
         _, opt = _wrap(mode="easgd")
     finally:
-        from eddis.core import progress
+        from eddis.core.progress import counter as progress
 
         progress.reset()
         if opt is not None:
@@ -128,7 +128,7 @@ def case_unit_leader_stalls():
     """Rank 0 waits for its unit's leader (rank 1 here), which never claims: a timeout
     that names the leader, not a hang."""
     from eddis.core.comm import collectives, connection, runtime
-    from eddis.core import progress
+    from eddis.core.progress import counter as progress
 
     rank = runtime.rank()
     unit = runtime.comm().Split(0, runtime.size() - 1 - rank)   # world rank 1 leads

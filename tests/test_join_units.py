@@ -1,9 +1,9 @@
-"""eddis.core.join's pieces that need no MPI: the SMB join board against a real server,
+"""eddis.core.progress.join's pieces that need no MPI: the SMB join board against a real server,
 and the rule that names the rank that joined last."""
 import pytest
 
 from eddis import smb
-from eddis.core import join
+from eddis.core.progress import join
 from eddis.core.reduce.join_board import JoinBoard
 from eddis.errors import ConfigError
 

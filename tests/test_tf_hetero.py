@@ -63,7 +63,7 @@ def train(mode, overlap=False):
     eddis.final_model(optimizer)
     counts = eddis.progress_counts()
     eddis.barrier()
-    from eddis.core import progress as core_progress
+    from eddis.core.progress import counter as core_progress
 
     counter = core_progress.controller().counter.read()
     weights = np.concatenate([np.asarray(w).reshape(-1) for w in model.get_weights()])

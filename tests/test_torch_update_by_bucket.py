@@ -22,7 +22,7 @@ def worker():
     import torch.nn.functional as F
 
     import eddis.torch as eddis
-    from eddis.core import agreement
+    from eddis.core.progress import agreement
     from eddis.torch import agreement as torch_agreement
 
     eddis.init()

@@ -37,7 +37,8 @@ def main():
     import torch.nn as nn
     import torch.nn.functional as F
     import eddis.torch as eddis
-    from eddis.core import checkpoint_run, progress
+    from eddis.core import checkpoint_run
+    from eddis.core.progress import counter as progress
 
     eddis.init()
     rank = eddis.rank()
@@ -82,7 +83,7 @@ def main():
         ctl = progress.controller()
         if ctl is not None:
             # the counter is exact once every rank has stopped: a last claim that crosses the
-            # total gives its surplus back a moment later (eddis.core.progress)
+            # total gives its surplus back a moment later (eddis.core.progress.counter)
             eddis.barrier()
             result["counter"] = ctl.counter.read()
             result["steps_done"] = ctl.steps_done

@@ -18,10 +18,11 @@ import os
 
 from .. import settings, timeline
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import checkpoint, checkpoint_run, checkpoint_state, driver, hetero, join as _join, lifecycle, progress
+from . import checkpoint, checkpoint_run, checkpoint_state, hetero, lifecycle
 from .comm import adasum, collectives, elastic, engine, runtime
 from .comm.ops import Average, resolve_op
 from .layout import sampler
+from .progress import counter as progress, driver, join as _join
 from .reduce.base import any_built
 
 
@@ -178,7 +179,7 @@ class EddisBasics:
         optimizer with their result, and in their ``allreduce`` and ``barrier`` calls
         (their allgather, broadcast... are refused on the ranks that make them); returns
         the rank that joined last, the same on every rank. ``device`` (Horovod's, for its
-        zero tensors) is not needed: the reduction runs on the host. See eddis.core.join."""
+        zero tensors) is not needed: the reduction runs on the host. See eddis.core.progress.join."""
         return _join.join()
 
     # ------------------------------------------------------------ reduction ops

@@ -65,8 +65,8 @@ from ..errors import CheckpointError, CheckpointStop, SMBTimeoutError, UsageErro
 from . import checkpoint as layout
 from . import checkpoint_state as cstate
 from . import checkpoint_verify as verify
-from . import driver, progress
 from .comm import collectives, connection, elastic, groups, runtime
+from .progress import counter as progress, driver
 
 log = logging.getLogger("eddis.core.checkpoint")
 

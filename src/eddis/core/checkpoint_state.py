@@ -19,7 +19,7 @@ import random
 import numpy as np
 
 from ..errors import ConfigError
-from . import driver, progress
+from .progress import counter as progress, driver
 
 # ---------------------------------------------------------------- the data position
 # The epoch the EDDIS samplers were last set to and the optimizer step it began at (after a

@@ -19,7 +19,7 @@ unit (TensorFlow graphs) split ``after_step`` into ``exchange_due()``,
 The algorithms themselves are the core's: :mod:`eddis.core.easgd`
 (``ElasticAverager``), :mod:`eddis.core.hybrid` (group reducer and
 ``exchange_group``), :mod:`eddis.core.balance` (``Balancer``),
-:mod:`eddis.core.simulate` (``Slowdown``) and :mod:`eddis.core.progress`.
+:mod:`eddis.core.simulate` (``Slowdown``) and :mod:`eddis.core.progress.counter`.
 ``should_stop()`` here wraps ``progress.should_stop()`` and notes when the
 loop's waiting ended, so that waiting is not measured as compute.
 """
@@ -35,8 +35,9 @@ from .. import settings
 from ..errors import ConfigError, FinalModelWarning, UsageError
 from ..smb import rundir
 from . import balance as _balance
-from . import driver, easgd, hybrid, join, progress, simulate
+from . import easgd, hybrid, simulate
 from .comm import collectives, connection, elastic, groups, runtime
+from .progress import counter as progress, driver, join
 
 log = logging.getLogger("eddis.core.hetero")
 CLOSE_TIMEOUT_S = 60.0   # how long close() waits for the other ranks before leaving the centre

@@ -18,8 +18,9 @@ from .. import settings
 from ..errors import ParameterDriftError
 from ..smb import rundir
 from ..timeline import trace
-from . import agreement, checkpoint
+from . import checkpoint
 from .comm import collectives, connection, observe, runtime
+from .progress import agreement
 
 
 def init():

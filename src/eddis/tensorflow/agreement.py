@@ -1,4 +1,4 @@
-"""The variables the ranks compare (eddis.core.agreement): the trainable variables that were
+"""The variables the ranks compare (eddis.core.progress.agreement): the trainable variables that were
 broadcast (broadcast_variables, BroadcastGlobalVariablesCallback) or trained by a
 DistributedOptimizer or DistributedGradientTape, so that a run that wrapped nothing but
 broadcast its model at the start is checked too.
@@ -7,7 +7,7 @@ They are held until exit: a model built inside ``main()`` is gone by the check a
 otherwise (a Keras variable cannot be read once freed)."""
 import numpy as np
 
-from ..core import agreement
+from ..core.progress import agreement
 
 _watched = []  # in the order first seen (the same on every rank)
 _ids = set()

@@ -237,7 +237,7 @@ class ProgressControlCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         from .hetero import configure_progress
 
-        from ..core import progress
+        from ..core.progress import counter as progress
 
         runtime.require("ProgressControlCallback")
         ensure_no_xla(self.model)
@@ -267,7 +267,7 @@ class ProgressControlCallback(keras.callbacks.Callback):
         self._stop_if_done()
 
     def on_train_end(self, logs=None):
-        from ..core import progress
+        from ..core.progress import counter as progress
 
         ctl = progress.controller()
         self.steps_done = None if ctl is None else ctl.steps_done

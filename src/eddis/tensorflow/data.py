@@ -96,7 +96,7 @@ def shard_batches(dataset, global_batch_size, weights=None, rank=None, size=None
 
 def balanced_batches(dataset, global_batch_size, optimizer=None):
     """This rank's part of each global batch, as the optimizer's (balanced) shares say."""
-    from ..core import driver
+    from ..core.progress import driver
 
     state = driver.current() if optimizer is None else getattr(getattr(optimizer, "_eddis", None),
                                                                 "hetero", None)

@@ -25,10 +25,10 @@ import tensorflow as tf
 
 from .. import settings
 from ..core import hetero
-from ..core import join as _core_join
 from ..core.basics import basics as _basics
 from ..core.comm import runtime
 from ..core.comm.ops import reject_unsupported_horovod_options
+from ..core.progress import join as _core_join
 from ..errors import ConfigError, UsageError
 from . import agreement
 from .compression import codec_of

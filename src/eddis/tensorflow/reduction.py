@@ -23,9 +23,9 @@ import numpy as np
 import tensorflow as tf
 
 from ..core import BucketPlan, make_reducer
-from ..core import join as _core_join
 from ..core.comm import collectives
 from ..core.layout.buckets import gradient_dtype
+from ..core.progress import join as _core_join
 from ..errors import ConfigError
 from . import agreement
 

@@ -1,4 +1,4 @@
-"""The parameters the ranks compare (eddis.core.agreement): those of every torch optimizer
+"""The parameters the ranks compare (eddis.core.progress.agreement): those of every torch optimizer
 that stepped in this process, wrapped or not, so that a run that wrapped nothing is
 checked too. A global step hook only notes the optimizer (no communication in it).
 
@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..core import agreement
+from ..core.progress import agreement
 
 _live = weakref.WeakKeyDictionary()  # optimizer -> order of its first step (the same on every rank)
 _snapshots = {}                      # order -> checksums of a freed optimizer's parameters

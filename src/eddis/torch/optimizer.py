@@ -30,11 +30,11 @@ from torch.optim import optimizer as torch_optimizer
 
 from .. import settings, timeline
 from ..core import BucketPlan, LocalReducer, make_reducer
-from ..core import join as _core_join
 from ..core.basics import basics as _basics
 from ..core.comm import collectives, observe, runtime
 from ..core.comm.ops import reject_unsupported_horovod_options
 from ..core.layout.buckets import gradient_dtype
+from ..core.progress import join as _core_join
 from ..errors import ConfigError, UsageError
 from . import agreement, hetero
 from .closure import AveragedClosure

@@ -98,7 +98,7 @@ class Operation:
 class JoinTicket:
     """This rank's part while it is in ``join()``: joined rounds until every rank has joined.
 
-    ``key`` orders the ranks by when they joined (eddis.core.join): the thread appends the
+    ``key`` orders the ranks by when they joined (eddis.core.progress.join): the thread appends the
     number of rounds this rank took part in before it joined. The rounds wait up to
     EDDIS_COMM_TIMEOUT for the other ranks' next call, a limit that :meth:`alive` pushes
     back (the caller's gradient steps with the others show they are alive)."""

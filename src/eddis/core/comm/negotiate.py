@@ -61,7 +61,7 @@ class Call:
     op: str = None         # allreduce: sum, average, min, max, adasum
     factors: tuple = None  # allreduce: (prescale, postscale)
     nbytes: int = None     # object collectives: this rank's pickled size
-    key: tuple = None      # joined: the join key (eddis.core.join)
+    key: tuple = None      # joined: the join key (eddis.core.progress.join)
     message: str = None    # invalid: why this rank cannot describe its call
 
     def __post_init__(self):

@@ -6,7 +6,7 @@ polls, so that a rank that crashed or skipped a call turns into an error instead
   once ``deadline()`` has passed) mark the runtime broken, so that ``eddis.shutdown()`` aborts
   the MPI job instead of finalizing it, and raise :class:`CollectiveTimeoutError` naming ``what``;
 - ``add_wait_probe(fn)``: ``fn(what)`` is asked once a wait has lasted PROBE_AFTER seconds, and
-  raises when it knows the others cannot come (:mod:`eddis.core.join`).
+  raises when it knows the others cannot come (:mod:`eddis.core.progress.join`).
 """
 import time
 
@@ -19,7 +19,7 @@ _wait_probes = []
 
 def add_wait_probe(fn):
     """``fn(what)`` is called once in a collective's wait that lasts PROBE_AFTER seconds; it
-    raises an EddisError when it knows the others cannot come (eddis.core.join)."""
+    raises an EddisError when it knows the others cannot come (eddis.core.progress.join)."""
     if fn not in _wait_probes:
         _wait_probes.append(fn)
 

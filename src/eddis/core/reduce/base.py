@@ -101,7 +101,7 @@ class Reducer:
         self._error = None
         self._closed = False
         self._threads = []
-        # eddis.join(): this rank contributes zeros (eddis.core.join); how many ranks had data
+        # eddis.join(): this rank contributes zeros (eddis.core.progress.join); how many ranks had data
         # in the last step, where the mode's step tells (allreduce); the SMB modes' board
         self.joined = False
         self.active_ranks = None

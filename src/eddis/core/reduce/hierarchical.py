@@ -93,7 +93,7 @@ class HierarchicalSyncReducer(Reducer):
         if layout is None or layout.problem:
             raise ConfigError(f"hierarchical mode sync: {layout.problem if layout else 'no node layout'}")
         self.client = client = connection.smb_client()
-        # before this reducer's first collective (eddis.core.join)
+        # before this reducer's first collective (eddis.core.progress.join)
         self.join_board = JoinBoard(client, f"eddis.{name}", self.rank, self.size)
         self.layout = layout
         self.node = layout.node_of[self.rank]

@@ -1,5 +1,5 @@
 """Where the SMB modes' ranks say at which step they joined (``eddis.join()``,
-:mod:`eddis.core.join`): one counter per rank, created with the reducer."""
+:mod:`eddis.core.progress.join`): one counter per rank, created with the reducer."""
 
 
 class JoinBoard:

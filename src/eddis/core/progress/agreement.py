@@ -20,11 +20,11 @@ import logging
 
 import numpy as np
 
-from .. import settings
-from ..errors import ParameterDriftError
+from ... import settings
+from ...errors import ParameterDriftError
+from ..comm import collectives, runtime
+from ..reduce.base import any_built
 from . import driver
-from .comm import collectives, runtime
-from .reduce.base import any_built
 
 log = logging.getLogger("eddis.core.agreement")
 
@@ -55,7 +55,7 @@ def tick(abstain=False):
     """One synchronous training step ended on this rank (every rank ticks alike); every
     EDDIS_CHECK_PARAMETERS ticks the ranks compare their parameters (collective).
     ``abstain``: this rank's parameters did not take the step (a joined rank under a
-    gradient tape, see eddis.core.join): it takes part without checksums, which the
+    gradient tape, see eddis.core.progress.join): it takes part without checksums, which the
     comparison then skips."""
     if not _enabled():
         return

@@ -68,10 +68,10 @@ import logging
 import sys
 import weakref
 
-from .. import settings
-from ..errors import CollectiveTimeoutError, ConfigError, SMBTimeoutError, UsageError
+from ... import settings
+from ...errors import CollectiveTimeoutError, ConfigError, SMBTimeoutError, UsageError
+from ..comm import engine, runtime, waits
 from . import driver
-from .comm import engine, runtime, waits
 
 log = logging.getLogger("eddis.core.join")
 

@@ -71,10 +71,10 @@ import threading
 import time
 import warnings
 
-from .. import settings, timeline
+from ... import settings, timeline
 # ProgressError, ProgressTimeoutError: also importable from here, their old address
-from ..errors import ConfigError, ProgressError, ProgressTimeoutError, SMBTimeoutError, UsageError
-from .comm import collectives, connection, elastic, groups, runtime
+from ...errors import ConfigError, ProgressError, ProgressTimeoutError, SMBTimeoutError, UsageError
+from ..comm import collectives, connection, elastic, groups, runtime
 
 log = logging.getLogger("eddis.core.progress")
 
