@@ -57,7 +57,7 @@ EMA = 0.9
 def rank_speed(factor, device_ms):
     """(CPU stretch, simulated device) of a rank with this factor: ``device(n)`` sleeps the time a GPU
     of this speed would compute n samples (--device-ms), else the stretch slows the CPU compute."""
-    from eddis.core import simulate
+    from eddis.core.hetero import simulate
 
     def device(n):
         if device_ms > 0:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from eddis import smb
-from eddis.core import balance, simulate
+from eddis.core.hetero import balance, simulate
 from eddis.core.progress import counter as progress
-from eddis.core.easgd import ElasticAverager
+from eddis.core.hetero.easgd import ElasticAverager
 from eddis.errors import ConfigError, UsageError
 
 

@@ -18,7 +18,7 @@ before that line the doc's first binding holds; a doc that binds nothing reads
 writes ``eddis.init()``). ``import horovod.torch as hvd`` binds ``hvd`` to Horovod: its
 names are not EDDIS's and are skipped. A name resolves when the attribute chain exists
 on the bound module (submodules are imported on the way), or when the whole name is an
-importable module (``eddis.core.easgd``, whatever ``eddis`` is bound to). In a table
+importable module (``eddis.core.hetero.easgd``, whatever ``eddis`` is bound to). In a table
 whose header's first cell is ``Horovod``, the first column names Horovod's API and is
 not checked. The bare names a paragraph that starts "The names mean the same:" lists (Horovod's
 API, as ``init`` or ``callbacks.MetricAverageCallback``) must exist on the module ``hvd`` is
@@ -238,7 +238,7 @@ def test_the_name_check_catches_a_name_the_adapter_lacks(tmp_path):
     manual = tmp_path / "manual.md"
     manual.write_text("```python\nimport eddis.torch as eddis\n```\n\n"
                       "Give rank r `eddis.core.no_such_function(64, weights)[r]` samples;\n"
-                      "`eddis.core.easgd` is a module, `eddis.allreduce` a function.\n\n"
+                      "`eddis.core.hetero.easgd` is a module, `eddis.allreduce` a function.\n\n"
                       "| Horovod | EDDIS |\n|---|---|\n| `eddis.elastic` | not available, `eddis.nope` |\n")
     assert unresolved_names(manual) == [(5, "eddis.core.no_such_function"), (10, "eddis.nope")]
 

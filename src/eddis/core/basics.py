@@ -18,9 +18,10 @@ import os
 
 from .. import settings, timeline
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import checkpoint, checkpoint_run, checkpoint_state, hetero, lifecycle
+from . import checkpoint, checkpoint_run, checkpoint_state, lifecycle
 from .comm import adasum, collectives, elastic, engine, runtime
 from .comm.ops import Average, resolve_op
+from .hetero import step as hetero
 from .layout import sampler
 from .progress import counter as progress, driver, join as _join
 from .reduce.base import any_built

@@ -9,7 +9,7 @@
 
 The optimizer does the elastic exchange itself every ``tau`` steps (after its
 update); the algorithms are :mod:`eddis.core`'s, driven through
-:class:`eddis.core.hetero.HeteroStep`.
+:class:`eddis.core.hetero.step.HeteroStep`.
 """
 from ..core.basics import basics as _basics
 

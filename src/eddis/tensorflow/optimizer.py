@@ -24,10 +24,10 @@ import numpy as np
 import tensorflow as tf
 
 from .. import settings
-from ..core import hetero
 from ..core.basics import basics as _basics
 from ..core.comm import runtime
 from ..core.comm.ops import reject_unsupported_horovod_options
+from ..core.hetero import step as hetero
 from ..core.progress import join as _core_join
 from ..errors import ConfigError, UsageError
 from . import agreement
@@ -159,7 +159,7 @@ class _DistributedOptimizer:
 
     @property
     def hetero(self):
-        """The optimizer's :class:`eddis.core.hetero.HeteroStep` (variables attached at step 1)."""
+        """The optimizer's :class:`eddis.core.hetero.step.HeteroStep` (variables attached at step 1)."""
         return self._eddis.hetero
 
     def final_model(self):

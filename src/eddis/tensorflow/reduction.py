@@ -68,7 +68,7 @@ class GradientReducer:
         self.reducer = make_reducer(mode, self.plan, compression=codec, op=op,
                                     name=f"tensorflow.{next(_ids)}")
         self.mode = self.reducer.mode
-        self.hooks = None  # an eddis.core.hetero.HeteroStep (before_push, before_sync)
+        self.hooks = None  # an eddis.core.hetero.step.HeteroStep (before_push, before_sync)
         _core_join.register(self.reducer, self.join_reduce, self.join_apply)  # a DistributedOptimizer replaces it
 
     @property

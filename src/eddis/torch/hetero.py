@@ -25,21 +25,21 @@ slowdown sleeps here, so a slowed rank's gradients really arrive late);
 ``before_sync()`` when the step's gradients are final (``synchronize()``: end of
 the compute, measured for balancing) and ``after_step()`` after the wrapped
 optimizer's step (the elastic exchange; rebalancing). They are the core's
-framework-agnostic :class:`eddis.core.hetero.HeteroStep`; the algorithms live in
+framework-agnostic :class:`eddis.core.hetero.step.HeteroStep`; the algorithms live in
 ``eddis.core`` (easgd, hybrid, balance, progress, simulate).
 """
 import numpy as np
 import torch
 import torch.utils.data
 
-from ..core import hetero
 from ..core.basics import basics as _basics
+from ..core.hetero import step as hetero
 from ..errors import ConfigError
 
 
 class HeteroState(hetero.HeteroStep):
     """The heterogeneity hooks of one DistributedOptimizer: the core's
-    :class:`eddis.core.hetero.HeteroStep` over the optimizer's bucket plan and
+    :class:`eddis.core.hetero.step.HeteroStep` over the optimizer's bucket plan and
     reducer, with parameters copied to and from the flat vector by torch."""
 
     def __init__(self, optimizer, mode, balance):

@@ -1,6 +1,6 @@
 """The step driver of this process: the newest DistributedOptimizer's.
 
-The adapters' optimizers each own one step driver (:class:`eddis.core.hetero.HeteroStep`);
+The adapters' optimizers each own one step driver (:class:`eddis.core.hetero.step.HeteroStep`);
 the parts of core that act between steps (``join()``, the parameter check, the checkpoints'
 data position) find the current one here, below them, instead of reaching up into the
 heterogeneity modes.

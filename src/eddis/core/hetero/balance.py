@@ -52,10 +52,10 @@ import logging
 
 import numpy as np
 
-from .. import settings
-from ..errors import ConfigError, UsageError
-from .comm import collectives
-from .layout.sampler import split_sizes
+from ... import settings
+from ...errors import ConfigError, UsageError
+from ..comm import collectives
+from ..layout.sampler import split_sizes
 
 log = logging.getLogger("eddis.core.balance")
 

@@ -16,10 +16,10 @@ Adapters that cannot call Python between the update and the next step as one
 unit (TensorFlow graphs) split ``after_step`` into ``exchange_due()``,
 ``exchange_flat(flat)`` and ``end_step()``.
 
-The algorithms themselves are the core's: :mod:`eddis.core.easgd`
-(``ElasticAverager``), :mod:`eddis.core.hybrid` (group reducer and
-``exchange_group``), :mod:`eddis.core.balance` (``Balancer``),
-:mod:`eddis.core.simulate` (``Slowdown``) and :mod:`eddis.core.progress.counter`.
+The algorithms themselves are the core's: :mod:`eddis.core.hetero.easgd`
+(``ElasticAverager``), :mod:`eddis.core.hetero.hybrid` (group reducer and
+``exchange_group``), :mod:`eddis.core.hetero.balance` (``Balancer``),
+:mod:`eddis.core.hetero.simulate` (``Slowdown``) and :mod:`eddis.core.progress.counter`.
 ``should_stop()`` here wraps ``progress.should_stop()`` and notes when the
 loop's waiting ended, so that waiting is not measured as compute.
 """
@@ -31,13 +31,13 @@ import warnings
 
 import numpy as np
 
-from .. import settings
-from ..errors import ConfigError, FinalModelWarning, UsageError
-from ..smb import rundir
+from ... import settings
+from ...errors import ConfigError, FinalModelWarning, UsageError
+from ...smb import rundir
+from ..comm import collectives, connection, elastic, groups, runtime
+from ..progress import counter as progress, driver, join
 from . import balance as _balance
 from . import easgd, hybrid, simulate
-from .comm import collectives, connection, elastic, groups, runtime
-from .progress import counter as progress, driver, join
 
 log = logging.getLogger("eddis.core.hetero")
 CLOSE_TIMEOUT_S = 60.0   # how long close() waits for the other ranks before leaving the centre

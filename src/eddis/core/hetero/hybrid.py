@@ -10,7 +10,7 @@ nothing; between groups they are not, so the groups never wait for each other:
   sample-weighted average once all the group's contributions are in) and step
   their optimizers alike, so a group's ranks hold the same parameters;
 - every ``tau`` steps the group's *leader* (its lowest rank) does one EASGD
-  exchange with the centre variable (``eddis.core.easgd``) for the whole group,
+  exchange with the centre variable (``eddis.core.hetero.easgd``) for the whole group,
   and broadcasts the move ``d = pull (x - centre)`` to the group over MPI, so
   every member applies the same ``x -= d`` and the group stays identical (the
   group's mass in the throughput weighting counts all its ranks' iterations).
@@ -28,9 +28,9 @@ The reducer of mode ``hybrid`` (the sync reduction among a group's ranks) is
 """
 import numpy as np
 
-from .. import settings
-from ..errors import ConfigError
-from .comm import collectives
+from ... import settings
+from ...errors import ConfigError
+from ..comm import collectives
 
 
 def check_groups(members):

@@ -27,8 +27,8 @@ warns once at start; unset the variable for real training.
 import time
 import warnings
 
-from .. import settings
-from ..errors import ConfigError, EddisWarning
+from ... import settings
+from ...errors import ConfigError, EddisWarning
 
 _FORMAT_HELP = ("Write EDDIS_SIMULATE_SLOWDOWN as comma-separated KEY:FACTOR entries, KEY a rank "
                 "number (e.g. 1), a group gN (e.g. g1) or * for every rank, FACTOR >= 1, "
