@@ -227,7 +227,7 @@ def test_interrupted_job_runs_every_ranks_keyboard_interrupt_handler(slurm_clust
         assert "eddis_job: the trainers were interrupted (SIGINT)" in text, text
         assert "an smb-server step ended" not in text, text
     else:
-        assert "eddis_job: interrupted (SIGINT)" in text and "eddis_job: interrupted, status 130" in text, text
+        assert "eddis_job: interrupted (SIGINT)" in text and "eddis_job: interrupted by SIGINT, status 130" in text, text
         assert_server_steps_ended_by_themselves(job_env["EDDIS_RUN_DIR"], text, servers=2)
     assert code == "130:0", (state, code, text)
     assert "ROOT CAUSE" not in last_start_attempt(text) and "never interrupted" not in text, text

@@ -102,6 +102,33 @@ def test_restarts_are_bounded_and_say_so(tmp_path):
     assert "the ranks failed again after 1 restart(s) (EDDIS_MAX_RESTARTS=1); giving up" in text, text[-3000:]
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("crash", ["first", "always"])
+def test_a_local_run_starts_again_once_after_a_rank_crashed_before_eddis_init(tmp_path, crash):
+    """--local ends an attempt as a Slurm job does (the two tests below): a rank that crashed
+    before eddis.init() returned starts the run once more (EDDIS_START_RETRIES, 1 by default)."""
+    out = tmp_path / "trained.npz"
+    env = local_env(tmp_path, EDDIS_CHECKPOINT_DIR=tmp_path / "ckpt", TEST_CRASH_BEFORE_INIT=crash)
+    proc = run_process_group(["eddis-train", "--local", "-n", "2", PYTHON, str(SCRIPT), str(STEPS), str(out)],
+                             env, 240)
+    text = proc.stdout + proc.stderr
+    assert re.search(r"ROOT CAUSE: rank 1 on host \S+ was killed by signal 11 \(SIGSEGV\)", text), text[-4000:]
+    assert len(re.findall(r"^eddis-train: rank 1 on host \S+ was killed by signal 11 \(SIGSEGV\) before eddis.init\(\) "
+                          r"returned: a crash in the start-up .*; starting the smb-server and the ranks again \(start "
+                          r"retry 1 of 1, EDDIS_START_RETRIES\)$", text, re.M)) == 1, text[-4000:]
+    assert "restarting the smb-server and the ranks" not in text, text[-4000:]
+    if crash == "first":
+        assert proc.returncode == 0, text[-4000:]
+        assert re.search(r"^\[0@\S+\] finished 20 steps", text, re.M) and out.exists(), text[-4000:]
+        assert "eddis-train: done, status 0" in text, text[-4000:]
+    else:
+        assert proc.returncode == 139, text[-4000:]
+        assert "before eddis.init() returned, again after 1 start retry(ies) (EDDIS_START_RETRIES=1)" in text, \
+            text[-4000:]
+        assert "eddis-train: failed, status 139" in text, text[-4000:]
+
+
 def submit_job(cluster, tmp_path, command, log, component=None, env=None, **options):
     """sbatch the job script render_job_script writes for ``component`` (by default 2 nodes x
     1 rank in partition all); returns the job id. sbatch's environment: this checkout's entry

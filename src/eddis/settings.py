@@ -442,7 +442,8 @@ register("EDDIS_INIT_FILE", "path", None,
          "eddis.smb.rundir.note_initialized). A rank that crashed before then is a start-up crash "
          "(EDDIS_START_RETRIES).", internal=True)
 register("EDDIS_START_RETRIES", "int", 1,
-         "How many times a Slurm job starts its smb-servers and trainers again when the root cause "
+         "How many times a job (eddis-train --job or --local) starts its smb-servers and trainers "
+         "again when the root cause "
          "of their failure is a rank that crashed (SIGSEGV, SIGBUS, SIGABRT, SIGILL, SIGFPE) before "
          "eddis.init() returned. Open MPI 4.1 under Slurm's PMIx rarely crashes inside MPI_Init "
          "(about one start in 250 on a loaded node, docs/reliability.md). Counted apart from "
