@@ -26,7 +26,8 @@ TIMEOUT = 2  # EDDIS_LIVENESS_TIMEOUT of these tests
 # good (a C call through ctypes.PyDLL: a mutex locked twice), which stops its beat thread.
 SUPERVISOR = textwrap.dedent("""
     import ctypes, subprocess, sys, time
-    from eddis.launch.liveness import LivenessWatch, supervisor_verdict
+    from eddis.launch.liveness import LivenessWatch
+    from eddis.launch.verdict import supervisor_verdict
     from eddis.launch.report import LaunchRecords
     run_dir, mode = sys.argv[1], sys.argv[2]
     watch = LivenessWatch(timeout=%(timeout)s, verdict=supervisor_verdict(LaunchRecords(run_dir, "test"), 0,

@@ -31,7 +31,7 @@ may be on its node. So a supervisor also beats to its child, through a second pi
 (``LivenessWatch(verdict=...)``, or ``watched=True``), and the child's beat thread
 watches it by the same rule (:class:`ParentWatch`: no beat, or kernel-stopped, for
 ``EDDIS_LIVENESS_TIMEOUT``). Finding it hung, the child carries out the verdict the
-supervisor handed it at the start (:func:`end_hung_parent`): it writes the records that
+supervisor handed it at the start (:mod:`.verdict`): it writes the records that
 name the supervisor as the failure, as the supervisor would have named the child, asks
 the run dir's ranks to stop where the verdict says so, and kills the supervisor, which
 takes the child with it (``PR_SET_PDEATHSIG``; an smb-server stops itself cleanly
@@ -59,6 +59,7 @@ import threading
 import time
 
 from .. import settings
+from .verdict import end_hung_parent
 
 HEARTBEAT_FD_VARIABLE = "EDDIS_HEARTBEAT_FD"
 STACK_FD_VARIABLE = "EDDIS_STACK_FD"
@@ -68,17 +69,12 @@ PARENT_BEAT_FD_VARIABLE = "EDDIS_PARENT_HEARTBEAT_FD"
 PARENT_PID_VARIABLE = "EDDIS_PARENT_PID"
 PARENT_TIMEOUT_VARIABLE = "EDDIS_PARENT_LIVENESS_TIMEOUT"
 VERDICT_VARIABLE = "EDDIS_PARENT_VERDICT"
-# the status a supervisor found hung ends with: it is killed, as a hung child is
-HUNG_SIGNAL = signal.SIGKILL
-SUPERVISOR_KIND = "eddis-train supervisor"   # how the report names a rank's or a server's
 # Real-time signals: SIGUSR1/2 are the user's (sbatch --signal) and reach the trainer as they are.
 STACK_DUMP_SIGNAL = signal.SIGRTMIN + 7
 NATIVE_STACK_DUMP_SIGNAL = signal.SIGRTMIN + 6
 # A main thread in Python or in a system call runs the safe handler within milliseconds.
 SAFE_STACK_WAIT_SECONDS = 1.0
 STACK_WAIT_SECONDS = 3.0
-# a child that stops itself cleanly after its supervisor was found hung (end_hung_parent)
-STOP_SELF_SECONDS = 10.0
 
 _PROCESS_STATES = {"R": "running", "S": "sleeping (waiting for an event)",
                    "D": "in uninterruptible sleep (blocked in the kernel, e.g. on I/O)",
@@ -165,57 +161,6 @@ def start_in_child():
 
     threading.Thread(target=beat, name="eddis-heartbeat", daemon=True).start()
     return None if verdict is not None else parent
-
-
-def end_hung_parent(verdict, pid, why):
-    """Carry out a supervisor's verdict on itself, found hung by its child: write its records
-    (``verdict["records"]``: paths, each given ``verdict["record"]`` with the time and why),
-    ask every rank of ``verdict["stop_run_dir"]`` to stop where given, kill the supervisor.
-    ``verdict["lost_if_exists"]``: an elastic rank's training-started file; the rank counts
-    as lost (its peers train on) once it exists.
-
-    The child dies with its supervisor (PR_SET_PDEATHSIG; else of the same signal here), at
-    once, unless ``verdict["stop_signal"]`` names the signal of its own clean stop (an
-    smb-server frees its shared memory): then it gets that first, and the supervisor is killed
-    as the child exits, or STOP_SELF_SECONDS later."""
-    import atexit
-
-    from .report import describe_failure, request_stop, write_json_atomic
-
-    record = dict(verdict["record"], time=time.time(), why="hung", hung=why, signal=int(HUNG_SIGNAL), code=None)
-    if verdict.get("lost_if_exists"):
-        record["lost"] = os.path.exists(verdict["lost_if_exists"])
-    try:
-        for path in verdict["records"]:
-            write_json_atomic(path, record)
-        if verdict.get("stop_run_dir"):
-            request_stop(verdict["stop_run_dir"], describe_failure(record))
-    except OSError:
-        pass  # a full or failing file system: the supervisor's death still ends its part of the job
-
-    def kill_supervisor():
-        try:
-            os.kill(pid, HUNG_SIGNAL)
-        except OSError:
-            pass
-
-    if verdict.get("stop_signal"):
-        atexit.register(kill_supervisor)
-        os.kill(os.getpid(), signal.Signals[verdict["stop_signal"]])
-        time.sleep(STOP_SELF_SECONDS)
-    kill_supervisor()
-    time.sleep(1.0)  # PR_SET_PDEATHSIG has ended this process by now; unsupervised, it must not go on
-    os.kill(os.getpid(), HUNG_SIGNAL)
-
-
-def supervisor_verdict(records, key, record, stop_run_dir=None, lost_if_exists=None, stop_signal=None):
-    """The verdict a supervisor hands its child (:func:`end_hung_parent`): ``record`` as its
-    failure and its exit under ``records`` (a :class:`~.report.LaunchRecords`), file ``key``."""
-    return {"records": [str(records.failures / f"{key}.json"), str(records.exits / f"{key}.json")],
-            "record": dict(record, supervisor=SUPERVISOR_KIND, pid=os.getpid()),
-            "stop_run_dir": None if stop_run_dir is None else str(stop_run_dir),
-            "lost_if_exists": None if lost_if_exists is None else str(lost_if_exists),
-            "stop_signal": None if stop_signal is None else signal.Signals(stop_signal).name}
 
 
 class _BeatReader:
@@ -318,7 +263,7 @@ class LivenessWatch(_BeatReader):
     then ``watch.started(pid)``; ``watch.hung()`` once in a while, ``watch.stack()``
     before killing a hung child, ``watch.close()`` at the end.
 
-    With ``verdict`` (see :func:`supervisor_verdict`) or ``watched``, this process beats to
+    With ``verdict`` (see :func:`.verdict.supervisor_verdict`) or ``watched``, this process beats to
     the child too, from a thread, and the child watches it (:func:`start_in_child`)."""
 
     def __init__(self, timeout=None, stack_dir=None, verdict=None, watched=False):

@@ -39,11 +39,12 @@ import time
 
 from .. import identity
 from . import mpishm
-from .liveness import LivenessWatch, supervisor_verdict
+from .liveness import LivenessWatch
 from .output import LinePump, TracebackCatcher
 from .preemption import checkpoint_on_sigterm, server_wait_seconds
 from .report import describe_failure, request_stop, server_records, servers_stop_requested
 from .status import exit_status
+from .verdict import supervisor_verdict
 
 SERVER_STOP_SECONDS = 10.0
 WATCH_SECONDS = 1.0

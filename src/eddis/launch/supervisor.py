@@ -47,13 +47,14 @@ import time
 from .. import settings
 from ..errors import REQUEUE_EXIT_STATUS
 from .elastic import elastic_run
-from .liveness import LivenessWatch, supervisor_verdict
+from .liveness import LivenessWatch
 from .mpishm import MpiShm
 from .output import LinePump, TracebackCatcher
 from .preemption import checkpoint_on_sigterm
 from .report import LaunchRecords, describe_exit, describe_failure, launch_key, stop_request
 from .startbeats import StartBeat
 from .status import INTERRUPTED_STATUS, SIGNALLED_STATUS, exit_status
+from .verdict import supervisor_verdict
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.25

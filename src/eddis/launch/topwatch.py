@@ -40,8 +40,9 @@ import threading
 import time
 
 from .. import identity, settings
-from .liveness import HUNG_SIGNAL, LivenessWatch, beat_interval, start_in_child
+from .liveness import LivenessWatch, beat_interval, start_in_child
 from .status import exit_status
+from .verdict import HUNG_SIGNAL
 
 IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 MAX_RESTARTS = 3
