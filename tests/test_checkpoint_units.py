@@ -8,9 +8,9 @@ import signal
 import pytest
 
 from eddis import __version__
-from eddis.core import checkpoint as layout
-from eddis.core import checkpoint_state
-from eddis.core.checkpoint_run import Start
+from eddis.core.checkpoint import folders as layout
+from eddis.core.checkpoint import state as checkpoint_state
+from eddis.core.checkpoint.save import Start
 from eddis.errors import CheckpointError, CheckpointStop, ConfigError, REQUEUE_EXIT_STATUS
 
 
@@ -129,7 +129,7 @@ def test_a_worker_checkpoint_never_sorts_below_an_older_one(tmp_path):
 
 
 def test_the_lost_ranks_claims_count_as_consumed_and_their_steps_as_unknown():
-    from eddis.core.checkpoint_state import LOST_STEPS, steps_and_consumed
+    from eddis.core.checkpoint.state import LOST_STEPS, steps_and_consumed
 
     # rank 1 was lost; rank 2 had claimed 3 iterations it has not run yet
     steps, consumed = steps_and_consumed(100, {0: (30, 0), 2: (28, 3), 3: (29, 0)}, 4)
@@ -139,7 +139,7 @@ def test_the_lost_ranks_claims_count_as_consumed_and_their_steps_as_unknown():
 
 
 def test_the_lowest_live_rank_commits_and_asks_for_the_periodic_checkpoints():
-    from eddis.core.checkpoint_run import committer_of, requester_of
+    from eddis.core.checkpoint.save import committer_of, requester_of
 
     assert committer_of([0, 2, 3]) == 0 and committer_of([3, 1, 2]) == 1
     assert requester_of(0, []) and requester_of(0, [0])
@@ -180,7 +180,7 @@ def test_the_first_sigterm_is_a_request_and_the_second_ends_the_process():
     import sys
 
     code = ("import os, signal, time\n"
-            "from eddis.core import checkpoint as layout\n"
+            "from eddis.core.checkpoint import folders as layout\n"
             "assert layout.install_signal_handler(signal.SIGTERM)\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(0.1)\n"
@@ -261,7 +261,7 @@ def test_data_position_counts_the_batches_of_the_current_epoch():
 
 
 def test_elastic_commits_are_persisted_in_sync_modes_only_where_something_reads_them(monkeypatch, tmp_path):
-    from eddis.core.elastic_state import commit_folder
+    from eddis.core.checkpoint.elastic_state import commit_folder
 
     monkeypatch.delenv("EDDIS_CHECKPOINT_DIR", raising=False)
     monkeypatch.setenv("EDDIS_RUN_DIR", str(tmp_path / "run"))
@@ -278,7 +278,7 @@ def test_elastic_commits_are_persisted_in_sync_modes_only_where_something_reads_
 
 def test_a_model_state_without_a_distributed_optimizer_commits_in_memory_and_says_so_once(
         monkeypatch, tmp_path, caplog):
-    from eddis.core.elastic_state import ModelState
+    from eddis.core.checkpoint.elastic_state import ModelState
 
     class PlainOptimizerState(ModelState):   # as TorchState with a plain torch optimizer
         def __init__(self, **values):
@@ -309,7 +309,7 @@ def test_a_plain_optimizers_run_counts_its_steps_and_refuses_modes_a_tape_cannot
     """A checkpoint of a plain optimizer beside a DistributedGradientTape: its step is the
     optimizer's own count (read and restored); easgd and hybrid keep their state in EDDIS's
     optimizer alone, so there it is refused with the fix."""
-    from eddis.core.checkpoint_state import PlainOptimizerRun
+    from eddis.core.checkpoint.state import PlainOptimizerRun
 
     iterations = [7]
     run = PlainOptimizerRun("allreduce", lambda: iterations[0], lambda n: iterations.__setitem__(0, n))

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from eddis.core import checkpoint as layout
-from eddis.core import checkpoint_verify as verify
+from eddis.core.checkpoint import folders as layout
+from eddis.core.checkpoint import verify
 from eddis.errors import CheckpointCorruptError, CheckpointError
 
 FILES = {"rank-00000.h5": 3000, "rank-00000.pt": 70000, "rank-00001.h5": 3000, "training.h5": 500}

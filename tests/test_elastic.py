@@ -101,7 +101,7 @@ def test_easgd_checkpoints_go_on_without_rank_0_and_resume_on_as_many_ranks(tmp_
     """Rank 0, which commits the checkpoints and asks for the periodic ones, is lost: rank 1
     takes both over, its checkpoints sort after rank 0's, and a job of 4 ranks again resumes
     the newest as one of 3 workers, continuing the counter to the total."""
-    from eddis.core import checkpoint as layout
+    from eddis.core.checkpoint import folders as layout
 
     total, checkpoints = 300, tmp_path / "checkpoints"
     lossy, resumed = tmp_path / "lossy", tmp_path / "resumed"
@@ -141,7 +141,7 @@ def test_tensorflow_easgd_checkpoints_go_on_without_rank_0_and_resume_on_fewer_r
     """The run above with Keras and eddis.tensorflow: rank 0, the committer, is lost; the
     periodic checkpoints go on with ranks 1-3 and say so; a job of 2 ranks resumes the
     newest (easgd redistributes) and trains the counter exactly to the total."""
-    from eddis.core import checkpoint as layout
+    from eddis.core.checkpoint import folders as layout
 
     total, checkpoints = 240, tmp_path / "checkpoints"
     lossy, resumed = tmp_path / "lossy", tmp_path / "resumed"
@@ -392,8 +392,8 @@ def test_a_checkpoint_of_the_live_ranks_leaves_the_lost_out_and_outlives_its_com
     import threading
     from types import SimpleNamespace
 
-    from eddis.core import checkpoint as layout
-    from eddis.core.checkpoint_run import LiveRanks, _write
+    from eddis.core.checkpoint import folders as layout
+    from eddis.core.checkpoint.save import LiveRanks, _write
     from eddis.core.comm.elastic import Membership
 
     class Files:

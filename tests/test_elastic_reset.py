@@ -14,7 +14,7 @@ import pytest
 from conftest import PYTHON, REPO, run_process_group
 from test_checkpoint_resume import env_for
 
-from eddis.core.elastic_state import ObjectState
+from eddis.core.checkpoint.elastic_state import ObjectState
 
 SCRIPT = REPO / "tests" / "horovod_style" / "tensorflow2_elastic_reset_style.py"
 KILL_AFTER = 12   # the batch whose commit rank 1 dies after on the first attempt

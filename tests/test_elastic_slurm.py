@@ -165,7 +165,7 @@ def test_elastic_job_under_mpirun_checkpoints_requeues_itself_and_resumes(slurm_
     the total."""
     import h5py
 
-    from eddis.core import checkpoint as layout
+    from eddis.core.checkpoint import folders as layout
 
     assert requeue_hold_seconds(slurm_cluster) <= 30, "rebuild the dev cluster (scripts/eddis-dev-cluster)"
     checkpoints = tmp_path / "checkpoints"
@@ -329,7 +329,7 @@ CHECKPOINT_EVERY = 25   # rank 0's steps (of about 290 in the job)
 
 
 def manifests_in(folder):
-    from eddis.core import checkpoint as layout
+    from eddis.core.checkpoint import folders as layout
 
     return [layout.read_manifest(path) for _, path in layout.complete_checkpoints(str(folder))]
 
@@ -357,7 +357,7 @@ def test_easgd_checkpoints_the_live_ranks_after_a_loss_and_a_new_job_resumes_the
     counter to the total."""
     import h5py
 
-    from eddis.core import checkpoint as layout
+    from eddis.core.checkpoint import folders as layout
 
     checkpoints, resumed, (job_id, out, log) = submit_lossy_checkpointing_job(slurm_cluster, tmp_path, 1)
     text, results = rank_0_finished_without_killed_rank_1(slurm_cluster, job_id, out, log)
@@ -399,7 +399,7 @@ def test_hybrid_checkpoints_the_live_group_after_a_loss_and_a_new_job_resumes_it
     group, continuing the global learning counter to the total."""
     import h5py
 
-    from eddis.core import checkpoint as layout
+    from eddis.core.checkpoint import folders as layout
 
     checkpoints, resumed, (job_id, out, log) = submit_lossy_checkpointing_job(
         slurm_cluster, tmp_path, 3, components=TWO_BY_TWO, mode="hybrid")

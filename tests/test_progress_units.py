@@ -32,7 +32,8 @@ def worker():
     os.environ["EDDIS_HOSTNAME"] = HOSTS[rank]
     import time
 
-    from eddis.core import checkpoint_state, lifecycle
+    from eddis.core.checkpoint import state as checkpoint_state
+    from eddis.core import lifecycle
     from eddis.core.hetero import step as hetero
     from eddis.core.progress import counter as progress
     from eddis.core.comm import collectives, connection, groups

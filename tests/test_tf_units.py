@@ -95,7 +95,7 @@ def test_keras_elastic_callbacks_count_across_restarts_and_commit_in_order(initi
     """Horovod's callbacks for model.fit, driven as fit drives them: a run restarted after 3
     epochs, fit either numbering its epochs from 0 (epochs=total - state.epoch) or from
     initial_epoch=3; every 2 batches and each epoch's end a commit of the values after it."""
-    from eddis.core.elastic_state import ObjectState
+    from eddis.core.checkpoint.elastic_state import ObjectState
     from eddis.tensorflow.keras import elastic
 
     class Recorded(ObjectState):

@@ -37,7 +37,7 @@ def main():
     import torch.nn as nn
     import torch.nn.functional as F
     import eddis.torch as eddis
-    from eddis.core import checkpoint_run
+    from eddis.core.checkpoint import save as checkpoint_run
     from eddis.core.progress import counter as progress
 
     eddis.init()

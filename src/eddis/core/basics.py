@@ -18,7 +18,8 @@ import os
 
 from .. import settings, timeline
 from ..errors import CheckpointError, ConfigError, UsageError
-from . import checkpoint, checkpoint_run, checkpoint_state, lifecycle
+from . import lifecycle
+from .checkpoint import folders as checkpoint, save as checkpoint_run, state as checkpoint_state
 from .comm import adasum, collectives, elastic, engine, runtime
 from .comm.ops import Average, resolve_op
 from .hetero import step as hetero
@@ -282,7 +283,7 @@ class EddisBasics:
         """Collective: a checkpoint of the whole run (every rank's part, the SMB state) into
         the folder of checkpoints ``directory`` (None: EDDIS_CHECKPOINT_DIR); returns the new
         checkpoint's path. The adapter's ``participant`` writes and reads the framework's
-        tensors (:mod:`eddis.core.checkpoint_run`)."""
+        tensors (:mod:`eddis.core.checkpoint.save`)."""
         self.require("eddis.checkpoint()")
         if directory is None:
             directory = settings.get("EDDIS_CHECKPOINT_DIR")
@@ -292,7 +293,7 @@ class EddisBasics:
 
     def resume_training(self, path_or_dir, state, participant):
         """Collective: restore the checkpoint ``path_or_dir`` names (a checkpoint, or the newest
-        complete one in a folder of them); a :class:`~eddis.core.checkpoint_run.Start`, all
+        complete one in a folder of them); a :class:`~eddis.core.checkpoint.save.Start`, all
         zeros when there is nothing to resume."""
         self.require("eddis.resume()")
         if path_or_dir is None:

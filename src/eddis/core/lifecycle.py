@@ -18,7 +18,7 @@ from .. import settings
 from ..errors import ParameterDriftError
 from ..smb import rundir
 from ..timeline import trace
-from . import checkpoint
+from .checkpoint import folders as checkpoint
 from .comm import collectives, connection, observe, runtime
 from .progress import agreement
 

@@ -63,7 +63,7 @@ def write_json_atomic(target, record, indent=None):
 
 def remove_elastic_commits(path):
     """After a run that finished its training: the commits a sync Horovod elastic script left
-    in the run directory (eddis.core.elastic_state) have no reader any more, and a large
+    in the run directory (eddis.core.checkpoint.elastic_state) have no reader any more, and a large
     model's would fill the home directory run by run. How many checkpoints went (0: none)."""
     folder = Path(path) / ELASTIC_COMMITS_DIR
     if not folder.is_dir():

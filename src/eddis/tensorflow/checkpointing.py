@@ -5,7 +5,7 @@
         ...tape, optimizer.apply(...)                   # periodic/requested checkpoints (eager)
     eddis.checkpoint(ckpt_dir, model, optimizer)
 
-What is written, where and when is :mod:`eddis.core.checkpoint_run`'s; this module gives it
+What is written, where and when is :mod:`eddis.core.checkpoint.save`'s; this module gives it
 ``rank-NNNNN.keras.h5`` (h5py): every variable of the model (``model.variables``, in order:
 weights, and the seed generators' states where Keras tracks them), the optimizer's variables
 (iterations, slots such as momenta) and TensorFlow's global generator state.
@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from .. import settings
 from ..core.basics import basics as _basics
-from ..core.checkpoint_state import PLAIN_OPTIMIZER_MODES, PlainOptimizerRun
+from ..core.checkpoint.state import PLAIN_OPTIMIZER_MODES, PlainOptimizerRun
 from ..errors import CheckpointError, ConfigError
 
 

@@ -6,7 +6,7 @@
         state.commit()
     train(hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0))
 
-The calls mean what they mean in ``eddis.torch.elastic`` (``eddis.core.elastic_state``):
+The calls mean what they mean in ``eddis.torch.elastic`` (``eddis.core.checkpoint.elastic_state``):
 ``run`` syncs once and calls the function once, ``commit()`` keeps an in-memory copy
 of the model's and the optimizer's variables that ``restore()`` returns to, and in sync
 also writes it as a checkpoint (``eddis.checkpoint``) when the optimizer is an
@@ -16,7 +16,7 @@ Horovod, only after a reset: when ``run`` goes on from a commit, never at the fi
 """
 import numpy as np
 
-from ..core.elastic_state import ModelState, ObjectState, State, run
+from ..core.checkpoint.elastic_state import ModelState, ObjectState, State, run
 from . import checkpointing
 from .ops import _variable_list, broadcast_variables
 from .optimizer import _DistributedOptimizer

@@ -7,7 +7,7 @@
             state.commit()
     train(hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=0))
 
-What the calls mean in EDDIS (``eddis.core.elastic_state``): ``run`` syncs once
+What the calls mean in EDDIS (``eddis.core.checkpoint.elastic_state``): ``run`` syncs once
 and calls the function once, since easgd/hybrid survivors of a lost rank train
 on (EDDIS_ELASTIC=1) and sync runs restart their trainers (EDDIS_MAX_RESTARTS);
 ``commit()`` keeps an in-memory copy that ``restore()`` returns to, and in sync also
@@ -18,7 +18,7 @@ the first start.
 """
 import copy
 
-from ..core.elastic_state import ModelState, ObjectState, State, run
+from ..core.checkpoint.elastic_state import ModelState, ObjectState, State, run
 from . import checkpointing
 from .functions import broadcast_optimizer_state, broadcast_parameters
 

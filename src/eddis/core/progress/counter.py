@@ -210,7 +210,7 @@ class ProgressController:
     def settle_claim(self):
         """Wait for the claim made ahead, if one is under way, and count its iterations as
         reserved: at a checkpoint, the counter and every leader's unused iterations must
-        agree (what :func:`eddis.core.checkpoint_state.progress_of_rank` reports)."""
+        agree (what :func:`eddis.core.checkpoint.state.progress_of_rank` reports)."""
         if self._ahead is not None and not self.finished:
             self._claim()
 

@@ -11,7 +11,7 @@ Resuming (:func:`choose`, collective): rank 0 lists the candidates, newest first
 rank 0 reads its manifest and every rank verifies its share of the files (split by bytes), and
 the first that verifies on every rank is the one loaded. One that fails is named in the job
 output with the file, what its manifest expects and what was found; once an older one is
-taken, the failed ones are set aside (``ckpt-N.corrupt``, :func:`eddis.core.checkpoint.set_aside`)
+taken, the failed ones are set aside (``ckpt-N.corrupt``, :func:`eddis.core.checkpoint.folders.set_aside`)
 so that keep-last-N and new checkpoints never count them. When none verifies the resume fails
 with :class:`~eddis.errors.CheckpointCorruptError`: nothing is loaded and nothing trained, and a
 folder whose checkpoints were all set aside is never taken for an empty one (a fresh start).
@@ -29,9 +29,9 @@ import heapq
 import logging
 import os
 
-from ..errors import CheckpointCorruptError, CheckpointError
-from . import checkpoint as layout
-from .comm import collectives, runtime
+from ...errors import CheckpointCorruptError, CheckpointError
+from ..comm import collectives, runtime
+from . import folders as layout
 
 log = logging.getLogger("eddis.core.checkpoint")
 

@@ -60,13 +60,13 @@ import os
 import time
 import uuid
 
-from .. import settings
-from ..errors import CheckpointError, CheckpointStop, SMBTimeoutError, UsageError
-from . import checkpoint as layout
-from . import checkpoint_state as cstate
-from . import checkpoint_verify as verify
-from .comm import collectives, connection, elastic, groups, runtime
-from .progress import counter as progress, driver
+from ... import settings
+from ...errors import CheckpointError, CheckpointStop, SMBTimeoutError, UsageError
+from ..comm import collectives, connection, elastic, groups, runtime
+from ..progress import counter as progress, driver
+from . import folders as layout
+from . import state as cstate
+from . import verify
 
 log = logging.getLogger("eddis.core.checkpoint")
 
@@ -335,7 +335,7 @@ def _write_job(folder, final_folder, state, participant, position, per_rank, siz
 # ---------------------------------------------------------------- resume
 def resume(path_or_dir, state, participant):
     """Collective: restore the newest complete checkpoint ``path_or_dir`` names (or that one)
-    whose files verify against their checksums (:mod:`eddis.core.checkpoint_verify`); returns a
+    whose files verify against their checksums (:mod:`eddis.core.checkpoint.verify`); returns a
     :class:`Start` (all zeros when there is none)."""
     import h5py
 

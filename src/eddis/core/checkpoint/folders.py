@@ -19,7 +19,7 @@ Every file is fsynced before the commit rename, the folder too, and the parent a
 a crash or power loss leaves either the previous checkpoints or this one, complete on disk.
 
 ``request(reason)`` only sets a flag, so a signal handler may call it; the runtime reads
-it at the next step boundary (``eddis.core.checkpoint_run``).
+it at the next step boundary (``eddis.core.checkpoint.save``).
 """
 import hashlib
 import json
@@ -30,9 +30,9 @@ import signal
 import time
 import uuid
 
-from .. import __version__, settings
-from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
-from ..smb import rundir
+from ... import __version__, settings
+from ...errors import CheckpointCorruptError, CheckpointError, ConfigError
+from ...smb import rundir
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -65,7 +65,7 @@ def make_manifest(*, framework, world_size, mode, step, epoch, batch, global_ste
     """The manifest of one checkpoint (a dict, written as JSON); ``files``: names in the folder;
     ``ranks``: the ranks whose state it holds (None: all ``world_size``), the others were lost
     before it (an elastic run); ``checksums``: each file's size and SHA-256
-    (:func:`eddis.core.checkpoint_verify.seal`)."""
+    (:func:`eddis.core.checkpoint.verify.seal`)."""
     ranks = list(range(int(world_size))) if ranks is None else sorted(int(r) for r in ranks)
     return {"format": FORMAT, "eddis_version": __version__, "framework": framework,
             "world_size": int(world_size), "mode": mode, "step": int(step), "epoch": int(epoch),
@@ -220,7 +220,7 @@ def candidates(path_or_dir):
 def resolve(path_or_dir):
     """The checkpoint folder ``path_or_dir`` names: itself when it holds a manifest, else the
     newest complete checkpoint in it, else None (nothing to resume: a fresh start). Unverified:
-    a resume takes the newest that verifies (:func:`eddis.core.checkpoint_verify.choose`)."""
+    a resume takes the newest that verifies (:func:`eddis.core.checkpoint.verify.choose`)."""
     found, _ = candidates(path_or_dir)
     return found[0] if found else None
 

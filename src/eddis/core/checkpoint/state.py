@@ -18,8 +18,8 @@ import random
 
 import numpy as np
 
-from ..errors import ConfigError
-from .progress import counter as progress, driver
+from ...errors import ConfigError
+from ..progress import counter as progress, driver
 
 # ---------------------------------------------------------------- the data position
 # The epoch the EDDIS samplers were last set to and the optimizer step it began at (after a

@@ -10,7 +10,7 @@ state ends with its process. Workers never join a running job either. So:
 - ``run(func)`` syncs the state once and calls ``func(state, ...)`` once; in
   sync modes a lost rank ends the job, which restarts its trainers (EDDIS_MAX_RESTARTS),
   so there the commits are persisted: ``commit()`` writes a checkpoint of the run
-  (:mod:`eddis.core.checkpoint_run`, one consistent cut on every rank, the state's
+  (:mod:`eddis.core.checkpoint.save`, one consistent cut on every rank, the state's
   values in its manifest) into :func:`commit_folder`, and ``run`` on a restarted run
   first restores the newest one that verifies (:func:`latest_commit`), model, optimizer,
   RNGs and values (epoch, batch, ...), so that ``func`` goes on from the last commit;
@@ -37,11 +37,11 @@ import functools
 import logging
 import os
 
-from .. import settings
-from ..errors import UsageError
-from ..smb.rundir import ELASTIC_COMMITS_DIR
-from . import checkpoint_verify as verify
-from .comm import collectives, elastic, runtime
+from ... import settings
+from ...errors import UsageError
+from ...smb.rundir import ELASTIC_COMMITS_DIR
+from ..comm import collectives, elastic, runtime
+from . import verify
 
 log = logging.getLogger("eddis.core.elastic_state")
 
@@ -76,7 +76,7 @@ def latest_commit(folder):
     against their checksums, or None: no commit there. As a plain resume does, a commit that fails
     verification is named in the job output, with why, and set aside, and the one before it is
     taken; with none that verifies, every rank raises CheckpointCorruptError
-    (:func:`eddis.core.checkpoint_verify.choose_for_name`)."""
+    (:func:`eddis.core.checkpoint.verify.choose_for_name`)."""
     return verify.choose_for_name(folder, is_commit, "elastic commit")
 
 
