@@ -10,7 +10,7 @@ import pytest
 from eddis import __version__
 from eddis.core.checkpoint import folders as layout
 from eddis.core.checkpoint import state as checkpoint_state
-from eddis.core.checkpoint.save import Start
+from eddis.core.checkpoint.resume import Start
 from eddis.errors import CheckpointError, CheckpointStop, ConfigError, REQUEUE_EXIT_STATUS
 
 
@@ -139,7 +139,8 @@ def test_the_lost_ranks_claims_count_as_consumed_and_their_steps_as_unknown():
 
 
 def test_the_lowest_live_rank_commits_and_asks_for_the_periodic_checkpoints():
-    from eddis.core.checkpoint.save import committer_of, requester_of
+    from eddis.core.checkpoint.save import committer_of
+    from eddis.core.checkpoint.schedule import requester_of
 
     assert committer_of([0, 2, 3]) == 0 and committer_of([3, 1, 2]) == 1
     assert requester_of(0, []) and requester_of(0, [0])

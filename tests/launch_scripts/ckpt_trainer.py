@@ -38,6 +38,7 @@ def main():
     import torch.nn.functional as F
     import eddis.torch as eddis
     from eddis.core.checkpoint import save as checkpoint_run
+    from eddis.core.checkpoint.resume import Start
     from eddis.core.progress import counter as progress
 
     eddis.init()
@@ -63,7 +64,7 @@ def main():
     eddis.broadcast_parameters(model.state_dict(), root_rank=0)
     torch.manual_seed(100 + rank)   # dropout differs per rank: its RNG must be restored per rank
     folder = args.ckpt or os.environ.get("EDDIS_CHECKPOINT_DIR")
-    start = eddis.resume(folder, model, optimizer) if folder else checkpoint_run.Start()
+    start = eddis.resume(folder, model, optimizer) if folder else Start()
     result = {"start": start.as_dict(), "order": [], "steps": 0}
     if args.mode == "easgd" and start.resumed:
         state = optimizer._eddis_hetero

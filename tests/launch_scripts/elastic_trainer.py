@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import eddis.torch as eddis  # noqa: E402
-from eddis.core.checkpoint import save as checkpoint_run  # noqa: E402
+from eddis.core.checkpoint import schedule as checkpoint_run  # noqa: E402
 from eddis.core.comm import connection
 from eddis.smb.mirror import MirroredCounter  # noqa: E402
 

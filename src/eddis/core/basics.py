@@ -19,7 +19,7 @@ import os
 from .. import settings, timeline
 from ..errors import CheckpointError, ConfigError, UsageError
 from . import lifecycle
-from .checkpoint import folders as checkpoint, save as checkpoint_run, state as checkpoint_state
+from .checkpoint import folders, resume, save, schedule, state as checkpoint_state
 from .comm import adasum, collectives, elastic, engine, runtime
 from .comm.ops import Average, resolve_op
 from .hetero import step as hetero
@@ -283,27 +283,27 @@ class EddisBasics:
         """Collective: a checkpoint of the whole run (every rank's part, the SMB state) into
         the folder of checkpoints ``directory`` (None: EDDIS_CHECKPOINT_DIR); returns the new
         checkpoint's path. The adapter's ``participant`` writes and reads the framework's
-        tensors (:mod:`eddis.core.checkpoint.save`)."""
+        tensors (:mod:`eddis.core.checkpoint`)."""
         self.require("eddis.checkpoint()")
         if directory is None:
             directory = settings.get("EDDIS_CHECKPOINT_DIR")
         if directory is None:
             raise ConfigError("eddis.checkpoint() needs a folder: pass one, or set EDDIS_CHECKPOINT_DIR")
-        return checkpoint_run.save(directory, state, participant, extra=extra, epoch=epoch, batch=batch)
+        return save.save(directory, state, participant, extra=extra, epoch=epoch, batch=batch)
 
     def resume_training(self, path_or_dir, state, participant):
         """Collective: restore the checkpoint ``path_or_dir`` names (a checkpoint, or the newest
-        complete one in a folder of them); a :class:`~eddis.core.checkpoint.save.Start`, all
+        complete one in a folder of them); a :class:`~eddis.core.checkpoint.resume.Start`, all
         zeros when there is nothing to resume."""
         self.require("eddis.resume()")
         if path_or_dir is None:
             path_or_dir = settings.get("EDDIS_CHECKPOINT_DIR")
             if path_or_dir is None:
                 raise ConfigError("eddis.resume() needs a folder: pass one, or set EDDIS_CHECKPOINT_DIR")
-        return checkpoint_run.resume(path_or_dir, state, participant)
+        return resume.resume(path_or_dir, state, participant)
 
-    at_step_boundary = staticmethod(checkpoint_run.at_step_boundary)
-    request_checkpoint = staticmethod(checkpoint.request)
+    at_step_boundary = staticmethod(schedule.at_step_boundary)
+    request_checkpoint = staticmethod(folders.request)
     note_epoch = staticmethod(checkpoint_state.note_epoch)
     batches_done = staticmethod(checkpoint_state.batches_done)
 

@@ -5,7 +5,7 @@
         ...tape, optimizer.apply(...)                   # periodic/requested checkpoints (eager)
     eddis.checkpoint(ckpt_dir, model, optimizer)
 
-What is written, where and when is :mod:`eddis.core.checkpoint.save`'s; this module gives it
+What is written, where and when is :mod:`eddis.core.checkpoint`'s; this module gives it
 ``rank-NNNNN.keras.h5`` (h5py): every variable of the model (``model.variables``, in order:
 weights, and the seed generators' states where Keras tracks them), the optimizer's variables
 (iterations, slots such as momenta) and TensorFlow's global generator state.

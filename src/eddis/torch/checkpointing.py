@@ -10,7 +10,7 @@
             optimizer.step()                            # periodic/requested checkpoints here
     eddis.checkpoint(ckpt_dir, model, optimizer, note="end")
 
-What is written, where and when is :mod:`eddis.core.checkpoint.save`'s; this module gives it
+What is written, where and when is :mod:`eddis.core.checkpoint`'s; this module gives it
 ``rank-NNNNN.pt`` (``torch.save``): the model's and the optimizer's state dicts (rank 0's in
 sync, every rank's in easgd/hybrid) and torch's CPU and CUDA RNG states.
 """

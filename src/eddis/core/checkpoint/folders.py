@@ -19,7 +19,7 @@ Every file is fsynced before the commit rename, the folder too, and the parent a
 a crash or power loss leaves either the previous checkpoints or this one, complete on disk.
 
 ``request(reason)`` only sets a flag, so a signal handler may call it; the runtime reads
-it at the next step boundary (``eddis.core.checkpoint.save``).
+it at the next step boundary (:mod:`eddis.core.checkpoint.schedule`).
 """
 import hashlib
 import json

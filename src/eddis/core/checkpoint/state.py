@@ -10,7 +10,7 @@
 A run whose optimizer is not EDDIS's (a plain one beside TensorFlow's DistributedGradientTape)
 has none of the job's part: :class:`PlainOptimizerRun` stands for its state.
 
-Everything is read at a consistent cut: every rank waits at a step boundary (``checkpoint_run``)
+Everything is read at a consistent cut: every rank waits at a step boundary (:mod:`.save`)
 and its last centre update is applied before the committing rank (rank 0, or in an elastic run
 the lowest live one) reads the pools.
 """

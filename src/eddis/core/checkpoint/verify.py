@@ -1,6 +1,6 @@
 """Checksums of a checkpoint's files, and which checkpoint a resume may load.
 
-Writing (``checkpoint_run``): every rank seals the files it wrote (:func:`seal`: fsync, then
+Writing (:mod:`.save`): every rank seals the files it wrote (:func:`seal`: fsync, then
 their size and SHA-256), in parallel; the committing rank seals ``training.h5`` and writes every
 file's entry into the manifest, which carries a SHA-256 of its own, before the commit rename.
 The hash reads the file back, from the page cache it was just written to, rather than hashing
