@@ -85,6 +85,7 @@ class LocalRun(Launcher):
         self.argv = list(argv)
         self.ranks = ranks
         self.memory = memory
+        self.elastic = elastic_run()   # refused (ConfigError) before anything starts
         self.signals = []   # the stop signals this run received, filled by its handler
         self.server = self.mpirun = None
 
@@ -155,7 +156,7 @@ class LocalRun(Launcher):
         end; None when a stop signal came before they started."""
         if self.stopping is not None:
             return None
-        self.mpirun = subprocess.Popen(mpirun_command(self.ranks, self.argv, elastic_run()), env=env,
+        self.mpirun = subprocess.Popen(mpirun_command(self.ranks, self.argv, self.elastic), env=env,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
         stop_deadline = None
         while True:
