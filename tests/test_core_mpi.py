@@ -15,7 +15,7 @@ def case_reduce(modes):
     r, n = core.rank(), core.size()
     plan = core.BucketPlan([("a", (10,)), ("b", (3, 4)), ("c", (1000,)), ("d", (77,))], bucket_bytes=256)
     weights = np.arange(1, n + 1, dtype=np.float64)
-    out = {}
+    out, in_slot = {}, {}
     for mode in modes:
         for comp in ("none", "fp16", "bf16"):
             for op in ("average", "sum"):
@@ -35,7 +35,7 @@ def case_reduce(modes):
                     errors.append(float(np.abs(plan.buffer - expect).max() / np.abs(expect).max()))
                 out[f"{mode}/{comp}/{op}"] = max(errors)
                 if mode == "hybrid":   # one server on this node: uncompressed, the members sum in slots
-                    out[f"in_slot/{comp}/{op}"] = getattr(red, "sums_in_slots", False)   # 1 rank: local
+                    in_slot[f"{comp}/{op}"] = getattr(red, "sums_in_slots", False)   # 1 rank: local
                 assert red.stats["steps"] == 3 and red.stats["buckets"] == 3 * len(plan) or n == 1
                 red.close()
     avg = core.allreduce_array(np.array([float(r), 1.0]), op="average")
@@ -46,10 +46,28 @@ def case_reduce(modes):
     core.broadcast_array(arr, root=n - 1)
     core.barrier()
     if r == 0:
-        print("RESULT " + json.dumps({"errors": out, "avg": avg.tolist(), "max": mx.tolist(),
+        print("RESULT " + json.dumps({"errors": out, "in_slot": in_slot, "avg": avg.tolist(),
+                                      "max": mx.tolist(),
                                       "obj": obj, "gathered": gathered, "bcast": arr.tolist(),
                                       "buckets": len(plan), "topology": [core.local_rank(), core.local_size(),
                                                                          core.group(), core.num_groups()]}))
+    core.shutdown()
+
+
+def case_hybrid_spans():
+    """Mode hybrid's group reduction, compressed: through the servers (a compressed group does
+    not sum in its slots), each bucket compressed and widened again on the timeline."""
+    import eddis.core as core
+
+    core.init()
+    plan = core.BucketPlan([("a", (1000,)), ("b", (3000,))], bucket_bytes=4096)
+    red = core.make_reducer("hybrid", plan, compression="fp16", name="spans")
+    for _ in range(3):
+        plan.buffer[:] = float(core.rank() + 1)
+        red.reduce()
+    result = {"reducer": type(red).__name__, "value": float(plan.buffer[0]), "buckets": len(plan)}
+    print(f"RESULT {core.rank()} " + json.dumps(result), flush=True)
+    red.close()
     core.shutdown()
 
 
@@ -121,8 +139,7 @@ def test_reducers_weighted_average_and_sum(run_mpi, ranks):
     modes = [m for m in ("allreduce", "sync", "hybrid") if m in available_modes()]
     res = _result(run_mpi(ranks, [PYTHON, __file__, "reduce", ",".join(modes)], check=True))
     assert res["buckets"] > 1
-    in_slot = {k[len("in_slot/"):]: v for k, v in res["errors"].items() if k.startswith("in_slot/")}
-    errors = {k: v for k, v in res["errors"].items() if not k.startswith("in_slot/")}
+    in_slot, errors = res["in_slot"], res["errors"]
     assert sorted({k.split("/")[0] for k in errors}) == sorted(modes)
     for key, err in errors.items():
         assert err < TOL[key.split("/")[1]], (key, err)
@@ -135,6 +152,23 @@ def test_reducers_weighted_average_and_sum(run_mpi, ranks):
     assert res["gathered"] == [10 * r for r in range(ranks)]
     assert res["bcast"] == [ranks - 1] * 5
     assert res["topology"] == [0, ranks, 0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_group_reduction_compresses_on_the_timeline(run_mpi, tmp_path):
+    from eddis.timeline.merge import merge_timeline
+
+    proc = run_mpi(2, [PYTHON, __file__, "hybrid_spans"], env={"EDDIS_TIMELINE": str(tmp_path)}, check=True)
+    results = [json.loads(line.split(" ", 2)[2]) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    assert len(results) == 2, proc.stdout + proc.stderr
+    assert all(r["reducer"] == "GroupSyncReducer" and r["value"] == 1.5 for r in results), results
+    out, summary = merge_timeline(tmp_path)
+    events = json.loads(out.read_text())["traceEvents"]
+    for rank in summary["ranks"]:
+        for name in ("compress", "decompress"):
+            buckets = {e["args"]["bucket"] for e in events if e["pid"] == rank and e["name"] == name}
+            assert buckets == set(range(results[0]["buckets"])), (rank, name, buckets)
 
 
 @pytest.mark.timeout(60)

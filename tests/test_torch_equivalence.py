@@ -104,9 +104,9 @@ def train_config(mode, compression, kind, weighted):
     rank0 = eddis.broadcast(flat, root_rank=0)
     spread = eddis.allreduce((flat - rank0).abs().max().reshape(1), op=eddis.Max).item()
     buckets = len(optimizer.reducer.plan.buckets)
-    by_ranks = getattr(optimizer.reducer, "_by_ranks", None) is not None
+    by_ranks = getattr(optimizer.reducer, "path", "servers") != "servers"
     hierarchical = getattr(optimizer.reducer, "layout", None) is not None
-    in_slot = bool(getattr(optimizer.reducer, "_in_slot", False))
+    in_slot = bool(getattr(optimizer.reducer, "sums_in_slots", False))
     grads = [p.grad.clone() for p in model.parameters()]
     slot = (optimizer._eddis_flat.data_ptr(), optimizer._eddis_flat.data_ptr() + optimizer._eddis_flat.nbytes)
     optimizer.close()

@@ -4,6 +4,6 @@
 rank, and mode easgd: nothing to send), ``allreduce`` (MPI), ``sync`` (the SMB servers, or the
 ranks in the servers' mapped memory), ``hierarchical`` (sync across nodes), ``adasum_sync``
 (Adasum's tree on the servers), ``group`` (mode hybrid: the sync reduction in a group), with
-``slots`` and ``smb_wire`` (what the SMB reducers share) and ``join_board`` (who joined);
+``slots`` (the slot-reduction protocol those four share) and ``join_board`` (who joined);
 ``registry`` knows the modes and builds one (``make_reducer``). Imports comm and layout only.
 """

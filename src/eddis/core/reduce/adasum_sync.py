@@ -29,11 +29,10 @@ for ``base + generation``, the value read before the first step.
 import logging
 
 from ... import timeline
-from ...errors import SMBMemoryError, SMBTimeoutError
+from ...errors import SMBMemoryError
 from ...timeline.events import CAT_COMM
-from ..comm import adasum, collectives, connection
-from .base import Reducer
-from .smb_wire import bucket_on_the_wire, read_result
+from ..comm import adasum, collectives
+from .slots import Count, SlotReducer
 
 log = logging.getLogger("eddis.core.sync")
 
@@ -49,26 +48,23 @@ def tree_schedule(rank, size):
     return drives, None
 
 
-class AdasumSyncReducer(Reducer):
+class AdasumSyncReducer(SlotReducer):
     mode = "sync"
 
     def __init__(self, plan, compression="none", op="adasum", timeout=None, name="grads"):
         super().__init__(plan, compression, op, timeout, name)
         adasum.check_ranks(self.size, "mode 'sync'")
-        self.client = connection.smb_client()
         self.pool_name = f"eddis.{name}.adasum"
         self.slots_pool = self._pool(".slots", self.size, self.codec.smb_dtype)
         self.tree_pool = self._pool(".tree", self.size // 2, "float32") if self.size > 2 else None
         self.result_pool = self._pool(".result", 1, self.codec.smb_dtype)
-        self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
         self._segments = [adasum.bucket_segments(plan, k) for k in range(self.num_buckets)]
         self._drives, self._hands_over_at = tree_schedule(self.rank, self.size)
         # the counters this rank counts on or waits for: its own, its partners', the root's
         ranks = sorted({self.rank, 0} | {partner for _, partner in self._drives})
-        self._counters = {(k, r): self.client.counter(f"{self.pool_name}.ready.{k}.{r}")
-                          for k in range(self.num_buckets) for r in ranks}
-        self._bases = {key: counter.read() for key, counter in self._counters.items()}
-        # nobody counts before every rank has read its bases
+        self._counts = {(k, r): Count(self.client, f"{self.pool_name}.ready.{k}.{r}")
+                        for k in range(self.num_buckets) for r in ranks}
+        # nobody counts before every rank has read its bases (each rank reads other counters)
         collectives.barrier(timeout=self.timeout, what="mode sync (Adasum): counter bases")
         log.info("mode sync: Adasum on the SMB servers, %d ranks, this rank drives %s", self.size,
                  [partner for _, partner in self._drives] or "no pair")
@@ -94,27 +90,16 @@ class AdasumSyncReducer(Reducer):
             return self.slots_pool, rank
         return self.tree_pool, rank // 2
 
-    def _count(self, k):
-        self._counters[(k, self.rank)].fetch_add(1)
-
     def _wait_ready(self, k, rank, generation, what):
-        counter = self._counters[(k, rank)]
-        target = self._bases[(k, rank)] + generation
-        try:
-            counter.wait_for(target, self.timeout)
-        except SMBTimeoutError as exc:
-            raise SMBTimeoutError(
-                f"step {self.step}, bucket {k}: {what} (rank {rank}) was not in place within "
-                f"{self.timeout:g} s ({exc.message}; rank {rank} failed or is far slower; raise "
-                "EDDIS_COMM_TIMEOUT if it is slow)", exc.code) from exc
+        """Rank ``rank`` counted bucket ``k`` in ``generation`` times: its subtree is in place."""
+        self._wait_count(self._counts[(k, rank)], generation, f"bucket {k}: {what} (rank {rank})", [rank])
 
     # ------------------------------------------------------------ the reducer's threads
     def _submit(self, k):
         bucket = self.plan.buckets[k]
-        wire = bucket_on_the_wire(self, k, self._wire)
-        self.slots_pool.write(wire, slot=self.rank, start=bucket.start, timeout=self.timeout)
+        self.slots_pool.write(self._on_the_wire(k), slot=self.rank, start=bucket.start, timeout=self.timeout)
         if not self._drives:  # a leaf of the tree's first level: its slot is its subtree
-            self._count(k)
+            self._counts[(k, self.rank)].add()
         return self.step + 1
 
     def _combine(self, k, distance, partner):
@@ -135,17 +120,12 @@ class AdasumSyncReducer(Reducer):
             self._wait_ready(k, partner, generation, f"the subtree at distance {distance}")
             self._combine(k, distance, partner)
         if self._drives:  # its tree slot (the root: the result) is complete
-            self._count(k)
+            self._counts[(k, self.rank)].add()
         if self.rank != 0:
             self._wait_ready(k, 0, generation, "the combined result")
-        self._read_result(k)
-
-    def _read_result(self, k):
-        read_result(self, k, self._wire)
+        self._read_result(k, self.result_pool)
 
     def _release(self):
-        # Free the pools once every rank is done with them (an SMB barrier, so a
-        # missing rank costs a bounded wait and never poisons MPI).
         pools = [self.slots_pool, self.tree_pool, self.result_pool] if self.rank == 0 else []
-        self.client.free_when_all_arrive(self.pool_name + ".close", self.size, pools,
-                                         min(self.timeout, 60.0), f"the Adasum pools {self.pool_name}")
+        self._free_when_all_arrive(self.pool_name + ".close", self.size, pools,
+                                   f"the Adasum pools {self.pool_name}")

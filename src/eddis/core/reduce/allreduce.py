@@ -2,11 +2,10 @@
 against."""
 import numpy as np
 
-from ...errors import ConfigError
 from ..comm import adasum, runtime
 from ..comm.waits import start, wait_request
 from ..layout.compression import bfloat16_bits_to_float32, float32_to_bfloat16_bits
-from .base import Reducer
+from .base import Reducer, check_total
 
 
 class AllreduceReducer(Reducer):
@@ -67,8 +66,7 @@ class AllreduceReducer(Reducer):
         if self.op != "average":
             self._scale = 1.0
             return
-        if totals[0] <= 0:
-            raise ConfigError("the sample counts of all ranks add up to 0; every step needs samples")
+        check_total(float(totals[0]), self.step, f"the {self.size} ranks")
         self._scale = self._step_weight / float(totals[0])
 
     def _submit(self, k):

@@ -57,6 +57,18 @@ def any_built():
 INNER_ERROR_GRACE = 1.0
 
 
+def check_total(total, step, who):
+    """The zero-total rule, the same in every mode: a step whose weights add up to 0 over all
+    of ``who`` (every rank contributed zero samples) has no average, and its reduction fails
+    here instead of dividing by 0 or handing on zeros as if they were a gradient. (A rank in
+    eddis.join() weighs the smallest positive double, so that a step of joined ranks only never
+    adds up to 0; a part of a step, one node of the hierarchy, may: it then contributes nothing.)"""
+    if not total > 0:
+        raise ConfigError(f"step {step}: the sample counts of {who} add up to {total:g}, so the step "
+                          "has no average to take: every step needs samples on some rank (check "
+                          "set_sample_count / sample_count=), or reduce with op=Sum")
+
+
 def op_name(op):
     key = str(getattr(op, "name", op)).lower()
     if key in ("average", "mean", "avg"):

@@ -7,19 +7,17 @@ as mode sync's ranks do on one node."""
 import itertools
 import logging
 
-from ...errors import ConfigError, SMBTimeoutError
 from ...smb.client import servers_on_hosts
-from ..comm import collectives, connection, elastic, runtime
+from ..comm import collectives, elastic, runtime
 from ..comm.groups import group_comm, group_ranks
 from ..layout.buckets import column_share
-from .base import Reducer
-from .slots import arrivals, sum_bucket_share
+from .slots import BucketShare, SlotReducer
 
 log = logging.getLogger("eddis.core.hybrid")
 _pool_ids = itertools.count()
 
 
-class GroupSyncReducer(Reducer):
+class GroupSyncReducer(SlotReducer):
     """The sync reduction among the ranks of this rank's group (mode ``hybrid``)."""
 
     mode = "hybrid"
@@ -30,68 +28,53 @@ class GroupSyncReducer(Reducer):
         self.group = runtime.group()
         self.group_rank = comm.Get_rank()
         self.group_size = comm.Get_size()
+        self.parties = group_ranks(comm)
+        self.who = f" in hybrid group {self.group}"
         # one pool per group and instance; every member must get the same name
         instance = collectives.broadcast_object(next(_pool_ids), root=0, comm=comm,
                                                 what="hybrid reducer set-up")
         self.alone = self.group_size == 1   # nothing to average: the gradients stay as they are
-        client = self.client = connection.smb_client()
-        self.servers = None if self.alone else self._group_servers(client, comm)
-        self._comm = comm
-        self._in_slot = not self.alone and self._agree_in_slot(client, comm)
+        self.servers = None if self.alone else self._group_servers(self.client, comm)
+        if not self.alone and self._agree_in_slot(comm):
+            self.path = "slots"
         self.pool_name = f"eddis.hybrid.{name}.{instance}.g{self.group}"
         # summed in the members' slots, the result needs no slot of its own
-        self.pool = None if self.alone else client.pool(
+        self.pool = None if self.alone else self.client.pool(
             self.pool_name, plan.total, dtype=self.codec.smb_dtype,
-            slots=self.group_size + (0 if self._in_slot else 1), servers=self.servers)
+            slots=self.group_size + (0 if self.path == "slots" else 1), servers=self.servers)
         self.result_slot = self.group_size
-        self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
         self._generation = 0
-        self._weights_pool = None
-        self._by_ranks = self._rank_sum_state(client, comm) if self._in_slot else None
+        if self.path == "slots":
+            self._sum_in_slots_state(comm)
         collectives.barrier(comm=comm, what="hybrid reducer set-up")
         self._start_threads()
 
-    @property
-    def sums_in_slots(self):
-        """True when the group's members sum in their slots (no server round trip)."""
-        return self._by_ranks is not None
-
-    def _agree_in_slot(self, client, comm):
+    def _agree_in_slot(self, comm):
         """Whether the members sum in their slots (collective over the group), as mode sync's
         ranks do on one node: when the group's pool is on one server that every member maps,
         nothing is compressed and every member's buffer may move. Saves the server's round
         trip, the copy of each bucket into the slot and the read of the result."""
-        mine = (self.servers is not None and len(self.servers) == 1 and client.is_local(self.servers[0])
+        servers = self.servers
+        mine = (servers is not None and len(servers) == 1 and self.client.is_local(servers[0])
                 and self.codec.is_identity and self.plan.movable)
         return all(collectives.allgather_object(mine, comm=comm, timeout=self.timeout,
                                                 what="hybrid: may the group sum in its slots?"))
 
-    def _rank_sum_state(self, client, comm):
-        """The plan's buffer staged in this member's slot, and per bucket the arrival counters
-        and this member's share of the columns in every slot (collective over the group)."""
+    def _sum_in_slots_state(self, comm):
+        """The plan's buffer staged in this member's slot, the members' weights, and per bucket
+        the arrival counters and this member's share of the columns in every slot (collective
+        over the group)."""
         server = self.servers[0]
         w = self.group_size
-        self._weights_pool = client.pool(self.pool_name + ".weights", 1, "float64", slots=w,
-                                         servers=[server])
-        self._weights = [self._weights_pool.mapped_views(m, 0, 1)[0] for m in range(w)]
-        views = self.pool.mapped_views(self.group_rank, 0, self.plan.total)
-        views[0][...] = self.plan.buffer
-        self.plan.use_buffer(views[0], movable=True)
-        state = []
+        self._mapped_weights(self.pool_name + ".weights", w, servers=[server])
+        self._stage_in_slot(self.pool.mapped_views(self.group_rank, 0, self.plan.total)[0])
+        self.shares = []
         for k, bucket in enumerate(self.plan.buckets):
-            arrived = client.counter(f"{self.pool_name}.arrived.{k}", server=server)
-            done = client.counter(f"{self.pool_name}.done.{k}", server=server)
             lo, hi = column_share(bucket.start, bucket.count, self.group_rank, w)
             pieces = [(None, [self.pool.mapped_views(m, lo, hi - lo)[0] for m in range(w)])] if hi > lo else []
-            state.append({"arrived": arrived, "done": done, "pieces": pieces, "count": hi - lo,
-                          "base": (arrived.read(), done.read())})
-        bases = collectives.allgather_object([st["base"] for st in state], comm=comm, timeout=self.timeout,
-                                             what="hybrid: the group's counter bases")
-        if any(b != bases[0] for b in bases):
-            raise ConfigError(f"hybrid group {self.group}: the members found different reduction counters; "
-                              f"two optimizers share the name {self.pool_name!r} at once? Give each its own.")
+            self.shares.append(BucketShare(self.client, self.pool_name, k, server, pieces, hi - lo))
+        self._agree_on_bases(comm=comm, who=f"hybrid group {self.group}: the members")
         log.info("hybrid group %d: the %d members sum the buckets in their slots", self.group, w)
-        return state
 
     @staticmethod
     def _group_servers(client, comm):
@@ -111,23 +94,17 @@ class GroupSyncReducer(Reducer):
 
     def _prepare_step(self):
         self._generation += 1
-        if self._by_ranks is not None:
-            # read by the others after they saw this member arrive at a bucket of this step
-            self._weights[self.group_rank][0] = self._step_weight if self.op == "average" else 1.0
-
-    def _wire_view(self, k):
-        return self.plan.bucket_view(k) if self._wire is None else self.plan.bucket_view(k, self._wire)
+        if self.shares is not None:
+            self._publish_weight(self.group_rank)
 
     def _submit(self, k):
         if self.alone:
             return None
-        if self._by_ranks is not None:   # the bucket is in the slot already
-            self._by_ranks[k]["arrived"].fetch_add(1)
+        if self.shares is not None:   # the bucket is in the slot already
+            self.shares[k].arrived.add()
             return self._generation
         bucket = self.plan.buckets[k]
-        view = self.plan.bucket_view(k)
-        wire = view if self._wire is None else self.codec.compress(view, out=self._wire_view(k))
-        self.pool.write(wire, slot=self.group_rank, start=bucket.start, timeout=self.timeout)
+        self.pool.write(self._on_the_wire(k), slot=self.group_rank, start=bucket.start, timeout=self.timeout)
         average = self.op == "average"
         return self.pool.reduce_nb(self.group_rank, self._step_weight if average else 1.0,
                                    self.group_size, self.result_slot, self._generation,
@@ -136,41 +113,20 @@ class GroupSyncReducer(Reducer):
     def _finish(self, k, request):
         if request is None:
             return
-        if self._by_ranks is not None:
-            self._sum_in_slots(k, request)
+        if self.shares is not None:
+            self._sum_share(k, request, self.group_rank, "group")
             return
-        request.wait(self.timeout)
-        bucket = self.plan.buckets[k]
-        wire = self._wire_view(k)
-        self.pool.read(out=wire, slot=self.result_slot, start=bucket.start, timeout=self.timeout)
-        if self._wire is not None:
-            self.codec.decompress(wire, self.plan.bucket_view(k))
-
-    def _sum_in_slots(self, k, generation):
-        sum_bucket_share(self, k, self._by_ranks[k], generation, self.group_rank, self.group_size, True,
-                         "group")
-
-    def _wait_count(self, counter, target, what):
-        try:
-            counter.wait_for(target, self.timeout)
-        except SMBTimeoutError as exc:
-            ranks = group_ranks(self._comm)
-            raise SMBTimeoutError(
-                f"step {self.step}: hybrid group {self.group}: {what}: within {self.timeout:g} s only "
-                f"{arrivals(self.client, counter, target, ranks)} (a member failed or is far slower; "
-                "raise EDDIS_COMM_TIMEOUT if it is slow)", exc.code) from exc
+        self._wait_servers(request, k, f"member of hybrid group {self.group}")
+        self._read_result(k, self.pool, self.result_slot)
 
     def _release(self):
         """Free the group's pool once every member is done with it (an SMB barrier over the
         group: a member may still be reading its last result). Each optimizer has a pool
         of its own, so a job that builds several would otherwise fill the servers. Elastic
         runs keep it: a lost member never arrives, and the servers free it at the job's end."""
-        if self._in_slot:
-            # the framework's gradients may still point here; the client unmaps it at shutdown
-            self.plan.use_buffer(self.plan.buffer.copy(), movable=True)
-            self._in_slot = False
+        self._leave_slot()
         if self.pool is None or elastic.requested("hybrid"):
             return
         pools = [self.pool, self._weights_pool] if self.group_rank == 0 else []
-        self.client.free_when_all_arrive(self.pool.name + ".close", self.group_size, pools,
-                                         min(self.timeout, 60.0), f"the hybrid group pool {self.pool.name}")
+        self._free_when_all_arrive(self.pool.name + ".close", self.group_size, pools,
+                                   f"the hybrid group pool {self.pool.name}")

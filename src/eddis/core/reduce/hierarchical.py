@@ -38,14 +38,13 @@ import logging
 import numpy as np
 
 from ... import timeline
-from ...errors import ConfigError, SMBTimeoutError
+from ...errors import ConfigError
 from ...smb import _vecops
 from ...timeline.events import CAT_COMM
-from ..comm import collectives, connection, runtime
+from ..comm import collectives, runtime
 from ..layout.buckets import column_share
-from .base import Reducer
 from .join_board import JoinBoard
-from .slots import arrivals
+from .slots import BucketShare, SlotReducer
 
 log = logging.getLogger("eddis.core.sync")
 
@@ -85,19 +84,21 @@ class NodeLayout:
         return len(self.nodes)
 
 
-class HierarchicalSyncReducer(Reducer):
+class HierarchicalSyncReducer(SlotReducer):
     mode = "sync"
+    WIRE_STAGING = False   # the node sums are converted to the wire dtype as they are written
 
     def __init__(self, plan, compression="none", op="average", timeout=None, name="grads", layout=None):
         super().__init__(plan, compression, op, timeout, name)
         if layout is None or layout.problem:
             raise ConfigError(f"hierarchical mode sync: {layout.problem if layout else 'no node layout'}")
-        self.client = client = connection.smb_client()
+        client = self.client
         # before this reducer's first collective (eddis.core.progress.join)
         self.join_board = JoinBoard(client, f"eddis.{name}", self.rank, self.size)
         self.layout = layout
         self.node = layout.node_of[self.rank]
-        self.members = layout.members[self.node]
+        self.members = self.parties = layout.members[self.node]
+        self.who = f" on node {layout.nodes[self.node]}"
         self.local = self.members.index(self.rank)
         self.server = layout.node_server[self.node]
         self.num_nodes = layout.num_nodes
@@ -108,8 +109,7 @@ class HierarchicalSyncReducer(Reducer):
         # on the node: slots in the plan's dtype (no compression needed in memory) and the ranks' weights
         self.dtype = plan.dtype.name
         self.node_slots = client.pool(node + ".slots", plan.total, self.dtype, slots=r, servers=[self.server])
-        self._weights_pool = client.pool(node + ".weights", 1, "float64", slots=r, servers=[self.server])
-        self._weights = [self._weights_pool.mapped_views(m, 0, 1)[0] for m in range(r)]
+        self._mapped_weights(node + ".weights", r, servers=[self.server])
         # between the nodes, in the wire dtype, a pair of pools per bucket (a row per node, the
         # servers' result), so that every bucket is spread evenly over the nodes' servers: each
         # node's link then carries its share of every bucket in both directions at once
@@ -122,42 +122,27 @@ class HierarchicalSyncReducer(Reducer):
         # the remote columns on their way up (submit thread) and down (finish thread)
         self._outgoing = np.empty(plan.total, dtype=self.inter[0].np_dtype)
         self._incoming = np.empty(plan.total, dtype=self.inter[0].np_dtype)
-        self._in_slot = self._agree_in_slot()
-        self.node_result = None if self._in_slot else client.pool(node + ".result", plan.total, self.dtype,
-                                                                  slots=1, servers=[self.server])
+        # the node's ranks always sum (in the node's memory); in their slots when every buffer may move
+        self.path = "slots" if self._agree_in_slot() else "ranks"
+        self.node_result = None if self.path == "slots" else client.pool(
+            node + ".result", plan.total, self.dtype, slots=1, servers=[self.server])
         self._slots = [self.node_slots.mapped_views(m, 0, plan.total)[0] for m in range(r)]
-        self._result = None if self._in_slot else self.node_result.mapped_views(0, 0, plan.total)[0]
-        self._buckets = self._bucket_state()
-        if self._in_slot:
-            self._slots[self.local][...] = plan.buffer
-            plan.use_buffer(self._slots[self.local], movable=True)
+        self._result = None if self.path == "slots" else self.node_result.mapped_views(0, 0, plan.total)[0]
+        self.shares = [BucketShare(client, node, k, self.server, self._my_pieces(k, layout.pieces, r))
+                       for k in range(self.num_buckets)]
+        self._agree_on_bases(members=self.members,
+                             who=f"mode sync: the ranks of node {layout.nodes[self.node]}")
+        if self.path == "slots":
+            self._stage_in_slot(self._slots[self.local])
         log.info("mode sync: hierarchical over %d nodes (%d rank(s) on this node, %d pieces a bucket, "
                  "%s on the wire%s)", self.num_nodes, r, layout.pieces, wire,
-                 ", in the ranks' slots" if self._in_slot else "")
+                 ", in the ranks' slots" if self.path == "slots" else "")
         self._start_threads()
 
     def _agree_in_slot(self):
         everyone = collectives.allgather_object(self.plan.movable, timeout=self.timeout,
                                                 what="mode sync: may every rank's buffer move?")
         return all(everyone)
-
-    def _bucket_state(self):
-        client, node = self.client, f"eddis.{self.name}.node{self.node}"
-        pieces = self.layout.pieces
-        r = len(self.members)
-        state = []
-        for k, bucket in enumerate(self.plan.buckets):
-            arrived = client.counter(f"{node}.arrived.{k}", server=self.server)
-            done = client.counter(f"{node}.done.{k}", server=self.server)
-            state.append({"arrived": arrived, "done": done, "pieces": self._my_pieces(k, pieces, r),
-                          "base": (arrived.read(), done.read())})
-        bases = collectives.allgather_object([st["base"] for st in state], timeout=self.timeout,
-                                             what="mode sync: node counter bases")
-        if any(bases[m] != bases[self.rank] for m in self.members):
-            raise ConfigError(f"mode sync: the ranks of node {self.layout.nodes[self.node]} found different "
-                              f"reduction counters; two optimizers share the name {self.name!r} at once? "
-                              "Give each its own.")
-        return state
 
     def _my_pieces(self, k, pieces, r):
         """This rank's pieces of bucket k: [(lo, hi)], those on other nodes' servers first.
@@ -179,38 +164,24 @@ class HierarchicalSyncReducer(Reducer):
 
     # ------------------------------------------------------------ one step
     def _prepare_step(self):
-        self._weights[self.local][0] = self._step_weight if self.op == "average" else 1.0
-
-    def _wait_count(self, counter, target, what):
-        try:
-            counter.wait_for(target, self.timeout)
-        except SMBTimeoutError as exc:
-            raise SMBTimeoutError(
-                f"step {self.step}: {what}: within {self.timeout:g} s only "
-                f"{arrivals(self.client, counter, target, list(self.members))} on node "
-                f"{self.layout.nodes[self.node]} (one failed or is far slower; raise EDDIS_COMM_TIMEOUT if it "
-                "is slow)", exc.code) from exc
+        self._publish_weight(self.local)
 
     def _submit(self, k):
         bucket = self.plan.buckets[k]
-        state = self._buckets[k]
-        if not self._in_slot:
+        share = self.shares[k]
+        if self.path != "slots":
             lo, hi = bucket.start, bucket.start + bucket.count
             self._slots[self.local][lo:hi] = self.plan.buffer[lo:hi]
-        state["arrived"].fetch_add(1)
+        share.arrived.add()
         generation = self.step + 1
-        arrived_base, _ = state["base"]
-        self._wait_count(state["arrived"], arrived_base + generation * len(self.members), f"bucket {k}")
-        weights = np.array([w[0] for w in self._weights])
-        node_weight = float(weights.sum())
-        if self.op == "average":
-            weights = weights / node_weight if node_weight > 0 else np.zeros_like(weights)
+        self._wait_count(share.arrived, generation * len(self.members), f"bucket {k}")
+        weights, node_weight = self._weighted(whole=False)   # a node whose ranks had no samples adds 0
         first = bucket.start
         # every piece summed and on its way before the first wait: the local pieces are summed
         # while the remote ones cross the link
-        posted = [self._node_sum(k, lo, hi, weights) for lo, hi in state["pieces"]]
+        posted = [self._node_sum(k, lo, hi, weights) for lo, hi in share.pieces]
         requests = []
-        for (lo, hi), writes in zip(state["pieces"], posted):
+        for (lo, hi), writes in zip(share.pieces, posted):
             if writes:
                 with timeline.span(timeline.PUSH, args={"step": self.step, "bucket": k, "requests": len(writes)}):
                     for request in writes:
@@ -243,28 +214,22 @@ class HierarchicalSyncReducer(Reducer):
 
     def _finish(self, k, token):
         generation, requests = token
-        state = self._buckets[k]
-        for (lo, hi), request in zip(state["pieces"], requests):
-            try:
-                request.wait(self.timeout)
-            except SMBTimeoutError as exc:
-                raise SMBTimeoutError(
-                    f"step {self.step}, bucket {k}: not every node contributed within {self.timeout:g} s "
-                    f"(nodes {self.layout.nodes}; {exc.message}; one failed or is far slower; raise "
-                    "EDDIS_COMM_TIMEOUT if it is slow)", exc.code) from exc
+        share = self.shares[k]
+        for (lo, hi), request in zip(share.pieces, requests):
+            self._wait_servers(request, k, f"node of {self.layout.nodes}")
             self._spread(k, lo, hi)
-        state["done"].fetch_add(1)
-        _, done_base = state["base"]
-        self._wait_count(state["done"], done_base + generation * len(self.members),
+        share.done.add()
+        self._wait_count(share.done, generation * len(self.members),
                          f"bucket {k} (the node's other pieces)")
-        if not self._in_slot:
+        if self.path != "slots":
             bucket = self.plan.buckets[k]
             lo, hi = bucket.start, bucket.start + bucket.count
             self.plan.buffer[lo:hi] = self._result[lo:hi]
 
     def _spread(self, k, lo, hi):
         """Columns [lo, hi) of the result, in the plan's dtype, where the node's ranks find them."""
-        target = self._slots[self.local] if self._in_slot else self._result
+        in_slot = self.path == "slots"
+        target = self._slots[self.local] if in_slot else self._result
         result, first = self.inter_result[k], self.plan.buckets[k].start
         reads, pieces = [], []
         with timeline.span(timeline.PULL, args={"step": self.step, "bucket": k, "count": hi - lo}):
@@ -280,18 +245,16 @@ class HierarchicalSyncReducer(Reducer):
         for start, src in pieces:
             _vecops.convert(target[start:start + src.size], src, dst_dtype=self.dtype,
                             src_dtype=self.wire_dtype)
-        if self._in_slot:
+        if in_slot:
             for m, slot in enumerate(self._slots):
                 if m != self.local:
                     slot[lo:hi] = target[lo:hi]
 
     def _release(self):
-        if self._in_slot:
-            self.plan.use_buffer(self.plan.buffer.copy(), movable=True)
-            self._in_slot = False
+        self._leave_slot()
         pools = [self.node_slots, self._weights_pool, self.node_result] if self.local == 0 else []
         if self.rank == 0:
             pools += self.inter + self.inter_result
-        self.client.free_when_all_arrive(f"eddis.{self.name}.close", self.size, pools, min(self.timeout, 60.0),
-                                         f"the hierarchical sync pools eddis.{self.name}")
+        self._free_when_all_arrive(f"eddis.{self.name}.close", self.size, pools,
+                                   f"the hierarchical sync pools eddis.{self.name}")
 

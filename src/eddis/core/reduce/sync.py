@@ -41,37 +41,34 @@ instead: the servers combine the pairs of Adasum's tree.
 import logging
 
 from ... import settings
-from ...errors import ConfigError, SMBMemoryError, SMBTimeoutError
+from ...errors import ConfigError, SMBMemoryError
 from ...smb import _core  # noqa: F401  (without the built SMB extension there is no mode sync)
 from ..comm import collectives, connection
 from ..layout.buckets import column_share
 from .adasum_sync import AdasumSyncReducer
-from .base import Reducer
 from .hierarchical import HierarchicalSyncReducer, NodeLayout
 from .join_board import JoinBoard
-from .slots import arrivals, sum_bucket_share
-from .smb_wire import bucket_on_the_wire, read_result
+from .slots import BucketShare, SlotReducer
 
 log = logging.getLogger("eddis.core.sync")
 
 
-class SyncReducer(Reducer):
+class SyncReducer(SlotReducer):
     mode = "sync"
 
     def __init__(self, plan, compression="none", op="average", timeout=None, name="grads"):
         super().__init__(plan, compression, op, timeout, name)
-        self.client = connection.smb_client()
         self.pool_name = f"eddis.{name}"
         self.join_board = JoinBoard(self.client, self.pool_name, self.rank, self.size)  # before a collective
         self.slots_pool = self._pool(".slots", self.size)
-        by_ranks, self._in_slot = self._choose_path()
+        self.path = self._choose_path()
         # the result pool is where the servers (or the ranks, with private buffers) put the
         # sums; ranks that sum in their slots put them straight into every slot
-        self.result_pool = None if self._in_slot else self._pool(".result", 1)
-        self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
-        self._by_ranks = self._rank_reduction() if by_ranks else None
-        if self._in_slot:
-            self._stage_in_slot()
+        self.result_pool = None if self.path == "slots" else self._pool(".result", 1)
+        if self.path != "servers":
+            self._rank_reduction()
+        if self.path == "slots":
+            self._stage_in_slot(self.slots_pool.mapped_views(self.rank, 0, self.plan.total)[0])
         self._start_threads()
 
     def _pool(self, suffix, slots):
@@ -88,7 +85,7 @@ class SyncReducer(Reducer):
 
     # ------------------------------------------------------------ who sums, where
     def _choose_path(self):
-        """(ranks sum, in their slots) as all ranks agree (collective).
+        """Who sums, as all ranks agree (collective): ``servers``, ``ranks`` or ``slots``.
 
         The ranks sum when every rank maps every server (EDDIS_SYNC_REDUCE=auto) or
         when asked to (ranks). They sum in their slots, which become the plan's
@@ -104,108 +101,63 @@ class SyncReducer(Reducer):
                                                 what="mode sync: do all ranks map every SMB server?")
         all_mapped = all(m for m, _ in everyone)
         if choice == "server" or (choice == "auto" and not all_mapped):
-            return False, False
+            return "servers"
         if not all_mapped:
             far = [r for r, (m, _) in enumerate(everyone) if not m]
             raise ConfigError(
                 f"EDDIS_SYNC_REDUCE=ranks needs every rank on the node of every SMB server, but "
                 f"rank(s) {far} are not; use EDDIS_SYNC_REDUCE=auto (or server) for multi-node jobs")
-        return True, all(i for _, i in everyone)
-
-    def _stage_in_slot(self):
-        """Make this rank's slot the plan's buffer: saves a copy of every bucket into it."""
-        views = self.slots_pool.mapped_views(self.rank, 0, self.plan.total)
-        views[0][...] = self.plan.buffer
-        self.plan.use_buffer(views[0], movable=True)
+        return "slots" if all(i for _, i in everyone) else "ranks"
 
     def _rank_reduction(self):
-        """Per-bucket state of the rank-side sum (collective)."""
-        client = self.client
+        """The weights and the per-bucket state of the ranks' sum (collective)."""
         # one column per server (a pool spreads its columns over all of them); column 0 is used
-        self._weights_pool = client.pool(self.pool_name + ".weights", client.num_servers, dtype="float64",
-                                         slots=self.size)
-        self._weights = [self._weights_pool.mapped_views(r, 0, 1)[0] for r in range(self.size)]
-        state = []
+        self._mapped_weights(self.pool_name + ".weights", self.size, length=self.client.num_servers)
+        self.shares = []
         for k, bucket in enumerate(self.plan.buckets):
-            arrived = client.counter(f"{self.pool_name}.arrived.{k}")
-            done = client.counter(f"{self.pool_name}.done.{k}")
             lo, hi = column_share(bucket.start, bucket.count, self.rank, self.size)
             slots = list(zip(*(self.slots_pool.mapped_views(r, lo, hi - lo) for r in range(self.size))))
             # per server piece of this rank's share: (result or None, [slot 0, ..., slot W-1])
-            results = [None] * len(slots) if self._in_slot else self.result_pool.mapped_views(0, lo, hi - lo)
-            # An earlier reducer of the same name may have left counts behind: start from them.
-            state.append({"arrived": arrived, "done": done, "pieces": list(zip(results, slots)),
-                          "count": hi - lo, "base": (arrived.read(), done.read())})
-        # Read before anyone counts again: nobody leaves this collective before all have read.
-        bases = collectives.allgather_object([st["base"] for st in state], timeout=self.timeout,
-                                             what="mode sync: counter bases")
-        if any(b != bases[0] for b in bases):
-            raise ConfigError("mode sync: the ranks found different reduction counters; two "
-                              f"optimizers share the name {self.pool_name!r} at once? Give each its own.")
+            results = ([None] * len(slots) if self.path == "slots"
+                       else self.result_pool.mapped_views(0, lo, hi - lo))
+            self.shares.append(BucketShare(self.client, self.pool_name, k, None, list(zip(results, slots)),
+                                           hi - lo))
+        self._agree_on_bases()
         log.info("mode sync: the %d ranks sum the buckets in the servers' mapped memory%s", self.size,
-                 " (in their slots)" if self._in_slot else "")
-        return state
+                 " (in their slots)" if self.path == "slots" else "")
 
-    def _wait_count(self, counter, target, what):
-        try:
-            counter.wait_for(target, self.timeout)
-        except SMBTimeoutError as exc:
-            raise SMBTimeoutError(
-                f"step {self.step}: {what}: within {self.timeout:g} s only "
-                f"{arrivals(self.client, counter, target, list(range(self.size)))} (another rank failed or is "
-                "far slower; raise EDDIS_COMM_TIMEOUT if it is slow)", exc.code) from exc
-
+    # ------------------------------------------------------------ one step
     def _prepare_step(self):
-        if self._by_ranks is not None:
-            # read by the others after they saw this rank arrive at a bucket of this step
-            self._weights[self.rank][0] = self._step_weight if self.op == "average" else 1.0
+        if self.shares is not None:
+            self._publish_weight(self.rank)
 
     def _submit(self, k):
         bucket = self.plan.buckets[k]
-        wire = bucket_on_the_wire(self, k, self._wire)
-        if not self._in_slot:  # else the bucket is staged in the slot already
+        wire = self._on_the_wire(k)
+        if self.path != "slots":  # else the bucket is staged in the slot already
             self.slots_pool.write(wire, slot=self.rank, start=bucket.start, timeout=self.timeout)
-        if self._by_ranks is not None:
-            self._by_ranks[k]["arrived"].fetch_add(1)
+        if self.shares is not None:
+            self.shares[k].arrived.add()
             return self.step + 1  # this bucket's generation: how often every rank has counted in
         average = self.op == "average"
         return self.result_pool.reduce_nb(
             self.rank, self._step_weight if average else 1.0, self.size, 0, self.step,
             src_pool=self.slots_pool, start=bucket.start, count=bucket.count, average=average)
 
-    def _sum_share(self, k, generation):
-        self.total_weight = sum_bucket_share(self, k, self._by_ranks[k], generation, self.rank, self.size,
-                                             self._in_slot, "ranks")
-
     def _finish(self, k, request):
-        if self._by_ranks is not None:
-            self._sum_share(k, request)
-            if not self._in_slot:  # else every slot holds the whole result already
-                self._read_result(k)
+        if self.shares is not None:
+            self.total_weight = self._sum_share(k, request, self.rank, "ranks")
+            if self.path != "slots":  # else every slot holds the whole result already
+                self._read_result(k, self.result_pool)
             return
-        try:
-            request.wait(self.timeout)
-        except SMBTimeoutError as exc:
-            raise SMBTimeoutError(
-                f"step {self.step}, bucket {k}: not every rank contributed within {self.timeout:g} s "
-                f"({exc.message}; another rank failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is "
-                "slow)", exc.code) from exc
-        self._read_result(k)
-
-    def _read_result(self, k):
-        read_result(self, k, self._wire)
+        self._wait_servers(request, k, "rank")
+        self._read_result(k, self.result_pool)
 
     def _release(self):
-        if self._in_slot:
-            # the framework's gradients may still point here; the client unmaps it at shutdown
-            self.plan.use_buffer(self.plan.buffer.copy(), movable=True)
-            self._in_slot = False
-        # Free the pools once every rank is done with them (an SMB barrier, so a
-        # missing rank costs a bounded wait and never poisons MPI).
-        pools = [self.slots_pool, self.result_pool,
-                 self._weights_pool if self._by_ranks is not None else None] if self.rank == 0 else []
-        self.client.free_when_all_arrive(self.pool_name + ".close", self.size, pools,
-                                         min(self.timeout, 60.0), f"the sync pools {self.pool_name}")
+        self._leave_slot()
+        pools = [self.slots_pool, self.result_pool, self._weights_pool] if self.rank == 0 else []
+        self._free_when_all_arrive(self.pool_name + ".close", self.size, pools,
+                                   f"the sync pools {self.pool_name}")
 
 
 def make_sync_reducer(plan, compression="none", op="average", timeout=None, name="grads"):
