@@ -102,6 +102,20 @@ def test_join_uneven_batches_matches_the_weighted_mean_of_the_ranks_with_data(tm
 
 
 @pytest.mark.timeout(300)
+def test_a_joined_rank_takes_the_periodic_checkpoints_of_its_idle_steps(tmp_path):
+    # 3 ranks, 9 steps each, idle ones included; every 4 steps a checkpoint: rank 0 (the
+    # ranks' leader, which asks for the periodic ones) has joined at step 4, rank 2 at step 8
+    folder = tmp_path / "ckpt"
+    proc = eddis_train(tmp_path, "--local", "-n", "3", SCRIPT, "--framework", "torch",
+                       "--run", "sync EDDIS_CHECKPOINT_INTERVAL=4", timeout=280,
+                       env={"EDDIS_CHECKPOINT_DIR": str(folder)})
+    want = reference(3)
+    for found in results(proc, 3):
+        np.testing.assert_allclose(np.array(found["params"], dtype=np.float64), want, rtol=1e-5, atol=1e-6)
+    assert sorted(p.name for p in folder.iterdir()) == ["ckpt-00000004", "ckpt-00000008"]
+
+
+@pytest.mark.timeout(300)
 def test_join_in_easgd_is_a_counted_barrier_naming_the_last_rank(tmp_path):
     proc = eddis_train(tmp_path, "--local", "-n", "3", SCRIPT, "--framework", "torch", "--mode", "easgd",
                        timeout=280)

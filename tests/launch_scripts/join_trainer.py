@@ -61,6 +61,8 @@ def run_torch(mode):
         model.bias.copy_(torch.from_numpy(b0))
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
                                          named_parameters=model.named_parameters(), mode=mode)
+    if os.environ.get("EDDIS_CHECKPOINT_DIR"):   # its periodic checkpoints save this model
+        hvd.resume(None, model, optimizer)
     lasts = []
     for epoch in range(2):
         for step in range(steps_of(epoch, hvd.rank(), hvd.size())):

@@ -24,7 +24,7 @@ from .comm import adasum, collectives, elastic, engine, runtime
 from .comm.ops import Average, resolve_op
 from .hetero import step as hetero
 from .layout import sampler
-from .progress import counter as progress, driver, join as _join
+from .progress import agreement, counter as progress, driver, join as _join
 from .reduce.base import any_built
 
 
@@ -302,7 +302,18 @@ class EddisBasics:
                 raise ConfigError("eddis.resume() needs a folder: pass one, or set EDDIS_CHECKPOINT_DIR")
         return resume.resume(path_or_dir, state, participant)
 
-    at_step_boundary = staticmethod(schedule.at_step_boundary)
+    @staticmethod
+    def end_of_step(state):
+        """The end of one optimizer step, the same in both adapters and in a joined rank's idle
+        step (eddis.join()): the modes' work after the update (``state.after_step()``: an
+        elastic exchange when due, rebalancing; the step count moves on), the parameter check
+        of the synchronous modes, then the step boundary, where a periodic or requested
+        checkpoint is written when the ranks agreed on one (after a requested one every rank
+        raises CheckpointStop)."""
+        state.after_step()
+        agreement.tick()
+        schedule.at_step_boundary(state)
+
     request_checkpoint = staticmethod(folders.request)
     note_epoch = staticmethod(checkpoint_state.note_epoch)
     batches_done = staticmethod(checkpoint_state.batches_done)

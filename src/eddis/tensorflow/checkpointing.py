@@ -93,7 +93,6 @@ def _bind(model, optimizer):
 
     participant = KerasParticipant(model, optimizer)
     if isinstance(optimizer, _DistributedOptimizer):
-        optimizer._eddis.checkpointing = participant   # its periodic checkpoints
         # collective, as resume and checkpoint are: the reduction and the centre variable are
         # set up (and a resumed centre restored) now, not at a first step that a rank may never
         # take when the others claim the iterations left

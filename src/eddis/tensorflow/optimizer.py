@@ -51,7 +51,6 @@ class _Config:
         self.joined_result = None
         self.variables_key = None
         self.sample_count = None
-        self.checkpointing = None   # what periodic checkpoints save (eddis.resume/checkpoint bind it)
 
 
 class _VariableList(list):
@@ -98,11 +97,9 @@ class _DistributedOptimizer:
                 state.init_centre()
             grads = reducer.reduce(grads, count)
             result = super(_DistributedOptimizer, self).apply(grads, trainable_variables)
-            state.after_step()
-            agreement.tick()  # a traced step (model.fit) is counted by the callbacks instead
-            # periodic or requested checkpoints: in eager steps (a traced step cannot stop to
-            # write files; see docs/user-guide.md)
-            _basics.at_step_boundary(state, self._eddis.checkpointing)
+            # a traced step (model.fit) is counted by the callbacks instead, and takes no
+            # checkpoints (it cannot stop to write files; see docs/user-guide.md)
+            _basics.end_of_step(state)
             return result
         token = _graph_init_centre(state, reducer, variables) if state.averager is not None else None
         grads = reducer.reduce(grads, count, depends_on=token)
@@ -138,14 +135,14 @@ class _DistributedOptimizer:
 
     def _eddis_join_apply(self):
         """The rest of that step: the wrapped update with the others' gradients (so this
-        rank's variables and slots keep up with theirs), the step's hooks, the drift check."""
+        rank's variables and slots keep up with theirs), then the step's end (its hooks, the
+        drift check, the step boundary)."""
         cfg = self._eddis
         flat, slots = cfg.joined_result, cfg.reducer.plan.slots
         grads = [tf.convert_to_tensor(flat[s.start:s.start + s.count].reshape(s.shape).astype(_np_dtype(v)))
                  for s, v in zip(slots, cfg.variables)]
         super(_DistributedOptimizer, self).apply(grads, cfg.variables)
-        cfg.hetero.after_step()
-        agreement.tick()
+        _basics.end_of_step(cfg.hetero)
 
     def set_sample_count(self, samples):
         """This rank's weight in the gradient average from the next step on: the

@@ -58,11 +58,10 @@ class TorchParticipant:
 
 
 def _bind(model, optimizer):
-    """The optimizer's periodic and requested checkpoints save this model."""
+    """The optimizer's step driver, and the participant that saves ``model`` (eddis.checkpoint and
+    eddis.resume bind it to the driver: its periodic and requested checkpoints save it too)."""
     state = _state_of(optimizer)
-    participant = TorchParticipant(model, optimizer)
-    optimizer._eddis_checkpointing = participant
-    return state, participant
+    return state, TorchParticipant(model, optimizer)
 
 
 def checkpoint(path, model, optimizer, epoch=None, batch=None, **extra):

@@ -266,11 +266,11 @@ class _DistributedOptimizer:
 
     def _eddis_join_apply(self):
         """The rest of that step, as the others take it: the wrapped optimizer's update (so
-        this rank's parameters keep up with theirs), the step's hooks, the drift check."""
+        this rank's parameters keep up with theirs), then the step's end (its hooks, the drift
+        check, the step boundary)."""
         with timeline.span(timeline.OPTIMIZER_STEP):
             super(_DistributedOptimizer, self).step()
-        self._eddis_hetero.after_step()
-        agreement.tick()
+        _basics.end_of_step(self._eddis_hetero)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -298,10 +298,8 @@ class _DistributedOptimizer:
             with timeline.span(timeline.OPTIMIZER_STEP):
                 result = super(_DistributedOptimizer, self).step()
         self._eddis_steps += 1
-        self._eddis_hetero.after_step()  # easgd/hybrid exchange, rebalancing
-        agreement.tick()
-        # a periodic or requested checkpoint when the ranks agreed on this step
-        _basics.at_step_boundary(self._eddis_hetero, getattr(self, "_eddis_checkpointing", None))
+        # easgd/hybrid exchange, rebalancing, the drift check, a checkpoint when the ranks agreed
+        _basics.end_of_step(self._eddis_hetero)
         return result
 
     def _eddis_closure_step(self, closure):

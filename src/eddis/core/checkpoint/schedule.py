@@ -29,7 +29,7 @@ from ...errors import CheckpointError, CheckpointStop, SMBTimeoutError, UsageErr
 from ..comm import connection, elastic, groups, runtime
 from ..progress import counter as progress, driver
 from . import folders as layout
-from .save import SYNC_MODES, bind, mode_of, participant_of, save_and_committer, taking_part
+from .save import SYNC_MODES, mode_of, participant_of, save_and_committer, taking_part
 
 log = logging.getLogger("eddis.core.checkpoint")
 
@@ -243,10 +243,11 @@ def schedule_of(state, directory=None):
     return schedule
 
 
-def at_step_boundary(state, participant):
-    """The adapters' optimizer calls this after every step: writes a periodic or requested
-    checkpoint when the ranks agreed on one for this step; after a requested one, raises
-    :class:`CheckpointStop` on every rank."""
+def at_step_boundary(state):
+    """The end of every optimizer step (:meth:`eddis.core.basics.EddisBasics.end_of_step`):
+    writes a periodic or requested checkpoint of the model bound to ``state`` (by eddis.resume
+    or eddis.checkpoint: :func:`eddis.core.checkpoint.save.bind`) when the ranks agreed on one
+    for this step; after a requested one, raises :class:`CheckpointStop` on every rank."""
     directory = settings.get("EDDIS_CHECKPOINT_DIR")
     if directory is None or state is None:
         if layout.pending_request() is not None and not _warned:
@@ -254,11 +255,10 @@ def at_step_boundary(state, participant):
             log.error("a checkpoint was requested (%s), but EDDIS_CHECKPOINT_DIR is not set: nothing "
                       "is written and training goes on", layout.pending_request())
         return None
-    bind(state, participant)
     schedule = schedule_of(state, directory)
     if not schedule.decide(state.step):
         return None
-    return _scheduled_save(schedule, participant)
+    return _scheduled_save(schedule, participant_of(state))
 
 
 def _at_end_of_training():
