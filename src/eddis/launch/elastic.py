@@ -62,17 +62,15 @@ def survives_server_loss(env=None):
     return elastic_run(env) and bool(settings.get("EDDIS_ELASTIC_MIRROR", env))
 
 
-def vanished(run_dir, servers_ended=True):
+def vanished(run_dir):
     """The rank and smb-server start records of the newest launch that have no record of
-    their end: their supervisors died with them (a lost node), or are still running (the
-    servers, unless ``servers_ended``: then none counts)."""
+    their end: their supervisors died with them (a lost node). Read once the attempt's
+    servers were stopped, so that a server still running is no case of it."""
     every = launches(run_dir)
     ranks = []
     if every:
         ended = every[-1].exited_ranks()
         ranks = [r for r in read_records(every[-1].ranks) if r.get("rank") not in ended]
-    if not servers_ended:
-        return ranks, []
     records = server_records(run_dir)
     ended = {r.get("server") for r in read_records(records.exits)}
     return ranks, [s for s in read_records(records.ranks) if s.get("server") not in ended]
@@ -118,14 +116,14 @@ def degraded_report(failures, exits, vanished_ranks=(), vanished_servers=()):
             f"rank {', '.join(map(str, finished))} finished the training")
 
 
-def elastic_status(run_dir, status, out, servers_ended=True):
-    """The job's status after an elastic launch that ended with ``status`` (``servers_ended``:
-    and its smb-servers after it, so that a server without a record of its end was lost):
+def elastic_status(run_dir, status, out):
+    """The job's status after an elastic launch that ended with ``status`` and its smb-servers
+    after it (so that a server without a record of its end was lost):
     0 for a degraded finish, which it prints on ``out``; else at least 1 when a rank or server failed (the lost ranks' supervisors exit 0,
     so a launch in which every rank was lost can end with 0), for the caller's root-cause
     report; else ``status``."""
     _, failures, exits = root_cause(run_dir)
-    ranks, servers = vanished(run_dir, servers_ended)
+    ranks, servers = vanished(run_dir)
     line = degraded_report(failures, exits, ranks, servers) if failures or ranks or servers else None
     if line is not None:
         print(f"{line}\n  records: {Path(run_dir) / LAUNCH_DIR}", file=out, flush=True)
