@@ -40,6 +40,12 @@ contender in turn on the same data:
   rates, so it carries the same CPU contention and slowdowns as the others, and the
   table gives each contender's share of it (``x ideal``).
 
+The ``floor`` column is what the hardware allows each contender's step: the longer of
+the solo step (a global batch at the solo rate) and the time its busiest node link and
+way needs for the bytes the contender put there, at the rate a link was measured to
+carry when the cluster came up (``link_rate.py``); ``x floor`` is its step over that
+(``floor_step_s`` and ``x_floor`` in the ``--json`` records), "-" without ``solo``.
+
 Each contender warms up, then every rank stops at a barrier while this driver reads
 the byte counters of every node link (``eddis.slurm.devcluster.traffic``), trains on
 the same number of global samples, stops again for the counters, and reports. The
@@ -69,6 +75,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import link_rate
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
@@ -86,7 +94,7 @@ CONTENDERS = ["ddp", "ddp-fp16", "horovod", "eddis-allreduce", "eddis-sync", "ed
 RDMA_SETTINGS = {"SMB_TRANSPORT": "rdma", "SMB_UCX_ALLOW_TCP": "1"}
 RDMA_ENV = {"UCX_TLS": "tcp"}
 QUICK = {"links": ["1gbit"], "layouts": ["2x2"], "slowdowns": ["1111"], "models": ["comm"],
-         "contenders": ["ddp", "eddis-sync", "eddis-hybrid"]}
+         "contenders": ["ddp", "eddis-sync", "eddis-hybrid", "solo"]}
 # model averaging whose workers step at the learning rate of their own batch (the rule before
 # 2026-12-04; docs/benchmarks-cluster.md has both side by side)
 LOCAL_LR_VARIANTS = ["eddis-easgd-locallr", "eddis-hybrid-locallr"]
@@ -479,7 +487,7 @@ def run_configuration(args, env, config, contenders):
             # each way: the mean over nodes of (out + in) / 2, the measure of 2(k-1)/k S
             "cross_node_bytes_per_step": sum(t + x for t, x in zip(tx, rx)) / (2 * len(used)),
             "tx_per_step": tx, "rx_per_step": rx, "gradient_bytes": r["gradient_bytes"],
-            "wall_s": r["wall_s"], "job": job})
+            "global_batch": r["global_batch"], "wall_s": r["wall_s"], "job": job})
     missing = [c for c in contenders if c not in {r["contender"] for r in records}
                and not (work / f"skip-{c}").exists()]
     if missing:
@@ -495,6 +503,17 @@ def run_configuration(args, env, config, contenders):
     return records
 
 
+def add_floors(records, link_bytes_per_s):
+    """Each record's floor (``floor_step_s``: what the hardware allows its step) and how far
+    its step is from it (``x_floor``), from the solo contender of the same configuration."""
+    solo = next((r for r in records if r["contender"] == "solo"), None)
+    for r in records:
+        floor = link_rate.floor_step_s(r, solo, link_bytes_per_s)
+        r["link_bytes_per_s"] = link_bytes_per_s
+        r["floor_step_s"] = floor
+        r["x_floor"] = None if floor is None else link_rate.step_s(r) / floor
+
+
 def print_table(records):
     by_config = {}
     for r in records:
@@ -508,7 +527,7 @@ def print_table(records):
               f"local batch {config.get('local_batch', MODELS[config['model']]['batch'])}, "
               f"target loss {rows[0]['target_loss']})")
         print(f"{'contender':22s} {'samples/s':>10s} {'x DDP':>6s} {'to target s':>12s} {'x DDP':>6s} "
-              f"{'bytes/step/node/way':>20s} {'/ S':>6s} {'x ideal':>8s}")
+              f"{'bytes/step/node/way':>20s} {'/ S':>6s} {'x ideal':>8s} {'floor s':>8s} {'x floor':>8s}")
         for r in rows:
             speed = f"{r['samples_per_s'] / ddp['samples_per_s']:.2f}" if ddp else "-"
             hit = r["time_to_target_s"]
@@ -517,7 +536,11 @@ def print_table(records):
             print(f"{r['contender']:22s} {r['samples_per_s']:10.1f} {speed:>6s} "
                   f"{'-' if hit is None else f'{hit:.1f}':>12s} {faster:>6s} "
                   f"{r['cross_node_bytes_per_step'] / 1e6:18.1f}MB {r['cross_node_bytes_per_step'] / r['gradient_bytes']:6.2f} "
-                  f"{share:>8s}")
+                  f"{share:>8s} {_figure(r.get('floor_step_s'), '.3f'):>8s} {_figure(r.get('x_floor'), '.2f'):>8s}")
+
+
+def _figure(value, spec):
+    return "-" if value is None else format(value, spec)
 
 
 def configurations(args):
@@ -606,11 +629,14 @@ def main(argv=None):
             if current != (config["link"], nodes):
                 env = cluster_up(args, config["link"], nodes)
                 current = (config["link"], nodes)
+                rate = link_rate.measure(args.cluster_dir)
+                print(f"-- a {config['link']} link carries {rate * 8 / 1e9:.2f} Gbit/s (measured)", flush=True)
             contenders = args.contenders.split(",")
             if config["nodes"] * config["ranks_per_node"] == 1:
                 contenders = [c for c in contenders if c in ("ddp", "eddis-sync")]
             print(f"-- {config}: {', '.join(contenders)}", flush=True)
             found = run_configuration(args, env, config, contenders)
+            add_floors(found, rate)
             for r in found:
                 print(f"   {r['contender']:22s} {r['samples_per_s']:8.1f} samples/s, to target "
                       f"{r['time_to_target_s']}, {r['cross_node_bytes_per_step'] / 1e6:.1f} MB/step/node "
