@@ -419,7 +419,7 @@ def test_a_checkpoint_of_the_live_ranks_leaves_the_lost_out_and_outlives_its_com
 
     def rank(r):
         state = SimpleNamespace(mode="easgd", step=steps[r], averager=None, balancer=None, global_batch=None,
-                                reducer=None, _centre_ready=False)
+                                reducer=None, centre_ready=False)
         position = {"step": steps[r], "epoch": 0, "batch": steps[r]}
         args = (LiveRanks(members[r]), r, 4, str(tmp_path), state)
         tail = (position, None, "periodic", 0)

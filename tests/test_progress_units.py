@@ -34,7 +34,7 @@ def worker():
 
     from eddis.core.checkpoint import state as checkpoint_state
     from eddis.core import lifecycle
-    from eddis.core.hetero import step as hetero
+    from eddis.core.hetero import averaging
     from eddis.core.progress import counter as progress
     from eddis.core.comm import collectives, connection, groups
 
@@ -70,7 +70,7 @@ def worker():
     progress.reset()   # close(): the claims made ahead go back
     collectives.barrier(what="test: every rank closed")
     after_early = early.counter.read()
-    crosses = hetero.centre_crosses_network(client)
+    crosses = averaging.centre_crosses_network(client)
     os.write(1, ("RESULT " + json.dumps({
         "rank": rank, "steps": steps, "counts": counts, "final": final, "consistent": consistent,
         "leader": ctl.leader, "unit_leader": ctl.unit_leader, "leader_home": leader_home,

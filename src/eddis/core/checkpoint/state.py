@@ -125,7 +125,7 @@ def write_training(h5, state, progress_parts, size):
     rank's last centre update is in). ``progress_parts``: ``{rank: progress_of_rank()}`` of the
     ranks in the checkpoint, of ``size`` ranks in all."""
     averager = None if state is None else state.averager
-    if averager is not None and state._centre_ready:
+    if averager is not None and state.centre_ready:
         h5.create_dataset("centre", data=averager.read_center())
         if averager.rates is not None:
             h5.create_dataset("rates", data=averager.rates.read(out=np.empty(averager.workers), slot=0))
@@ -177,7 +177,7 @@ def restore_centre(state, centre, rates, rank):
         averager.initialize(centre)
         if rates is not None and averager.rates is not None and len(rates) == averager.workers:
             averager.rates.write(np.ascontiguousarray(rates, dtype=np.float64), slot=0)
-    state._centre_ready = True
+    state.centre_restored()
 
 
 # ---------------------------------------------------------------- a run without EDDIS's optimizer
@@ -192,7 +192,7 @@ class PlainOptimizerRun:
     (``get_step()``, ``set_step(n)``), which names the checkpoint."""
 
     averager = balancer = reducer = global_batch = None
-    _centre_ready = False
+    centre_ready = False
 
     def __init__(self, mode, get_step, set_step):
         if mode not in PLAIN_OPTIMIZER_MODES:

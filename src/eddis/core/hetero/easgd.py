@@ -46,7 +46,7 @@ so it neither lags the workers nor oscillates.
 Overlapped exchanges (EDDIS_EASGD_OVERLAP, :meth:`ElasticAverager.start_exchange`): the
 exchange runs in a thread of its own on a copy of the parameters, so the next step computes
 while the centre is read and moved; the caller applies the move (:meth:`take_move`) after that
-step, one step stale (``eddis.core.hetero.step.HeteroStep.exchange_flat``). They are striped: after
+step, one step stale (``eddis.core.hetero.averaging.ElasticAveraging.exchange_flat``). They are striped: after
 step t the worker exchanges only :meth:`stripe` ``(t)``, the ``t mod tau``-th of ``tau`` equal
 parts of every server's piece of the vector, so every coordinate is still exchanged once every
 ``tau`` steps, and what
