@@ -211,7 +211,7 @@ def run_eddis(args, name, rank, size, global_batch, total_iterations, xtr, ytr, 
     eddis.final_model(opt)
     wall = max(eddis.allgather_object(wall_local))
     counts = eddis.progress_counts()
-    state = opt._eddis_hetero
+    state = opt._eddis.hetero
     shares = state.balancer.shares.round(3).tolist() if state.balancer is not None else None
     opt.close()
     return {"wall": wall, "to_target": tracker.hit, "accuracy": accuracy(model), "counts": counts,

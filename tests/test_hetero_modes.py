@@ -151,7 +151,7 @@ def train(mode, balance=False, total=TOTAL, staleness=None, record=False, lr=Non
     params = flat_params(model)
     reference = eddis.broadcast(params, root_rank=0)
     spread = eddis.allreduce((params - reference).abs().max().reshape(1), op=eddis.Max).item()
-    state = optimizer._eddis_hetero
+    state = optimizer._eddis.hetero
     shares = state.balancer.shares.tolist() if state.balancer is not None else None
     every_shares = eddis.allgather_object(shares)   # hybrid: each rank its group's
     # each exchanging worker's throughput over the mean of all (easgd: every rank; hybrid: leaders)

@@ -108,7 +108,8 @@ def train_config(mode, compression, kind, weighted):
     hierarchical = getattr(optimizer.reducer, "layout", None) is not None
     in_slot = bool(getattr(optimizer.reducer, "sums_in_slots", False))
     grads = [p.grad.clone() for p in model.parameters()]
-    slot = (optimizer._eddis_flat.data_ptr(), optimizer._eddis_flat.data_ptr() + optimizer._eddis_flat.nbytes)
+    buffer = optimizer._eddis.feed.flat
+    slot = (buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes)
     optimizer.close()
     # the gradients left the slot with their values before the client could unmap it
     grads_follow = all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))

@@ -67,7 +67,7 @@ def main():
     start = eddis.resume(folder, model, optimizer) if folder else Start()
     result = {"start": start.as_dict(), "order": [], "steps": 0}
     if args.mode == "easgd" and start.resumed:
-        state = optimizer._eddis_hetero
+        state = optimizer._eddis.hetero
         result["centre_after_resume"] = state.averager.read_center().tolist()
         result["params_after_resume"] = state.gather().tolist()   # in the centre's (bucket plan) layout
 

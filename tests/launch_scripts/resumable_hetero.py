@@ -90,7 +90,7 @@ start = eddis.resume(None, model, optimizer)
 run = f"{os.environ.get('SLURM_RESTART_COUNT', '0')}.{os.environ.get('EDDIS_RESTART_COUNT', '0')}"
 print(f"run {run} starts at step {start.step}", flush=True)
 # what the resume put into this job's servers, before any step moves it
-centre_after_resume = optimizer._eddis_hetero.averager.read_center().tolist() if start.resumed else None
+centre_after_resume = optimizer._eddis.hetero.averager.read_center().tolist() if start.resumed else None
 if args.end_race is not None:
     steps_with_rank0 = groups.group_members()[0] if args.mode == "hybrid" else [0]
     client = connection.smb_client()
@@ -118,7 +118,7 @@ try:
         optimizer.step()
         if last:
             past_last_boundary.fetch_add(1)
-            saves = checkpoint_run.schedule_of(optimizer._eddis_hetero).saves
+            saves = checkpoint_run.schedule_of(optimizer._eddis.hetero).saves
             saves.wait_for(1, RACE_WAIT_SECONDS)   # rank 0 began the save
         if args.request_at is not None and args.end_race is None and rank == 0 and not start.resumed \
                 and step == args.request_at:

@@ -32,16 +32,21 @@ def _entries(order, params, names):
     return entries
 
 
+def _wrapped(optimizer):
+    """A DistributedOptimizer's state (eddis.torch.optimizer), or None."""
+    return getattr(optimizer, "_eddis", None)
+
+
 def _names(optimizer):
-    plan = getattr(optimizer, "_eddis_plan", None)
-    if plan is not None:  # a DistributedOptimizer knows the parameters' names
-        return {id(p): slot.name for p, slot in zip(optimizer._eddis_params, plan.slots)}
-    return {}
+    state = _wrapped(optimizer)
+    # a DistributedOptimizer knows the parameters' names
+    return {} if state is None else state.feed.names()
 
 
 def _params(optimizer):
     # a DistributedOptimizer updating bucket by bucket holds a share in each group meanwhile
-    groups = getattr(optimizer, "_eddis_whole_groups", None) or [g["params"] for g in optimizer.param_groups]
+    state = _wrapped(optimizer)
+    groups = (state is not None and state.whole_groups) or [g["params"] for g in optimizer.param_groups]
     return [p for params in groups for p in params]
 
 

@@ -18,7 +18,7 @@ import torch
 
 from ..core.basics import basics as _basics
 from ..errors import ConfigError
-from .hetero import _state_of
+from .hetero import _state_of, state_of
 
 
 class TorchParticipant:
@@ -31,7 +31,7 @@ class TorchParticipant:
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"eddis.checkpoint/resume need the torch.nn.Module that is trained, got "
                               f"{type(model).__name__}")
-        if getattr(optimizer, "_eddis_hetero", None) is None:
+        if state_of(optimizer) is None:
             raise ConfigError("eddis.checkpoint/resume need the optimizer returned by "
                               "eddis.DistributedOptimizer(...)")
         self.model = model

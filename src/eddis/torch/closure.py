@@ -34,12 +34,16 @@ _EVALUATION, _END = "evaluation", "end"
 
 
 class AveragedClosure:
-    """The closure a DistributedOptimizer hands its wrapped optimizer for one step."""
+    """The closure a DistributedOptimizer hands its wrapped optimizer for one step: the
+    user's ``closure``, in the optimizer's ``step``-th step, over the optimizer's gradient
+    ``feed`` (eddis.torch.gradients); ``synchronize(first)`` finishes one evaluation's
+    averaging (``first``: the step's first evaluation)."""
 
-    def __init__(self, optimizer, closure, step):
-        self.optimizer = optimizer
+    def __init__(self, closure, step, feed, synchronize):
         self.closure = closure
         self.step = step
+        self.feed = feed
+        self.synchronize = synchronize
         self.evaluations = 0
         self.samples = None   # the global batch's samples, from the first evaluation (None: unknown)
 
@@ -48,7 +52,7 @@ class AveragedClosure:
         self.evaluations += 1
         value = _loss_value(loss)
         averaged = self._exchange(_EVALUATION, value)
-        self.optimizer._eddis_synchronize_evaluation(first=self.evaluations == 1)
+        self.synchronize(first=self.evaluations == 1)
         if loss is None or averaged is None:
             return loss
         if isinstance(loss, torch.Tensor):
@@ -63,10 +67,10 @@ class AveragedClosure:
     def _exchange(self, kind, value):
         """Every rank's (kind, evaluation, loss, weight, samples); the averaged loss (None
         without one)."""
-        reducer = self.optimizer.reducer
+        reducer = self.feed.reducer
         weight = reducer.weight
         # what the progress line counts: the script's sample count, else the model's batches
-        samples = weight if reducer.weight_given else self.optimizer._eddis_samples.current()
+        samples = weight if reducer.weight_given else self.feed.samples.current()
         mine = (self.step, kind, self.evaluations, value, weight, samples)
         everyone = [mine] if reducer.size == 1 else collectives.allgather_object(
             mine, what=f"optimizer.step(closure) step {self.step}, {kind} {self.evaluations}")

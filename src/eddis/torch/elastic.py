@@ -21,6 +21,7 @@ import copy
 from ..core.checkpoint.elastic_state import ModelState, ObjectState, State, run
 from . import checkpointing
 from .functions import broadcast_optimizer_state, broadcast_parameters
+from .hetero import state_of
 
 
 class TorchState(ModelState):
@@ -49,7 +50,7 @@ class TorchState(ModelState):
         super().restore()
 
     def training_mode(self):
-        hetero = getattr(self.optimizer, "_eddis_hetero", None)   # an eddis.DistributedOptimizer's
+        hetero = state_of(self.optimizer)   # an eddis.DistributedOptimizer's
         return None if hetero is None or self.model is None else hetero.mode
 
     def sync(self):

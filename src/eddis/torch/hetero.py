@@ -18,8 +18,8 @@ proportional to its measured speed, and the optimizer weights its gradients by
 that share. ``balance=[w0, w1, ...]`` starts from those per-rank weights (say,
 the GPUs' known relative speeds) instead of equal shares. Without ``balance`` the same sampler gives equal shares.
 
-How the optimizer hooks in (``eddis.torch.optimizer`` calls these):
-``attach(optimizer, mode, balance)`` once after wrapping; ``before_push()``
+How the optimizer hooks in (``eddis.torch.optimizer`` calls these): it builds a
+:class:`HeteroState` when it wraps, and keeps it; ``before_push()``
 before the first gradient bucket of a step goes on the wire (the simulated
 slowdown sleeps here, so a slowed rank's gradients really arrive late);
 ``before_sync()`` when the step's gradients are final (``synchronize()``: end of
@@ -40,14 +40,14 @@ from ..errors import ConfigError
 class HeteroState(hetero.HeteroStep):
     """The heterogeneity hooks of one DistributedOptimizer: the core's
     :class:`eddis.core.hetero.step.HeteroStep` over the optimizer's bucket plan and
-    reducer, with parameters copied to and from the flat vector by torch."""
+    reducer, with parameters (``params``, in the plan's order) copied to and from the
+    flat vector by torch."""
 
-    def __init__(self, optimizer, mode, balance):
-        self.optimizer = optimizer
-        self.params = optimizer._eddis_params
+    def __init__(self, params, plan, reducer, mode, balance):
+        self.params = params
         super().__init__(mode=mode, balance=balance, gather=self._gather_into,
                          scatter=self._scatter_from, partial_copies=True)
-        self.attach(optimizer._eddis_plan, optimizer.reducer)
+        self.attach(plan, reducer)
 
     def _pieces(self, parts):
         """``(flat start, parameter, first element, end element)`` of every parameter's share
@@ -75,16 +75,16 @@ class HeteroState(hetero.HeteroStep):
                     p.copy_(whole.view(p.shape))
 
 
-def attach(optimizer, mode, balance):
-    state = HeteroState(optimizer, mode, balance)
-    optimizer._eddis_hetero = state
-    return state
+def state_of(optimizer):
+    """The HeteroState of an eddis.DistributedOptimizer; None for any other object."""
+    state = getattr(getattr(optimizer, "_eddis", None), "hetero", None)
+    return state if isinstance(state, HeteroState) else None
 
 
 def _state_of(optimizer):
     if optimizer is None:
         return _basics.training_state()
-    state = getattr(optimizer, "_eddis_hetero", None)
+    state = state_of(optimizer)
     if state is None:
         raise ConfigError("pass the optimizer returned by eddis.DistributedOptimizer(...)")
     return state
