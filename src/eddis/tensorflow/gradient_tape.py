@@ -25,6 +25,20 @@ from .reduction import ReducerCache
 _reducers = ReducerCache()
 
 
+class _TapeConfig:
+    """Settings of one wrapped tape (its one attribute, ``_eddis``): ``mode``, ``codec``,
+    ``op``, ``bucket_bytes`` and ``sample_count`` as ``DistributedGradientTape`` took them;
+    ``reducer``: the shared reducer of the last ``gradient()`` call (None before one)."""
+
+    def __init__(self, mode, codec, op, bucket_bytes, sample_count):
+        self.mode = mode
+        self.codec = codec
+        self.op = op
+        self.bucket_bytes = bucket_bytes
+        self.sample_count = sample_count
+        self.reducer = None
+
+
 class _DistributedGradientTape:
     """Methods mixed into a subclass of the user's tape class."""
 
@@ -35,12 +49,12 @@ class _DistributedGradientTape:
             unconnected_gradients=unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
-        cfg = self._eddis_config
-        reducer = _reducers.get(flat_sources, cfg["mode"], cfg["codec"], cfg["op"],
-                                cfg["bucket_bytes"], "DistributedGradientTape")
-        self._eddis_reducer = reducer
+        cfg = self._eddis
+        reducer = _reducers.get(flat_sources, cfg.mode, cfg.codec, cfg.op, cfg.bucket_bytes,
+                                "DistributedGradientTape")
+        cfg.reducer = reducer
         agreement.watch(s for s in flat_sources if hasattr(s, "assign"))
-        reduced = reducer.reduce(flat_grads, sample_count=cfg["sample_count"])
+        reduced = reducer.reduce(flat_grads, sample_count=cfg.sample_count)
         if tf.executing_eagerly():  # a traced step has no Python left to count it in
             agreement.tick()
         return tf.nest.pack_sequence_as(grads, reduced)
@@ -48,7 +62,7 @@ class _DistributedGradientTape:
     @property
     def reducer(self):
         """The core reducer of the last ``gradient()`` call (statistics, events)."""
-        r = getattr(self, "_eddis_reducer", None)
+        r = self._eddis.reducer
         return None if r is None else r.reducer
 
 
@@ -84,11 +98,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
                {"__module__": gradtape.__class__.__module__})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(gradtape.__dict__)
-    wrapped._eddis_config = {
-        "mode": mode,
-        "codec": codec_of(compression),
-        "op": op.name,
-        "bucket_bytes": settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes),
-        "sample_count": sample_count,
-    }
+    wrapped._eddis = _TapeConfig(
+        mode, codec_of(compression), op.name,
+        settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes), sample_count)
     return wrapped
