@@ -115,6 +115,12 @@ class PyEddis(PythonPackage, CudaPackage):
     PACKAGES = [
         "eddis",
         "eddis.core",
+        "eddis.core.checkpoint",
+        "eddis.core.comm",
+        "eddis.core.hetero",
+        "eddis.core.layout",
+        "eddis.core.progress",
+        "eddis.core.reduce",
         "eddis.launch",
         "eddis.plan",
         "eddis.slurm",
