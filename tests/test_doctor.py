@@ -126,6 +126,9 @@ def test_ucx_info_parsers_on_real_output():
     transports = doctor.parse_ucx_info_devices(devices)
     assert "lo" in transports["tcp"]
     assert doctor.parse_ucx_info_version("garbage") is None
+    # UCX 1.22 names the library's version and the headers' apart: the library's is the one loaded
+    assert doctor.parse_ucx_info_version("# Library version: 1.22.0\n# Library path: /x/libucs.so.0\n"
+                                         "# API headers version: 1.21.0\n") == "1.22.0"
     assert doctor.parse_ucx_info_devices("") == {}
 
 

@@ -139,7 +139,9 @@ def _ucx_from_core():
 
 
 def parse_ucx_info_version(text):
-    match = re.search(r"Version\s+([0-9][\w.\-]*)", text or "")
+    """``ucx_info -v`` -> the library's version: "# Version 1.13.1" in UCX 1.13, "# Library
+    version: 1.22.0" (beside the headers' version) in 1.22."""
+    match = re.search(r"^#?\s*(?:Library )?version:?\s+([0-9][\w.\-]*)", text or "", re.I | re.M)
     return match.group(1) if match else None
 
 
