@@ -242,15 +242,6 @@ cdef ucp.ucp_context_h _new_context(str tls, uint64_t features) except NULL:
         if status != ucp.UCS_OK:
             ucp.ucp_config_release(config)
             CHKERR(status, f"ucp_config_modify(TLS={tls!r})")
-    if "UCX_FENCE_MODE" not in _os.environ:
-        # UCX 1.22's default fence waits, GIL held, until every transfer has completed, so a
-        # stopped server hangs the client beyond any timeout; SMB needs only the order of the
-        # transfers to one server. UCX 1.13 has no such setting (UCS_ERR_NO_ELEM): its fence
-        # already only orders.
-        status = ucp.ucp_config_modify(config, b"FENCE_MODE", b"ep_based")
-        if status != ucp.UCS_OK and status != ucp.UCS_ERR_NO_ELEM:
-            ucp.ucp_config_release(config)
-            CHKERR(status, "ucp_config_modify(FENCE_MODE='ep_based')")
     params.field_mask = ucp.UCP_PARAM_FIELD_FEATURES
     params.features = features
     status = ucp.ucp_init(&params, config, &context)
