@@ -106,6 +106,9 @@ def run_mpi():
             "OMPI_MCA_btl_vader_backing_directory": shm,
             "OMPI_MCA_rmaps_base_oversubscribe": "1",
         })
+        # Unbuffered, print() writes a line and its newline apart, and mpirun can put another rank's
+        # line between them ('RESULT 1 {...}RESULT 0 {...}'); buffered, a flushed line is one write.
+        full_env.pop("PYTHONUNBUFFERED", None)
         full_env.update(env or {})
         cmd = ["mpirun", "--oversubscribe", "-n", str(n), *mpirun_args, *map(str, argv)]
         try:
