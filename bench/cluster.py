@@ -45,6 +45,9 @@ the solo step (a global batch at the solo rate) and the time its busiest node li
 way needs for the bytes the contender put there, at the rate a link was measured to
 carry when the cluster came up (``link_rate.py``); ``x floor`` is its step over that
 (``floor_step_s`` and ``x_floor`` in the ``--json`` records), "-" without ``solo``.
+``cpu s/step`` is the CPU time the job's processes used per step, all ranks added up and
+all smb-servers added up (``job_cpu.py``; ``cpu_s_per_step`` in the records): where the
+2 CPUs went, beside where the seconds went.
 
 Each contender warms up, then every rank stops at a barrier while this driver reads
 the byte counters of every node link (``eddis.slurm.devcluster.traffic``), trains on
@@ -75,6 +78,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import job_cpu
 import link_rate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -451,12 +455,13 @@ def run_configuration(args, env, config, contenders):
     if submit.returncode != 0:
         sys.exit(f"bench/cluster.py: sbatch failed: {submit.stderr}")
     job = submit.stdout.strip().split(";")[0]
-    counters, deadline = {}, time.monotonic() + JOB_TIMEOUT_S
+    counters, cpu, deadline = {}, {}, time.monotonic() + JOB_TIMEOUT_S
     labels = [f"{c}-{i}" for c in contenders for i in (1, 2)]
     while time.monotonic() < deadline:
         for label in labels:
             if label not in counters and (work / f"pause-{label}").exists():
                 counters[label] = devcluster.traffic(args.cluster_dir)
+                cpu[label] = job_cpu.sample(job_env["EDDIS_RUN_DIR"])
                 (work / f"go-{label}").write_text("")
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True,
                                text=True, timeout=30).stdout.strip()
@@ -476,6 +481,7 @@ def run_configuration(args, env, config, contenders):
         c = r["contender"]
         per_node = devcluster.difference(counters[f"{c}-1"], counters[f"{c}-2"])
         steps = r["samples"] / r["global_batch"]
+        used_cpu = job_cpu.difference(cpu[f"{c}-1"], cpu[f"{c}-2"])
         used = sorted(per_node)[:config["nodes"]]
         tx = [per_node[n]["tx"] / steps for n in used]
         rx = [per_node[n]["rx"] / steps for n in used]
@@ -487,7 +493,9 @@ def run_configuration(args, env, config, contenders):
             # each way: the mean over nodes of (out + in) / 2, the measure of 2(k-1)/k S
             "cross_node_bytes_per_step": sum(t + x for t, x in zip(tx, rx)) / (2 * len(used)),
             "tx_per_step": tx, "rx_per_step": rx, "gradient_bytes": r["gradient_bytes"],
-            "global_batch": r["global_batch"], "wall_s": r["wall_s"], "job": job})
+            "global_batch": r["global_batch"], "wall_s": r["wall_s"], "job": job,
+            # every rank's (server's) CPU seconds added up, per global batch
+            "cpu_s_per_step": {role: seconds / steps for role, seconds in used_cpu.items()}})
     missing = [c for c in contenders if c not in {r["contender"] for r in records}
                and not (work / f"skip-{c}").exists()]
     if missing:
@@ -527,7 +535,8 @@ def print_table(records):
               f"local batch {config.get('local_batch', MODELS[config['model']]['batch'])}, "
               f"target loss {rows[0]['target_loss']})")
         print(f"{'contender':22s} {'samples/s':>10s} {'x DDP':>6s} {'to target s':>12s} {'x DDP':>6s} "
-              f"{'bytes/step/node/way':>20s} {'/ S':>6s} {'x ideal':>8s} {'floor s':>8s} {'x floor':>8s}")
+              f"{'bytes/step/node/way':>20s} {'/ S':>6s} {'x ideal':>8s} {'floor s':>8s} {'x floor':>8s} "
+              f"{'cpu s/step: ranks':>18s} {'servers':>8s}")
         for r in rows:
             speed = f"{r['samples_per_s'] / ddp['samples_per_s']:.2f}" if ddp else "-"
             hit = r["time_to_target_s"]
@@ -536,7 +545,8 @@ def print_table(records):
             print(f"{r['contender']:22s} {r['samples_per_s']:10.1f} {speed:>6s} "
                   f"{'-' if hit is None else f'{hit:.1f}':>12s} {faster:>6s} "
                   f"{r['cross_node_bytes_per_step'] / 1e6:18.1f}MB {r['cross_node_bytes_per_step'] / r['gradient_bytes']:6.2f} "
-                  f"{share:>8s} {_figure(r.get('floor_step_s'), '.3f'):>8s} {_figure(r.get('x_floor'), '.2f'):>8s}")
+                  f"{share:>8s} {_figure(r.get('floor_step_s'), '.3f'):>8s} {_figure(r.get('x_floor'), '.2f'):>8s} "
+                  f"{r['cpu_s_per_step']['ranks']:18.3f} {r['cpu_s_per_step']['servers']:8.3f}")
 
 
 def _figure(value, spec):
@@ -641,7 +651,8 @@ def main(argv=None):
                 print(f"   {r['contender']:22s} {r['samples_per_s']:8.1f} samples/s, to target "
                       f"{r['time_to_target_s']}, {r['cross_node_bytes_per_step'] / 1e6:.1f} MB/step/node "
                       f"(out {', '.join(f'{t / 1e6:.1f}' for t in r['tx_per_step'])}, in "
-                      f"{', '.join(f'{t / 1e6:.1f}' for t in r['rx_per_step'])})", flush=True)
+                      f"{', '.join(f'{t / 1e6:.1f}' for t in r['rx_per_step'])}), CPU s/step ranks "
+                  f"{r['cpu_s_per_step']['ranks']:.3f}, servers {r['cpu_s_per_step']['servers']:.3f}", flush=True)
             records += found
     finally:
         if not args.keep_cluster:
