@@ -16,7 +16,9 @@ ROLES = ("ranks", "servers", "launch")
 
 def role_of(comm, cmdline):
     """A process's role from its name (``/proc/PID/comm``) and its arguments."""
-    if comm.startswith("smb-server") or any(a.endswith("smb-server") for a in cmdline[:2]):
+    # the launcher's supervisor runs the server as ``python -c "... eddis.smb.server ..."``
+    if comm.startswith("smb-server") or any(a.endswith("smb-server") for a in cmdline[:2]) or any(
+            "eddis.smb.server" in a for a in cmdline[:3]):
         return "servers"
     if "--worker" in cmdline:
         return "ranks"

@@ -21,6 +21,9 @@ time.sleep(30)
 @pytest.mark.parametrize("comm, cmdline, role", [
     ("smb-server", ["/venv/bin/python", "/venv/bin/smb-server", "--port", "0"], "servers"),
     ("python", ["/venv/bin/python", "/venv/bin/smb-server"], "servers"),
+    ("python", ["/venv/bin/python", "-c", "import sys; from eddis.smb.server import main; sys.exit(main())",
+                "--run-dir", "/tmp/run", "--index", "0"], "servers"),
+    ("eddis-train", ["/venv/bin/python", "/venv/bin/eddis-train", "--smb-server", "0"], "launch"),
     ("python", ["/venv/bin/python", "bench/cluster.py", "--worker", "--model", "comm"], "ranks"),
     ("srun", ["srun", "eddis-train", "--job"], "launch"),
 ])
