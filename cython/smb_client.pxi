@@ -166,6 +166,11 @@ DEF WAIT_DONE = 0
 DEF WAIT_TIMEOUT = 1
 DEF WAIT_CONN_FAILED = 2
 DEF WAIT_CLOSED = 3
+# A waiter polls the sockets without sleeping only this many times after anything moved,
+# then blocks in poll(): that wakes as soon as a socket is ready, so it costs no latency,
+# while polling without a timeout through a transfer of many segments kept a core busy
+# (4 ranks on 4 nodes of 2 cores: 2.7 CPU s a step against DDP's 1.1 for the same bytes)
+DEF SPIN_POLLS = 2
 
 
 cdef void *realloc_or_raise(void *p, size_t n) except NULL:
@@ -309,7 +314,7 @@ cdef class Pending:
                 if smb_load_int(&self.core.closing):
                     result = WAIT_CLOSED
                     break
-                n = self.core._progress(1 if idle >= 256 else 0)
+                n = self.core._progress(1 if idle >= SPIN_POLLS else 0)
                 # Even after an error, wait for the other transfers: a get still
                 # in flight would otherwise land in a buffer the caller reuses.
                 if self._poll():
