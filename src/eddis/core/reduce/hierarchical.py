@@ -49,6 +49,14 @@ from .slots import BucketShare, SlotReducer
 log = logging.getLogger("eddis.core.sync")
 
 
+def visiting_order(servers, own):
+    """The order in which a node goes through the ``servers`` pieces of a bucket (one a
+    server, in server order): its own (``own``) first, then the one after it, and so on
+    around, so that when every node goes through its order together, each server serves
+    one node at each turn."""
+    return [(own + turn) % servers for turn in range(servers)]
+
+
 class NodeLayout:
     """Where every rank and server is, as all ranks agreed (``gather``)."""
 
@@ -161,7 +169,7 @@ class HierarchicalSyncReducer(SlotReducer):
         # server first while the others idle (at 4 x 1 the links carried 0.6 of their rate)
         own = next((i for i, (_, _, mapped) in enumerate(segments) if mapped),
                    min(sorted(self.layout.node_server).index(self.server), len(segments) - 1))
-        for i in sorted(range(len(segments)), key=lambda i: (i - own) % len(segments)):
+        for i in visiting_order(len(segments), own):
             start, count, mapped = segments[i]
             for p in range(self.local, pieces, r):
                 lo, hi = column_share(bucket.start + start, count, p, pieces)
