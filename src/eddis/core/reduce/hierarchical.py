@@ -26,8 +26,14 @@ sends; a ring over all n = k r ranks sends ``2 (n-1)/n`` S:
 3. **Back on the node.** The rank reads its pieces of the result (the own
    server's columns from mapped memory, the others with one get each), widens
    them to the plan's dtype into the node's result (or straight into every local rank's
-   slot, when the slots are the ranks' gradient buffers), counts itself done,
+   slot, when the slots are the ranks' gradient buffers; with the wire in the plan's
+   dtype the reads land there directly), counts itself done,
    and once the node's ranks are all done each rank has the whole bucket.
+
+Each node goes through the servers starting from the one after its own
+(:func:`visiting_order`), so that at each turn every server serves one node, and a
+piece's reads go out as soon as the servers' sum of it is there, side by side with
+the other pieces'.
 
 The submit thread runs steps 1-2 (so bucket k+1 goes up the link while bucket k
 comes down it), the finish thread step 3. The math is that of one big batch:
