@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 def load(directory):
     from eddis.timeline.merge import load_events, merge_timeline
 
-    out = Path(tempfile.mkdtemp(prefix="eddis-stages-")) / "merged.json"
-    path, _ = merge_timeline(directory, out)
-    return load_events(path)
+    with tempfile.TemporaryDirectory(prefix="eddis-stages-") as tmp:
+        path, _ = merge_timeline(directory, Path(tmp) / "merged.json")
+        return load_events(path)
 
 
 def steps_of(events, rank):
