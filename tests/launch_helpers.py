@@ -1,4 +1,5 @@
 """Helpers of the launcher tests: entry-point wrappers on PATH, leftovers of a run, job polling."""
+import json
 import os
 import re
 import stat
@@ -91,6 +92,19 @@ def last_start_attempt(text):
     CAUSE) before it starts the steps again; what a test checks is the attempt that ran."""
     retries = list(START_RETRY.finditer(text))
     return text[retries[-1].end():] if retries else text
+
+
+def current_rank_records(run_dir, ranks):
+    """{rank: record} of the launch that is training now, or None before its ``ranks`` records
+    are all there. A start retry (EDDIS_START_RETRIES) leaves the crashed launch's records,
+    whose supervisors are gone, beside the new launch's; call it once that launch trains."""
+    launches = {}
+    for path in Path(run_dir).glob("launch/*/ranks/*.json"):
+        record = json.loads(path.read_text())
+        if "rank" in record:
+            launches.setdefault(path.parent.parent.name, {})[record["rank"]] = record
+    full = [records for records in launches.values() if len(records) == ranks]
+    return max(full, key=lambda records: max(r["time"] for r in records.values())) if full else None
 
 
 def job_state(cluster, job_id):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO
-from launch_helpers import (TRAINER, environ_of, last_start_attempt, make_bin, processes_with_env, shm_leftovers,
-                            wait_job_end, wait_until)
+from launch_helpers import (TRAINER, current_rank_records, environ_of, last_start_attempt, make_bin,
+                            processes_with_env, shm_leftovers, wait_job_end, wait_until)
 
 import eddis.smb.server  # noqa: F401  (required: missing is a failure, not a skip)
 
@@ -51,12 +51,12 @@ def assert_job_left_nothing(run_dir, job_id):
 
 
 def wait_for_training(run_dir, out, ranks=4, timeout=120):
+    """{rank: record} once every rank of the job's current launch is training."""
     def running():
-        text = out.read_text() if out.exists() else ""
-        started = len(list(Path(run_dir).glob("launch/*/ranks/*.json")))
-        return started == ranks and all(f"[{r}@" in text and re.search(rf"^\[{r}@\S+\] step 2 ", text, re.M)
-                                        for r in range(ranks))
-    wait_until(running, timeout, interval=0.5, what="all ranks to be training")
+        text = last_start_attempt(out.read_text()) if out.exists() else ""
+        return all(re.search(rf"^\[{r}@\S+\] step 2 ", text, re.M) for r in range(ranks)) and \
+            current_rank_records(run_dir, ranks)
+    return wait_until(running, timeout, interval=0.5, what="all ranks to be training")
 
 
 @pytest.mark.timeout(300)
@@ -96,9 +96,7 @@ def test_killed_rank_stops_the_job_with_a_report(slurm_cluster, job_env, tmp_pat
     out = tmp_path / "job.out"
     job_id = sbatch(slurm_cluster, job_env, out, TRAINER, "--steps", "3000", "--step-seconds", "0.1")
     run_dir = Path(job_env["EDDIS_RUN_DIR"])
-    wait_for_training(run_dir, out)
-    (record,) = run_dir.glob("launch/*/ranks/1.json")
-    victim = __import__("json").loads(record.read_text())
+    victim = wait_for_training(run_dir, out)[1]
     os.kill(victim["trainer_pid"], signal.SIGKILL)
     # the acceptance bound: the whole job ends within 60 s of the kill
     state, code = wait_job_end(slurm_cluster, job_id, 60, out)

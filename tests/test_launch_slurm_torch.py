@@ -1,7 +1,6 @@
 """The PyTorch example through the whole Slurm path: eddis submit -> hetjob over n1 (a100) and
 n2 (v100) -> smb-servers on both nodes -> 4 ranks in sync mode through SMB. Then the same job
 with one rank SIGKILLed mid-training."""
-import json
 import os
 import re
 import signal
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO
-from launch_helpers import wait_job_end, wait_until
+from launch_helpers import current_rank_records, wait_job_end, wait_until
 from test_launch_slurm import EXPECTED, assert_job_left_nothing, job_env  # noqa: F401 (fixture)
 
 EXAMPLE = REPO / "examples" / "torch_train.py"
@@ -48,8 +47,8 @@ def test_killing_one_pytorch_rank_ends_the_job_with_a_report(slurm_cluster, job_
     run_dir = Path(job_env["EDDIS_RUN_DIR"])
     wait_until(lambda: out.exists() and re.search(r"^\[0@n1\] epoch  1 ", out.read_text(), re.M), 300,
                interval=1, what="the first epoch")
-    (record,) = run_dir.glob("launch/*/ranks/3.json")
-    os.kill(json.loads(record.read_text())["trainer_pid"], signal.SIGKILL)
+    victim = wait_until(lambda: current_rank_records(run_dir, 4), 30, what="the ranks' records")[3]
+    os.kill(victim["trainer_pid"], signal.SIGKILL)
     state, code = wait_job_end(slurm_cluster, job_id, 60, out)  # the acceptance bound: under 60 s
     text = out.read_text()
     assert state == "FAILED" and code != "0:0", text

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from launch_helpers import TRAINER, make_bin, processes_with_env, wait_job_end, wait_until
+from launch_helpers import (TRAINER, current_rank_records, last_start_attempt, make_bin, processes_with_env,
+                            wait_job_end, wait_until)
 
 import eddis.smb.server  # noqa: F401  (required: missing is a failure, not a skip)
 
@@ -36,20 +37,16 @@ def sbatch(cluster, env, out, *args):
     return proc.stdout.strip().split(";")[0]
 
 
-def rank_records(run_dir, ranks=4):
-    def started():
-        found = {}
-        for path in Path(run_dir).glob("launch/*/ranks/*.json"):
-            record = json.loads(path.read_text())
-            if "rank" in record:
-                found[record["rank"]] = record
-        return found if len(found) == ranks else None
-    return wait_until(started, 90, interval=0.5, what=f"{ranks} ranks to start")
-
-
 def stepping(out, ranks=4):
-    text = out.read_text() if out.exists() else ""
+    text = last_start_attempt(out.read_text()) if out.exists() else ""
     return all(re.search(rf"^\[{r}@\S+\] step 2 ", text, re.M) for r in range(ranks))
+
+
+def training_ranks(run_dir, out, ranks=4):
+    """{rank: record} once every rank of the job's current launch is training."""
+    wait_until(lambda: stepping(out, ranks), 150, interval=0.5, what="all ranks to be training")
+    return wait_until(lambda: current_rank_records(run_dir, ranks), 30, interval=0.5,
+                      what=f"the records of the {ranks} training ranks")
 
 
 def assert_no_processes_left(run_dir):
@@ -61,13 +58,12 @@ def assert_no_processes_left(run_dir):
 def test_stopped_rank_is_named_and_ends_the_job(slurm_cluster, job_env, tmp_path):
     out = tmp_path / "job.out"
     job_id = sbatch(slurm_cluster, job_env, out, TRAINER, "--steps", "3000", "--step-seconds", "0.1")
-    ranks = rank_records(job_env["EDDIS_RUN_DIR"])
-    wait_until(lambda: stepping(out), 90, interval=0.5, what="all ranks to be training")
+    ranks = training_ranks(job_env["EDDIS_RUN_DIR"], out)
     stopped_at = time.monotonic()
     os.kill(ranks[2]["trainer_pid"], signal.SIGSTOP)
     state, code = wait_job_end(slurm_cluster, job_id, BOUND, out)
     took = time.monotonic() - stopped_at
-    text = out.read_text()
+    text = last_start_attempt(out.read_text())
     assert state == "FAILED" and code == "137:0", (state, code, text)
     assert re.search(r"ROOT CAUSE: rank 2 on host n2 hung \(.*stopped by a signal \(SIGSTOP", text), text
     assert "its Python stack when it was found hung (rank 2)" in text and "mpi_trainer.py" in text
@@ -84,12 +80,11 @@ def test_a_stopped_or_killed_server_is_the_root_cause(slurm_cluster, job_env, tm
     out = tmp_path / "job.out"
     job_id = sbatch(slurm_cluster, job_env, out, SMB_TRAINER, "--steps", "3000")
     run_dir = Path(job_env["EDDIS_RUN_DIR"])
-    rank_records(run_dir)
-    wait_until(lambda: stepping(out), 90, interval=0.5, what="all ranks to be training")
+    training_ranks(run_dir, out)
     server = json.loads((run_dir / "servers" / "1.json").read_text())
     os.kill(server["pid"], sig)
     state, code = wait_job_end(slurm_cluster, job_id, BOUND, out)
-    text = out.read_text()
+    text = last_start_attempt(out.read_text())
     assert state == "FAILED" and code == "137:0", (state, code, text)
     assert re.search(rf"ROOT CAUSE: smb-server 1 on host n2 \(pid {server['pid']}\) {how}", text), text
     if sig == signal.SIGSTOP:
@@ -183,12 +178,11 @@ def test_a_stopped_supervisor_is_the_root_cause_and_the_job_ends(slurm_cluster, 
     out = tmp_path / "job.out"
     job_id = sbatch(slurm_cluster, job_env, out, trainer, "--steps", "3000", "--step-seconds", "0.1")
     run_dir = Path(job_env["EDDIS_RUN_DIR"])
-    ranks = rank_records(run_dir)
-    wait_until(lambda: stepping(out), 90, interval=0.5, what="all ranks to be training")
+    ranks = training_ranks(run_dir, out)
     pid = supervisor_pid(run_dir, which, ranks)
     os.kill(pid, signal.SIGSTOP)
     assert wait_job_end(slurm_cluster, job_id, BOUND, out) == ended, out.read_text()
-    text = out.read_text()
+    text = last_start_attempt(out.read_text())
     assert text.count("ROOT CAUSE") == 1, text
     assert re.search(rf"ROOT CAUSE: {name} \(pid {pid}\) hung \(.*stopped by a signal \(SIGSTOP", text), text
     listed = slurm_cluster.run(["squeue", "-h", "-j", job_id], check=False).stdout.strip()
