@@ -35,6 +35,11 @@ cdef extern from "<ucs/type/status.h>" nogil:
     ucs_status_t UCS_PTR_STATUS(ucs_status_ptr_t ptr)
 
 
+cdef extern from "<ucs/config/types.h>" nogil:
+    ctypedef enum ucs_config_print_flags_t:
+        UCS_CONFIG_PRINT_CONFIG
+
+
 cdef extern from "<ucs/memory/memory_type.h>" nogil:
     ctypedef enum ucs_memory_type_t:
         UCS_MEMORY_TYPE_HOST
@@ -150,6 +155,8 @@ cdef extern from "<ucp/api/ucp.h>" nogil:
                                  ucp_config_t **config_p)
     void ucp_config_release(ucp_config_t *config)
     ucs_status_t ucp_config_modify(ucp_config_t *config, const char *name, const char *value)
+    void ucp_config_print(const ucp_config_t *config, FILE *stream, const char *title,
+                          ucs_config_print_flags_t print_flags)
     ucs_status_t ucp_init(const ucp_params_t *params, const ucp_config_t *config,
                           ucp_context_h *context_p)
     void ucp_cleanup(ucp_context_h context)

@@ -229,6 +229,49 @@ def ucx_version():
     return (<bytes>ucp.ucp_get_version_string()).decode()
 
 
+cdef dict _ucp_settings(ucp.ucp_config_t *config):
+    """The UCP settings ``config`` holds, by name without UCX_: what the loaded UCX knows
+    (ucp_config_modify of an unknown key succeeds in UCX 1.13, whose workers then warn)."""
+    cdef char *text = NULL
+    cdef size_t length = 0
+    cdef FILE *stream = open_memstream(&text, &length)
+    if stream == NULL:
+        raise _errors.from_errno(errno, "open_memstream failed")
+    ucp.ucp_config_print(config, stream, NULL, ucp.UCS_CONFIG_PRINT_CONFIG)
+    fclose(stream)
+    printed = PyBytes_FromStringAndSize(text, length).decode(errors="replace")
+    free(text)
+    settings = {}
+    for line in printed.splitlines():
+        name, equals, value = line.partition("=")
+        if equals and name.startswith("UCX_"):
+            settings[name[4:]] = value
+    return settings
+
+
+cdef int _order_only_fence(ucp.ucp_config_t *config) except -1:
+    """Ask for a fence that only orders (FENCE_MODE=ep_based) where UCX has the choice and
+    the user made none. UCX 1.22's default fence waits, GIL held, until every transfer has
+    completed, so a stopped server hung its clients beyond every timeout; SMB needs only the
+    order of the transfers to one server. UCX 1.13's fence (no such setting) only orders."""
+    if "UCX_FENCE_MODE" in _os.environ or "FENCE_MODE" not in _ucp_settings(config):
+        return 0
+    CHKERR(ucp.ucp_config_modify(config, b"FENCE_MODE", b"ep_based"), "ucp_config_modify(FENCE_MODE=ep_based)")
+    return 0
+
+
+def ucx_fence_mode():
+    """The fence mode SMB's UCX contexts get (UCX's FENCE_MODE), or None where the loaded UCX
+    has no such setting (its fence only orders)."""
+    cdef ucp.ucp_config_t *config = NULL
+    CHKERR(ucp.ucp_config_read(NULL, NULL, &config), "ucp_config_read")
+    try:
+        _order_only_fence(config)
+        return _ucp_settings(config).get("FENCE_MODE")
+    finally:
+        ucp.ucp_config_release(config)
+
+
 cdef ucp.ucp_context_h _new_context(str tls, uint64_t features) except NULL:
     """A UCX context with ``features``, restricted to the transports ``tls`` names (UCX_TLS
     syntax; None: what the environment's UCX_TLS says)."""
@@ -242,6 +285,11 @@ cdef ucp.ucp_context_h _new_context(str tls, uint64_t features) except NULL:
         if status != ucp.UCS_OK:
             ucp.ucp_config_release(config)
             CHKERR(status, f"ucp_config_modify(TLS={tls!r})")
+    try:
+        _order_only_fence(config)
+    except BaseException:
+        ucp.ucp_config_release(config)
+        raise
     params.field_mask = ucp.UCP_PARAM_FIELD_FEATURES
     params.features = features
     status = ucp.ucp_init(&params, config, &context)
