@@ -1,5 +1,6 @@
 """eddis doctor: real UCX, libibverbs, MPI, Slurm and torch on this machine."""
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -31,6 +32,10 @@ def test_doctor_json_reports_this_machine():
     assert re.match(r"\d+\.\d+", ucx["version"])
     assert "tcp" in ucx["transports"]
     assert {"posix", "sysv"} & set(ucx["transports"])
+    # the libucp this process loaded (one per process: MPI's, if it came first), and the fence
+    # SMB asks of it: only-ordering where UCX has the choice (1.22's default waits for completion)
+    assert "/libucp.so" in ucx["library"] and os.path.exists(ucx["library"])
+    assert ucx["fence_mode"] in (None, "ep_based")
 
     ib = checks["infiniband"]["data"]
     if not ib["devices"]:
@@ -53,6 +58,21 @@ def test_doctor_json_reports_this_machine():
     assert checks["frameworks"]["data"]["torch"] == torch.__version__
     if shutil.which("sbatch"):
         assert re.match(r"\d+\.\d+\.\d+", checks["slurm"]["data"]["version"])
+
+
+def test_a_fence_mode_the_user_chose_is_kept():
+    code = "from eddis.smb import _core; print(_core.ucx_fence_mode())"
+    proc = subprocess.run([PYTHON, "-c", code], env=python_env({"UCX_FENCE_MODE": "auto"}), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() in ("None", "auto"), proc.stdout + proc.stderr
+
+
+def test_loaded_library_reads_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000-7f1000 r-xp 00000000 08:01 42   /opt/ucx/lib/libucp.so.0.0.0\n"
+                    "7f2000-7f3000 r--p 00000000 00:00 0    [heap]\n")
+    assert doctor.loaded_library("libucp.so", maps) == "/opt/ucx/lib/libucp.so.0.0.0"
+    assert doctor.loaded_library("libuct.so", maps) is None
 
 
 @pytest.mark.timeout(150)

@@ -135,7 +135,22 @@ def _ucx_from_core():
         transports.setdefault(tl, [])
         if dev and dev not in transports[tl]:
             transports[tl].append(dev)
-    return {"version": version, "transports": transports, "source": "eddis.smb._core (libucp)"}
+    return {"version": version, "transports": transports, "source": "eddis.smb._core (libucp)",
+            "library": loaded_library("libucp.so"), "fence_mode": core.ucx_fence_mode()}
+
+
+def loaded_library(soname, maps="/proc/self/maps"):
+    """The file this process mapped for ``soname`` (e.g. libucp.so): one copy of UCX serves
+    a process, so with MPI's UCX loaded first, SMB runs on that one, whatever it was built on."""
+    try:
+        with open(maps) as lines:
+            for line in lines:
+                path = line.split(None, 5)[-1].strip()
+                if "/" + soname in path:
+                    return path
+    except OSError:
+        pass
+    return None
 
 
 def parse_ucx_info_version(text):
@@ -186,7 +201,12 @@ def check_ucx():
     names = list(info["transports"])
     info["rdma"] = any(t in names for t in HCA_TLS)
     info["cuda"] = [t for t in names if t in CUDA_TLS]
-    summary = f"UCX {info['version']}: transports {', '.join(names) or 'none'}"
+    summary = f"UCX {info['version']}"
+    if info.get("library"):
+        summary += f" ({info['library']})"
+    summary += f": transports {', '.join(names) or 'none'}"
+    if info.get("fence_mode"):
+        summary += f"; fence {info['fence_mode']}"
     if not names:
         return Check("ucx", FAIL, summary, info, fix="UCX lists no transport; check UCX_TLS/UCX_NET_DEVICES")
     if not info["rdma"]:
