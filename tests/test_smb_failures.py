@@ -152,22 +152,39 @@ def test_server_sigkill_gives_errors_not_hangs(transport):
     assert not servers.hung and not servers.unpublished  # the survivor stopped cleanly
 
 
+def give_up_by_a_transfer(client, pool, counter):
+    with pytest.raises((SMBTimeoutError, SMBConnectionError)):
+        pool.read()
+
+
+def give_up_by_a_request(client, pool, counter):
+    """As a mirrored counter does (eddis.smb.mirror): a request left unanswered, then note_lost."""
+    with pytest.raises(SMBTimeoutError):
+        counter.fetch_add(1)
+    assert client.note_lost(give_up=[1]) == [1]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", ["socket", "rdma-shm", "rdma-tcp"], indirect=True)
-def test_a_server_given_up_after_a_timeout_gives_errors_on_every_later_use(transport):
-    """A transfer left unanswered gives its server up (its endpoint is closed); later
-    transfers to it must fail with the loss, never use the closed endpoint. (Between fake
-    nodes only: on the same node a stopped server's memory is still mapped, and copies work.)"""
+@pytest.mark.parametrize("transport, give_up", [
+    ("socket", give_up_by_a_transfer), ("rdma-tcp", give_up_by_a_transfer), ("socket", give_up_by_a_request),
+    ("rdma-shm", give_up_by_a_request), ("rdma-tcp", give_up_by_a_request)], indirect=["transport"],
+    ids=["socket-transfer", "rdma-tcp-transfer", "socket-request", "rdma-shm-request", "rdma-tcp-request"])
+def test_a_server_given_up_after_a_timeout_gives_errors_on_every_later_use(transport, give_up):
+    """A transfer or request left unanswered gives its server up (its endpoint is closed);
+    later transfers to it must fail with the loss, never use the closed endpoint. (Between
+    fake nodes only: on the same node a stopped server's memory is still mapped, and copies
+    work; so do one-sided gets over CMA, which leave nothing unanswered: rdma-shm's server
+    is given up through a request.)"""
     env, hostnames = transport
     with LocalServers(2, memory="8M", env=env, hostnames=hostnames) as servers:
         client = Client(servers.run_dir, expected_servers=2, timeout=2)
         try:
             pool = client.pool("p", 1000, slots=1)
             pool.write(np.ones(1000, np.float32))
+            counter = client.counter("c", server=1)
             stop_every_thread(servers.procs[1].pid)
             try:
-                with pytest.raises((SMBTimeoutError, SMBConnectionError)):
-                    pool.read()
+                give_up(client, pool, counter)
                 for _ in range(2):
                     with pytest.raises((SMBConnectionError, SMBTimeoutError)):
                         pool.write(np.zeros(1000, np.float32))
