@@ -11,6 +11,7 @@ it: MPI (mpicc) without an importable mpi4py.
 """
 import importlib.util
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -155,15 +156,7 @@ def detect_c_library(dep):
             dep.include_dirs = [f[2:] for f in cflags if f.startswith("-I")]
             dep.library_dirs = [f[2:] for f in libs if f.startswith("-L")]
             dep.version = version[0] if version else None
-    for header in dep.headers:
-        if not compiler_has_header(header, dep.include_dirs):
-            dep.reason = f"header <{header}> does not compile"
-            return False
-    for library in dep.libraries:
-        if not linker_finds_library(library, dep.library_dirs):
-            dep.reason = f"library -l{library} does not link"
-            return False
-    return True
+    return detect_c_library_at(dep)
 
 
 def detect_mpi(dep):
@@ -202,6 +195,68 @@ def detect_mpi(dep):
     return True
 
 
+def ucx_library_dirs(prefix):
+    """The directories under ``prefix`` that hold libucp.so: lib, lib64, or a multiarch one
+    (Debian's /usr/lib/x86_64-linux-gnu, where a Spack external's prefix is /usr)."""
+    candidates = [os.path.join(prefix, "lib"), os.path.join(prefix, "lib64")]
+    libroot = os.path.join(prefix, "lib")
+    if os.path.isdir(libroot):
+        candidates += sorted(os.path.join(libroot, d) for d in os.listdir(libroot))
+    return [d for d in candidates if os.path.exists(os.path.join(d, "libucp.so"))]
+
+
+def ucx_version_of(prefix, libdir):
+    """The version of the UCX installed under ``prefix``: its ucx.pc, else its headers' API."""
+    pc = os.path.join(libdir, "pkgconfig", "ucx.pc")
+    if os.path.exists(pc):
+        with open(pc) as f:
+            for line in f:
+                if line.startswith("Version:"):
+                    return line.split(":", 1)[1].strip()
+    header = os.path.join(prefix, "include", "ucp", "api", "ucp_version.h")
+    if os.path.exists(header):
+        with open(header) as f:
+            found = dict(re.findall(r"#define UCP_API_(MAJOR|MINOR)\s+(\d+)", f.read()))
+        if len(found) == 2:
+            return f"{found['MAJOR']}.{found['MINOR']}"
+    return None
+
+
+def detect_ucx(dep):
+    """UCX from EDDIS_UCX_HOME (an install prefix, linked with an RPATH to it), else from
+    pkg-config and the compiler's search path."""
+    home = os.environ.get("EDDIS_UCX_HOME", "").strip()
+    if not home:
+        return detect_c_library(dep)
+    libdirs = ucx_library_dirs(home)
+    if not os.path.exists(os.path.join(home, "include", "ucp", "api", "ucp.h")) or not libdirs:
+        dep.reason = f"EDDIS_UCX_HOME={home} has no include/ucp/api/ucp.h and lib/libucp.so"
+        dep.stop = (f"EDDIS_UCX_HOME={home} is not a UCX installation (no include/ucp/api/ucp.h and "
+                    "libucp.so in lib/, lib64/ or lib/<multiarch>/ under it); point it at UCX's prefix "
+                    "(the directory of its bin/ucx_info), or unset it")
+        return False
+    dep.include_dirs = [os.path.join(home, "include")]
+    dep.library_dirs = libdirs[:1]
+    # one libucp serves a process: the RPATH picks this one when SMB loads UCX first
+    dep.extra_link_args = ["-Wl,-rpath," + libdirs[0]]
+    version = ucx_version_of(home, libdirs[0])
+    dep.version = f"{version or 'unknown version'} at {home}, with RPATH"
+    return detect_c_library_at(dep)
+
+
+def detect_c_library_at(dep):
+    """detect_c_library without pkg-config: the headers and libraries of dep's own dirs."""
+    for header in dep.headers:
+        if not compiler_has_header(header, dep.include_dirs):
+            dep.reason = f"header <{header}> does not compile"
+            return False
+    for library in dep.libraries:
+        if not linker_finds_library(library, dep.library_dirs):
+            dep.reason = f"library -l{library} does not link"
+            return False
+    return True
+
+
 def detect_cuda(dep):
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     include = os.path.join(home, "include")
@@ -236,7 +291,7 @@ DEPENDENCIES = {
         debian="nvidia-cuda-toolkit", rocky="cuda-toolkit",
     ),
 }
-DETECTORS = {"MPI": detect_mpi, "CUDA": detect_cuda}
+DETECTORS = {"UCX": detect_ucx, "MPI": detect_mpi, "CUDA": detect_cuda}
 
 # Extension name -> (sources, dependencies it needs). An extension whose
 # dependencies are not all available is left out of the build.

@@ -57,6 +57,46 @@ def test_installed_libraries_are_detected(build):
 
 
 @pytest.mark.timeout(60)
+def test_ucx_home_is_built_against_with_an_rpath(build, monkeypatch, tmp_path):
+    """EDDIS_UCX_HOME: a UCX prefix of its own (here the system's UCX, linked into one)."""
+    system_lib = os.path.dirname(os.path.realpath(subprocess.run(
+        ["gcc", "-print-file-name=libucp.so"], capture_output=True, text=True).stdout.strip()))
+    (tmp_path / "include").mkdir()
+    (tmp_path / "lib").mkdir()
+    for part in ("ucp", "ucs", "uct", "ucm"):
+        if os.path.isdir(f"/usr/include/{part}"):
+            (tmp_path / "include" / part).symlink_to(f"/usr/include/{part}")
+    for library in ("libucp.so", "libucs.so"):
+        (tmp_path / "lib" / library).symlink_to(os.path.join(system_lib, library))
+    monkeypatch.setenv("EDDIS_UCX_HOME", str(tmp_path))
+    build.configure()
+    ucx = build.DEPENDENCIES["UCX"]
+    assert ucx.found, ucx.reason
+    assert ucx.include_dirs == [str(tmp_path / "include")] and ucx.library_dirs == [str(tmp_path / "lib")]
+    assert ucx.extra_link_args == [f"-Wl,-rpath,{tmp_path / 'lib'}"]
+    assert re.match(rf"1\.\d+ at {tmp_path}, with RPATH", ucx.version), ucx.version
+
+
+@pytest.mark.timeout(60)
+def test_a_multiarch_ucx_home_is_found(build, monkeypatch):
+    """A Spack external's prefix on Debian: /usr, its libraries in lib/x86_64-linux-gnu."""
+    monkeypatch.setenv("EDDIS_UCX_HOME", "/usr")
+    build.configure()
+    ucx = build.DEPENDENCIES["UCX"]
+    system_lib = os.path.dirname(os.path.realpath(subprocess.run(
+        ["gcc", "-print-file-name=libucp.so"], capture_output=True, text=True).stdout.strip()))
+    assert ucx.found and ucx.library_dirs == [system_lib], (ucx.reason, ucx.library_dirs)
+    assert re.match(r"1\.\d+\.\d+ at /usr, with RPATH", ucx.version), ucx.version   # from its ucx.pc
+
+
+@pytest.mark.timeout(60)
+def test_a_ucx_home_without_ucx_stops_the_build(build, monkeypatch, tmp_path):
+    monkeypatch.setenv("EDDIS_UCX_HOME", str(tmp_path))
+    with pytest.raises(SystemExit, match=rf"EDDIS_UCX_HOME={tmp_path} is not a UCX installation .*unset it"):
+        build.configure()
+
+
+@pytest.mark.timeout(60)
 def test_without_switch_skips_the_library(build, monkeypatch):
     monkeypatch.setenv("EDDIS_WITHOUT_VERBS", "1")
     build.configure()

@@ -330,6 +330,7 @@ def test_build_environment_sets_every_switch(recipe, tmp_path, verbs, cuda):
     assert ("EDDIS_WITH_VERBS" in v) == verbs and ("EDDIS_WITHOUT_VERBS" in v) == (not verbs)
     assert ("EDDIS_WITH_CUDA" in v) == cuda and ("EDDIS_WITHOUT_CUDA" in v) == (not cuda)
     assert v["MPICC"].endswith("/mpi/bin/mpicc")
+    assert str(v["EDDIS_UCX_HOME"]) == str(tmp_path / "ucx")
     assert ("CUDA_HOME" in v) == cuda
 
 

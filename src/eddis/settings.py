@@ -230,6 +230,11 @@ for _lib, _what in (("UCX", "UCX (libucx-dev / ucx-devel)"), ("VERBS", "libibver
     register(f"EDDIS_WITHOUT_{_lib}", "bool", False,
              f"Build time: build without {_what} even when it is installed. Neither set: auto-detect.")
 del _lib, _what
+register("EDDIS_UCX_HOME", "path", None,
+         "Build time: the prefix of the UCX to build SMB against (its include/ and lib/ or lib64/), "
+         "before pkg-config's and the system's; the extension gets an RPATH to it. On an InfiniBand "
+         "cluster, the site's UCX with verbs; a process holds one libucp, and with MPI's UCX loaded "
+         "first SMB uses that one (eddis doctor names it).")
 register("EDDIS_BUILD_JOBS", "int", 0,
          "Build time: how many extensions compile at once; 0 is one per CPU the build may use.", min=0)
 

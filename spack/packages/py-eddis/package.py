@@ -102,6 +102,8 @@ class PyEddis(PythonPackage, CudaPackage):
             prefix = "EDDIS_WITH_" if wanted else "EDDIS_WITHOUT_"
             env.set(prefix + switch, "1")
         env.set("MPICC", spec["mpi"].mpicc)
+        # the UCX this spec depends on, not whatever pkg-config finds first
+        env.set("EDDIS_UCX_HOME", spec["ucx"].prefix)
         if spec.satisfies("+cuda"):
             env.set("CUDA_HOME", spec["cuda"].prefix)
 
