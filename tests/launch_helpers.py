@@ -107,11 +107,19 @@ def current_rank_records(run_dir, ranks):
     return max(full, key=lambda records: max(r["time"] for r in records.values())) if full else None
 
 
+# what a job's state is while scontrol cannot say (a busy slurmctld): not an end
+UNREACHABLE = "UNREACHABLE"
+NOT_ENDED = ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", UNREACHABLE)
+
+
 def job_state(cluster, job_id):
-    """(state, exit code) of a job from scontrol (no accounting on the dev cluster); None once forgotten."""
+    """(state, exit code) of a job from scontrol (no accounting on the dev cluster); None once
+    forgotten; (UNREACHABLE, why) while scontrol fails otherwise ("Socket timed out on
+    send/recv operation" from a slurmctld busy on 2 cores): a wait takes that for no end."""
     proc = cluster.run(["scontrol", "show", "job", "-o", str(job_id)], timeout=30, check=False)
     if proc.returncode != 0 or not proc.stdout.strip():
-        return None
+        said = (proc.stdout + proc.stderr).strip()
+        return None if "Invalid job id" in said else (UNREACHABLE, said)
     first = proc.stdout.splitlines()[0]  # the het leader (component 0) carries the batch script's exit
     fields = dict(f.split("=", 1) for f in first.split() if "=" in f)
     return fields.get("JobState"), fields.get("ExitCode")
@@ -126,7 +134,7 @@ def wait_job_end(cluster, job_id, timeout, output=None):
         state = job_state(cluster, job_id)
         if state is None:
             return ("FORGOTTEN", None)
-        return state if state[0] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED") else None
+        return state if state[0] not in NOT_ENDED else None
     try:
         return wait_until(ended, timeout, interval=0.5, what=f"job {job_id} to end")
     except AssertionError as exc:
@@ -149,8 +157,7 @@ def wait_requeued_job_end(cluster, job_id, timeout, output, on_poll=None):
     ended_since = None
     while time.monotonic() < deadline:
         state = job_state(cluster, job_id)
-        if state is not None and state[0] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING",
-                                                   "SUSPENDED", "REQUEUED"):
+        if state is not None and state[0] not in NOT_ENDED + ("REQUEUED",):
             ended_since = ended_since or time.monotonic()
             if time.monotonic() - ended_since > REQUEUE_SETTLED_SECONDS:
                 return state
