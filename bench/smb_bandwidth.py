@@ -57,6 +57,7 @@ bytes that crossed each node's link (devcluster.traffic() around every transfer)
 import argparse
 import ctypes
 import json
+import mmap
 import os
 import shutil
 import socket
@@ -106,10 +107,28 @@ def iterations(size, bytes_per_size, lo=8, hi=20000):
 # memcpy
 # ---------------------------------------------------------------------------
 
-def memcpy_gbs(size, bytes_per_size, repeat):
+HUGE_PAGE = 2 << 20
+
+
+def host_buffer(size, fill, huge=False):
+    """``size`` bytes set to ``fill``; ``huge``: on transparent huge pages (a 2 MiB-aligned
+    anonymous mapping with MADV_HUGEPAGE), as the servers' arena is with --hugepages, so
+    that SMB and the memcpy reference copy between the same kind of pages."""
+    if not huge:
+        return np.full(size, fill, np.uint8)
+    mapping = mmap.mmap(-1, size + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    whole = np.frombuffer(mapping, np.uint8)
+    start = -whole.ctypes.data % HUGE_PAGE
+    buffer = whole[start:start + size]
+    buffer[:] = fill
+    return buffer
+
+
+def memcpy_gbs(size, bytes_per_size, repeat, huge=False):
     """The best of `repeat` timed loops, as many as SMB gets in a round."""
-    src = np.ones(size, np.uint8)
-    dst = np.zeros(size, np.uint8)
+    src = host_buffer(size, 1, huge)
+    dst = host_buffer(size, 0, huge)
     n = iterations(size, bytes_per_size)
     ctypes.memmove(dst.ctypes.data, src.ctypes.data, size)
     best = float("inf")
@@ -219,7 +238,7 @@ def server_cpu(client):
     return sum(client.stats(s)["cpu_seconds"] for s in range(client.num_servers))
 
 
-def measure(client, transport, sizes, bytes_per_size, window, repeat, many_samples):
+def measure(client, transport, sizes, bytes_per_size, window, repeat, many_samples, huge=False):
     """SMB put/get GB/s per size (each run with the servers' CPU seconds per GB moved) and
     the fetch_add latency, with ``client``."""
     want = "rdma" if transport.startswith("rdma") else "socket"
@@ -236,10 +255,10 @@ def measure(client, transport, sizes, bytes_per_size, window, repeat, many_sampl
 
     for size in sizes:
         n = iterations(size, bytes_per_size)
-        src = np.ones(size, np.uint8)
+        src = host_buffer(size, 1, huge)
         # One destination, as ucx_perftest and the memcpy reference use: rotating over
         # `window` buffers made the reads cache-cold while the references stayed warm.
-        out = np.empty(size, np.uint8)
+        out = host_buffer(size, 0, huge)
         pool.write(src)
         pool.read(out)
         puts = [timed(lambda i: pool.write_nb(src), n) for _ in range(repeat)]
@@ -262,7 +281,7 @@ def measure(client, transport, sizes, bytes_per_size, window, repeat, many_sampl
     return results
 
 
-def smb_child(transport, run_dir, servers, sizes, bytes_per_size, window, repeat):
+def smb_child(transport, run_dir, servers, sizes, bytes_per_size, window, repeat, hugepages="off"):
     """Runs in a child process (its own UCX_TLS); prints one JSON line."""
     from eddis.smb import Client
 
@@ -272,11 +291,12 @@ def smb_child(transport, run_dir, servers, sizes, bytes_per_size, window, repeat
         if local != [want_local] * servers:
             raise SystemExit(f"{transport}: expected is_local={want_local} for {servers} "
                              f"servers, got {local}")
-        results = measure(client, transport, sizes, bytes_per_size, window, repeat, want_local)
+        results = measure(client, transport, sizes, bytes_per_size, window, repeat, want_local,
+                          huge=hugepages != "off")
     print(json.dumps(results))
 
 
-def smb_table(transport, servers_count, sizes, bytes_per_size, window, repeat):
+def smb_table(transport, servers_count, sizes, bytes_per_size, window, repeat, hugepages="off"):
     sys.path.insert(0, str(SRC))
     from eddis.smb.testing import LocalServers
 
@@ -284,7 +304,8 @@ def smb_table(transport, servers_count, sizes, bytes_per_size, window, repeat):
     hostnames = ([f"{spec['server_host']}-{i}" for i in range(servers_count)]
                  if spec["server_host"] else None)
     memory = f"{max(sizes) * 2 // (1 << 20) // servers_count + 64}M"
-    with LocalServers(servers_count, memory=memory, env=spec["env"], hostnames=hostnames) as servers:
+    server_env = dict(spec["env"], SMB_HUGEPAGES=hugepages)
+    with LocalServers(servers_count, memory=memory, env=server_env, hostnames=hostnames) as servers:
         env = dict(os.environ)
         env.update(spec["env"])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
@@ -295,7 +316,7 @@ def smb_table(transport, servers_count, sizes, bytes_per_size, window, repeat):
         argv = [sys.executable, __file__, "--child", transport, "--run-dir", str(servers.run_dir),
                 "--servers", str(servers_count),
                 "--sizes", ",".join(map(str, sizes)), "--bytes-per-size", str(bytes_per_size),
-                "--window", str(window), "--repeat", str(repeat)]
+                "--window", str(window), "--repeat", str(repeat), "--hugepages", hugepages]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"SMB client ({transport}) failed:\n"
@@ -945,6 +966,9 @@ def main():
     parser.add_argument("--perftest-args", default="",
                         help="extra ucx_perftest client arguments for the bandwidth tests, "
                              "e.g. '-O 16' to cap its outstanding operations like --window")
+    parser.add_argument("--hugepages", default="off", choices=["off", "hugetlb", "transparent", "auto"],
+                        help="the servers' SMB_HUGEPAGES; other than off, the client's buffers and the "
+                             "memcpy reference's are on transparent huge pages too")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
     pair = parser.add_argument_group("two nodes (--pair: srun -N2 -n2 --ntasks-per-node=1)")
     pair.add_argument("--pair", action="store_true",
@@ -985,13 +1009,13 @@ def main():
         return
     if args.child:
         smb_child(args.child, args.run_dir, args.servers, sizes, bytes_per_size, args.window,
-                  args.repeat)
+                  args.repeat, args.hugepages)
         return
     transports = [t.strip() for t in args.transports.split(",")]
     unknown = [t for t in transports if t not in TRANSPORTS]
     if unknown:
         parser.error(f"unknown transport(s) {unknown}: use {', '.join(TRANSPORTS)}")
-    print(f"SMB bandwidth benchmark: {args.servers} server(s), "
+    print(f"SMB bandwidth benchmark: {args.servers} server(s), huge pages {args.hugepages}, "
           f"sizes {', '.join(size_label(s) for s in sizes)}, "
           f"{size_label(bytes_per_size)} per figure, window {args.window}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
@@ -1001,8 +1025,10 @@ def main():
         rounds = []
         for _ in range(args.rounds):
             for size in sizes:
-                memcpy[size] = max(memcpy[size], memcpy_gbs(size, bytes_per_size, args.repeat))
-            smb = smb_table(transport, args.servers, sizes, bytes_per_size, args.window, args.repeat)
+                memcpy[size] = max(memcpy[size], memcpy_gbs(size, bytes_per_size, args.repeat,
+                                                            huge=args.hugepages != "off"))
+            smb = smb_table(transport, args.servers, sizes, bytes_per_size, args.window, args.repeat,
+                            args.hugepages)
             perf, small_ops = perftest_table(transport, sizes, bytes_per_size, args.repeat,
                                              args.perftest_args.split())
             rounds.append((smb, perf, small_ops))
