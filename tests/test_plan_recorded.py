@@ -104,19 +104,6 @@ def test_ratios_at_1gbit_as_recorded(update, layout, a, b, low, high, where):
     assert within(value, low, high), f"{a} / {b}: model {value:.2f}, recorded {low}-{high} ({where})"
 
 
-def solo_cpu_seconds(solo, factors, device_ms):
-    """The CPU seconds a sample (beside the simulated device) that make the ranks' solo rates
-    add up to the recorded ideal: sum_i 1 / (c + f_i D) = solo."""
-    low, high = 0.0, 10.0
-    for _ in range(200):
-        mid = (low + high) / 2
-        if sum(1 / (mid + f * device_ms / 1000) for f in factors) > solo:
-            low = mid
-        else:
-            high = mid
-    return low
-
-
 @pytest.mark.parametrize("a,b,low,high,where", [
     ("eddis-balanced", "ddp", 1.84, 1.89, "12-03 to 12-05 runs D, M, Q, W, Z"),
     ("eddis-hybrid", "ddp", 1.87, 1.92, "runs M, Q, U, Z"),
@@ -129,6 +116,30 @@ def test_ratios_with_unequal_speeds_as_recorded(a, b, low, high, where):
     # 60 global batches; the ideal was 13.4 samples/s in each of those runs. The device's sleep
     # comes before the backward pass, so every bucket is ready at its end.
     config = {"link": "10gbit", "nodes": 2, "ranks_per_node": 2, "slowdowns": "1123"}
-    cpu = solo_cpu_seconds(13.4, [1, 1, 2, 3], 200.0)
+    cpu = emulated.solo_cpu_seconds(13.4, [1, 1, 2, 3], 200.0)
     value = ratio(config, a, b, cpu, 200.0, mlp(ready=(0.98, 0.99, 1.0)), Cluster(nodes=()), 60)
     assert within(value, low, high), f"{a} / {b}: model {value:.2f}, recorded {low}-{high} ({where})"
+
+
+# ---------------------------------------------------------------- a run's records, validated
+# bench/cluster.py --json of 2026-12-06 08:42-08:51 UTC (1gbit, 4 x 1, comm MLP, alone;
+# load 0.39 at the start, 4.41 at the end): what bench/plan_validate.py reads
+RUN_4X1 = [{"contender": c, "samples_per_s": s, "cross_node_bytes_per_step": b, "gradient_bytes": 100741160,
+            "link_bytes_per_s": 119638833.6,
+            "config": {"link": "1gbit", "nodes": 4, "ranks_per_node": 1, "slowdowns": "1111", "model": "comm",
+                       "local_batch": 8}}
+           for c, s, b in [("ddp", 21.44, 151480676.5), ("eddis-sync", 19.13, 151465556.0),
+                           ("eddis-allreduce", 11.25, 151388151.2), ("solo", 166.10, 22.8)]]
+
+
+def test_a_runs_records_are_validated_with_the_inputs_of_that_run():
+    rows, unsolved = emulated.validate(RUN_4X1 + [dict(RUN_4X1[0], config=dict(RUN_4X1[0]["config"], nodes=8))],
+                                       lambda config: mlp())
+    assert [r["contender"] for r in rows] == ["ddp", "eddis-sync", "eddis-allreduce"]
+    assert unsolved == [dict(RUN_4X1[0]["config"], nodes=8)]   # no solo ran for it: left out, named
+    for row in rows:
+        b = row["bytes_per_step_over_S"]
+        assert b["predicted"] == pytest.approx(b["measured"], rel=0.01)
+    s = {r["contender"]: r["samples_per_s"] for r in rows}
+    # the ring's step is the link's: the model within 15 % of the run (issue 42's bound)
+    assert s["ddp"]["predicted"] == pytest.approx(s["ddp"]["measured"], rel=0.15)

@@ -17,6 +17,19 @@ from .spec import TCP_PAYLOAD_SHARE, Cluster, Node, Rank, parse_rate
 from .timing import per_sample_times
 
 
+def solo_cpu_seconds(solo_samples_per_s, factors, device_ms=0.0):
+    """The CPU seconds a sample (beside the simulated device) that make the ranks' solo rates
+    add up to a measured ideal: sum_i 1 / (c + f_i D) = solo (bisection)."""
+    low, high = 0.0, 10.0
+    for _ in range(200):
+        mid = (low + high) / 2
+        if sum(1 / (mid + f * device_ms / 1000) for f in factors) > solo_samples_per_s:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
 def bench_cluster(config, cpu_s_per_sample, device_ms=0.0, base=None):
     """The cluster of one bench configuration (see the module docstring)."""
     nodes, per_node = int(config["nodes"]), int(config["ranks_per_node"])
@@ -54,17 +67,37 @@ def predict(contender, cluster, workload, tau=4, run_steps=None):
     return step_of(MODES[mode], cluster, workload, per_sample, tau, overlap, run_steps)
 
 
-def side_by_side(records, cluster_of, workload_of, tau=4, run_steps=80):
-    """Rows of predicted against measured for bench/cluster.py ``--json`` records.
-    ``cluster_of(config)`` and ``workload_of(config)`` give the model's inputs."""
-    rows = []
+def validate(records, workload_of, tau=4):
+    """bench/cluster.py ``--json`` records beside the model, the model's inputs taken from the
+    same run: each rank's CPU seconds a sample from its configuration's ``solo`` record
+    (:func:`solo_cpu_seconds`), SMB's put and get at the link rate the run measured
+    (``link_bytes_per_s``; over TCP the socket transport moves what the link carries), the
+    buckets from ``workload_of(config)``. Returns (rows, configurations without a solo record)."""
+    def key(config):
+        return tuple(sorted(config.items()))
+
+    solos = {key(r["config"]): r for r in records if r["contender"] == "solo"}
+    rows, unsolved = [], []
     for record in records:
         config = record["config"]
-        cluster, workload = cluster_of(config), workload_of(config)
-        step = predict(record["contender"], cluster, workload, tau, run_steps)
+        if record["contender"] == "solo":
+            continue
+        solo = solos.get(key(config))
+        if solo is None:
+            unsolved.append(config)
+            continue
+        per_node, nodes = int(config["ranks_per_node"]), int(config["nodes"])
+        digits = [float(c) for c in str(config.get("slowdowns", "1"))]
+        factors = [digits[i % len(digits)] for i in range(nodes * per_node)]
+        device_ms = float(config.get("device_ms", 0.0))
+        cpu = solo_cpu_seconds(solo["samples_per_s"], factors, device_ms)
+        link = record.get("link_bytes_per_s")
+        base = Cluster(nodes=(), put_bps=link, get_bps=link)
+        cluster, workload = bench_cluster(config, cpu, device_ms, base), workload_of(config)
+        step = predict(record["contender"], cluster, workload, tau, int(config.get("steps", 80)))
         S = record["gradient_bytes"]
         rows.append({"config": config, "contender": record["contender"],
                      "samples_per_s": {"measured": record["samples_per_s"], "predicted": step.samples_per_s},
                      "bytes_per_step_over_S": {"measured": record["cross_node_bytes_per_step"] / S,
                                                "predicted": step.bytes_per_node_way / workload.gradient_bytes}})
-    return rows
+    return rows, unsolved
