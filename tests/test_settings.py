@@ -180,6 +180,34 @@ def test_eddis_train_refuses_zero_ranks_before_anything_starts(tmp_path):
     assert not (tmp_path / "started").exists()
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("argv, said", [
+    (["eddis.launch.train", "--local", "--mode", "sideways"],
+     "argument --mode: --mode sideways is not one of sync, allreduce, easgd, hybrid"),
+    (["eddis.launch.train", "--local", "--memory", "lots"], "argument --memory: --memory lots is not a valid size"),
+    (["eddis.smb.server", "--port", "70000"], "argument --port: --port 70000 is out of range"),
+    (["eddis.smb.server", "--hugepages", "giant"], "argument --hugepages: --hugepages giant is not one of"),
+    (["eddis.smb.server", "--reduce-threads", "-1"], "argument --reduce-threads: --reduce-threads -1 is out of range"),
+], ids=["train-mode", "train-memory", "server-port", "server-hugepages", "server-threads"])
+def test_entry_points_check_their_flags_through_the_registry(tmp_path, argv, said):
+    """A bad flag stops eddis-train or smb-server at once (argparse, status 2), as the setting
+    it stands for would, before anything starts."""
+    script = tmp_path / "train.py"
+    script.write_text("open('started', 'w').close()\n")
+    extra = [str(script)] if argv[0] == "eddis.launch.train" else []
+    proc = subprocess.run([PYTHON, "-m", *argv, *extra], env=python_env(), capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stdout + proc.stderr
+    assert not (tmp_path / "started").exists()
+
+
+def test_a_flag_keeps_its_text_when_asked():
+    memory = settings.REGISTRY["SMB_MEMORY"].flag_type(keep_text=True)
+    assert memory("4G") == "4G"
+    with pytest.raises(__import__("argparse").ArgumentTypeError, match="--memory 0 is out of range"):
+        memory("0")
+
+
 def test_a_flag_reads_through_the_registry():
     memory = settings.REGISTRY["SMB_MEMORY"].flag_type()
     assert memory("4K") == 4096

@@ -105,16 +105,19 @@ class Setting:
             ) from None
         return self.check(value, given)
 
-    def flag_type(self, flag=None):
-        """An argparse ``type=`` for the flag that sets this setting: the registry's parser and
-        range, and an argparse error (exit status 2) that names the flag and the range."""
+    def flag_type(self, flag=None, keep_text=False):
+        """An argparse ``type=`` for the flag that sets this setting: the registry's parser,
+        choices and range, and an argparse error (exit status 2) that names the flag.
+        ``keep_text``: the value stays as written once checked (``--memory 4G`` is exported
+        as SMB_MEMORY=4G, not as a count of bytes)."""
         flag = flag or self.flag
 
         def parse_flag(text):
             try:
-                return self.parse(text, f"{flag} {text}")
+                value = self.parse(text, f"{flag} {text}")
             except ConfigError as exc:
                 raise argparse.ArgumentTypeError(str(exc)) from None
+            return text if keep_text else value
 
         parse_flag.__name__ = self.type
         return parse_flag

@@ -42,10 +42,11 @@ def build_parser():
                    help="start an smb-server and N ranks with mpirun on this machine (no Slurm needed)")
     p.add_argument("-n", "--np", type=settings.REGISTRY["EDDIS_SIZE"].flag_type("-n"), default=None, metavar="N",
                    help="number of ranks for --local (default 1)")
-    p.add_argument("--memory", default=None, metavar="SIZE",
+    p.add_argument("--memory", default=None, metavar="SIZE", type=settings.REGISTRY["SMB_MEMORY"].flag_type(keep_text=True),
                    help="memory the local smb-server lends, e.g. 1G (default: SMB_MEMORY)")
-    p.add_argument("--mode", default=None, help="training mode, exported as EDDIS_MODE")
-    p.add_argument("--timeline", default=None, metavar="DIR",
+    p.add_argument("--mode", default=None, type=settings.REGISTRY["EDDIS_MODE"].flag_type(),
+                   help="training mode, exported as EDDIS_MODE: " + ", ".join(settings.REGISTRY["EDDIS_MODE"].choices))
+    p.add_argument("--timeline", default=None, metavar="DIR", type=settings.REGISTRY["EDDIS_TIMELINE"].flag_type(),
                    help="Chrome-trace timeline of every rank and server into DIR (EDDIS_TIMELINE); "
                         "merge with `eddis prof merge DIR`")
     p.add_argument("--profile", action="store_true",

@@ -149,17 +149,6 @@ def _parse_nodes(text):
 
 
 # ---------------------------------------------------------------- the `eddis submit` subcommand
-def _kept_text(check):
-    """An argparse ``type=`` that checks the text with ``check`` and keeps it as written: the job
-    script exports ``--memory 4G`` as SMB_MEMORY=4G, not as a count of bytes."""
-    def kept(text):
-        check(text)
-        return text
-
-    kept.__name__ = check.__name__
-    return kept
-
-
 def add_arguments(parser):
     parser.add_argument("--gpus", required=True, metavar="TYPE:N[,TYPE:N...]",
                         help="GPUs per type (or partition name), one hetjob component each, e.g. a100:4,v100:8")
@@ -171,7 +160,7 @@ def add_arguments(parser):
     parser.add_argument("--job-name", default="eddis")
     parser.add_argument("--output", default="eddis-%j.out", help="sbatch --output pattern")
     parser.add_argument("--account", default=None)
-    parser.add_argument("--memory", default=None, type=_kept_text(settings.REGISTRY["SMB_MEMORY"].flag_type()),
+    parser.add_argument("--memory", default=None, type=settings.REGISTRY["SMB_MEMORY"].flag_type(keep_text=True),
                         help="memory each smb-server lends (SMB_MEMORY), e.g. 4G")
     parser.add_argument("--server-wait", type=settings.REGISTRY["EDDIS_SERVER_WAIT"].flag_type("--server-wait"),
                         default=None,

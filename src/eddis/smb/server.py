@@ -32,7 +32,7 @@ from ..errors import (ConfigError, EddisError, SMBBoundsError, SMBKeyError, SMBM
                       SMBServerError, SMBValueError)
 from .. import timeline
 from . import arena_limits, handshake, rundir, transport as transports
-from .hugepages import MODES as HUGEPAGE_MODES, arena_pages, describe as describe_pages, plan as hugepage_plan
+from .hugepages import arena_pages, describe as describe_pages, plan as hugepage_plan
 from .protocol import (CONTROL_SEPARATOR, DTYPES, ITEMSIZE, STATUS_BOUNDS, STATUS_INVALID,
                        STATUS_NO_ELEM, STATUS_NO_MEMORY, STATUS_REJECTED, decode_control)
 
@@ -643,13 +643,15 @@ def main(argv=None):
                     "Runs until SIGTERM/SIGINT.")
     parser.add_argument("--run-dir", help="job run directory (default: EDDIS_RUN_DIR or ~/.eddis/run/<job>)")
     parser.add_argument("--index", type=int, default=None, help="server index (default: SLURM_NODEID or 0)")
-    parser.add_argument("--memory", default=None, help="bytes to lend, suffix K/M/G (default SMB_MEMORY)")
+    parser.add_argument("--memory", default=None, type=settings.REGISTRY["SMB_MEMORY"].flag_type(keep_text=True),
+                        help="bytes to lend, suffix K/M/G (default SMB_MEMORY)")
     parser.add_argument("--host", default=None, help="IPv4 address to listen on (default: all, publishes this host's address)")
-    parser.add_argument("--port", type=int, default=None, help="TCP port (default SMB_PORT, 0: any)")
-    parser.add_argument("--reduce-threads", default=None,
+    parser.add_argument("--port", type=settings.REGISTRY["SMB_PORT"].flag_type(), default=None,
+                        help="TCP port (default SMB_PORT, 0: any)")
+    parser.add_argument("--reduce-threads", default=None, type=settings.REGISTRY["SMB_REDUCE_THREADS"].flag_type(),
                         help="threads per large vector operation, the request thread included "
                              "(default SMB_REDUCE_THREADS; 0: auto, half the usable CPUs, at most 8)")
-    parser.add_argument("--hugepages", default=None, choices=HUGEPAGE_MODES,
+    parser.add_argument("--hugepages", default=None, type=settings.REGISTRY["SMB_HUGEPAGES"].flag_type(),
                         help="huge pages for the memory (default SMB_HUGEPAGES): hugetlb, "
                              "transparent, auto (either, else normal pages) or off")
     parser.add_argument("--expect-token-file", default=None, help="token file (default: <run dir>/token)")
