@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.mpi  # starts real Open MPI ranks
 
 from conftest import REPO, python_env
-from launch_helpers import TRAINER, make_bin, processes_with_env, wait_until
+from launch_helpers import TRAINER, current_rank_records, make_bin, processes_with_env, wait_until
 
 import eddis.smb.server  # noqa: F401  (required: missing is a failure, not a skip)
 
@@ -47,19 +47,10 @@ def finish(proc, timeout=BOUND):
     return proc.returncode, out, err, time.monotonic() - began
 
 
-def launch_records(tmp_path):
-    return [p for p in (tmp_path / "run" / "launch").iterdir() if p.is_dir() and p.name != "smb-servers"]
-
-
 def started_ranks(tmp_path, ranks):
-    def all_started():
-        found = {}
-        for launch in launch_records(tmp_path) if (tmp_path / "run" / "launch").exists() else []:
-            for path in (launch / "ranks").glob("*.json"):
-                record = json.loads(path.read_text())
-                found[record["rank"]] = record
-        return found if len(found) == ranks else None
-    return wait_until(all_started, 60, what=f"{ranks} ranks to start")
+    """{rank: record} of the newest launch once its ``ranks`` records are there (a start retry
+    leaves the crashed launch's records, whose processes are gone, beside them)."""
+    return wait_until(lambda: current_rank_records(tmp_path / "run", ranks), 60, what=f"{ranks} ranks to start")
 
 
 def server_record(tmp_path):
@@ -76,8 +67,9 @@ def assert_nothing_left(tmp_path):
 @pytest.mark.timeout(180)
 def test_stopped_rank_is_named_within_seconds(tmp_path):
     proc = start(tmp_path, "-n", "2", TRAINER, "--steps", "3000", "--step-seconds", "0.05")
-    ranks = started_ranks(tmp_path, 2)
+    started_ranks(tmp_path, 2)
     time.sleep(2)  # into the training loop, with heartbeats flowing
+    ranks = started_ranks(tmp_path, 2)   # read now: a start retry would have replaced them
     os.kill(ranks[1]["trainer_pid"], signal.SIGSTOP)
     code, out, err, took = finish(proc)
     assert took < BOUND
