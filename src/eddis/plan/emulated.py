@@ -30,16 +30,22 @@ def solo_cpu_seconds(solo_samples_per_s, factors, device_ms=0.0):
     return low
 
 
+def rank_factors(config):
+    """Every rank's slowdown factor, in rank order: the configuration's digits, repeated."""
+    digits = [float(c) for c in str(config.get("slowdowns", "1"))]
+    return [digits[r % len(digits)] for r in range(int(config["nodes"]) * int(config["ranks_per_node"]))]
+
+
 def bench_cluster(config, cpu_s_per_sample, device_ms=0.0, base=None):
     """The cluster of one bench configuration (see the module docstring)."""
     nodes, per_node = int(config["nodes"]), int(config["ranks_per_node"])
-    factors = [float(c) for c in str(config.get("slowdowns", "1"))]
+    factors = rank_factors(config)
     link = parse_rate(config["link"], "the configuration's link") * TCP_PAYLOAD_SHARE / 8
     built = []
     for j in range(nodes):
         ranks = []
         for m in range(per_node):
-            f = factors[(j * per_node + m) % len(factors)]
+            f = factors[j * per_node + m]
             ranks.append(Rank(samples_per_s=1.0 / (cpu_s_per_sample + f * device_ms / 1000.0), kind=f"x{f:g}"))
         built.append(Node(f"n{j + 1}", tuple(ranks), link, 0.0))
     base = base or Cluster(nodes=())
@@ -86,11 +92,8 @@ def validate(records, workload_of, tau=4):
         if solo is None:
             unsolved.append(config)
             continue
-        per_node, nodes = int(config["ranks_per_node"]), int(config["nodes"])
-        digits = [float(c) for c in str(config.get("slowdowns", "1"))]
-        factors = [digits[i % len(digits)] for i in range(nodes * per_node)]
         device_ms = float(config.get("device_ms", 0.0))
-        cpu = solo_cpu_seconds(solo["samples_per_s"], factors, device_ms)
+        cpu = solo_cpu_seconds(solo["samples_per_s"], rank_factors(config), device_ms)
         link = record.get("link_bytes_per_s")
         base = Cluster(nodes=(), put_bps=link, get_bps=link)
         cluster, workload = bench_cluster(config, cpu, device_ms, base), workload_of(config)
