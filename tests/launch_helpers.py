@@ -107,6 +107,17 @@ def current_rank_records(run_dir, ranks):
     return max(full, key=lambda records: max(r["time"] for r in records.values())) if full else None
 
 
+def wait_for_training(run_dir, out, ranks=4, timeout=120):
+    """{rank: record} once every rank of the job's current launch is training: each printed
+    its step 2 after the last start retry (``out``: the job's output) and the launch's records
+    are all there."""
+    def running():
+        text = last_start_attempt(out.read_text()) if out.exists() else ""
+        return all(re.search(rf"^\[{r}@\S+\] step 2 ", text, re.M) for r in range(ranks)) and \
+            current_rank_records(run_dir, ranks)
+    return wait_until(running, timeout, interval=0.5, what="all ranks to be training")
+
+
 # what a job's state is while scontrol cannot say (a busy slurmctld): not an end
 UNREACHABLE = "UNREACHABLE"
 NOT_ENDED = ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", UNREACHABLE)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO
-from launch_helpers import (TRAINER, current_rank_records, environ_of, last_start_attempt, make_bin,
-                            processes_with_env, shm_leftovers, wait_job_end, wait_until)
+from launch_helpers import (TRAINER, environ_of, last_start_attempt, make_bin, processes_with_env, shm_leftovers,
+                            wait_for_training, wait_job_end, wait_until)
 
 import eddis.smb.server  # noqa: F401  (required: missing is a failure, not a skip)
 
@@ -48,15 +48,6 @@ def assert_job_left_nothing(run_dir, job_id):
                       what="the job's processes to exit") is True
     assert shm_leftovers(run_dir, f"eddis-{job_id}.") == []
     assert list(Path(run_dir, "servers").glob("*.json")) == []
-
-
-def wait_for_training(run_dir, out, ranks=4, timeout=120):
-    """{rank: record} once every rank of the job's current launch is training."""
-    def running():
-        text = last_start_attempt(out.read_text()) if out.exists() else ""
-        return all(re.search(rf"^\[{r}@\S+\] step 2 ", text, re.M) for r in range(ranks)) and \
-            current_rank_records(run_dir, ranks)
-    return wait_until(running, timeout, interval=0.5, what="all ranks to be training")
 
 
 @pytest.mark.timeout(300)

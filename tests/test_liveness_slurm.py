@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from launch_helpers import (TRAINER, current_rank_records, last_start_attempt, make_bin, processes_with_env,
+from launch_helpers import (TRAINER, last_start_attempt, make_bin, processes_with_env, wait_for_training,
                             wait_job_end, wait_until)
 
 import eddis.smb.server  # noqa: F401  (required: missing is a failure, not a skip)
@@ -37,18 +37,6 @@ def sbatch(cluster, env, out, *args):
     return proc.stdout.strip().split(";")[0]
 
 
-def stepping(out, ranks=4):
-    text = last_start_attempt(out.read_text()) if out.exists() else ""
-    return all(re.search(rf"^\[{r}@\S+\] step 2 ", text, re.M) for r in range(ranks))
-
-
-def training_ranks(run_dir, out, ranks=4):
-    """{rank: record} once every rank of the job's current launch is training."""
-    wait_until(lambda: stepping(out, ranks), 150, interval=0.5, what="all ranks to be training")
-    return wait_until(lambda: current_rank_records(run_dir, ranks), 30, interval=0.5,
-                      what=f"the records of the {ranks} training ranks")
-
-
 def assert_no_processes_left(run_dir):
     assert wait_until(lambda: processes_with_env("EDDIS_RUN_DIR", str(run_dir)) == [] or None, 30,
                       what="the job's processes to exit") is True
@@ -58,7 +46,7 @@ def assert_no_processes_left(run_dir):
 def test_stopped_rank_is_named_and_ends_the_job(slurm_cluster, job_env, tmp_path):
     out = tmp_path / "job.out"
     job_id = sbatch(slurm_cluster, job_env, out, TRAINER, "--steps", "3000", "--step-seconds", "0.1")
-    ranks = training_ranks(job_env["EDDIS_RUN_DIR"], out)
+    ranks = wait_for_training(job_env["EDDIS_RUN_DIR"], out, timeout=150)
     stopped_at = time.monotonic()
     os.kill(ranks[2]["trainer_pid"], signal.SIGSTOP)
     state, code = wait_job_end(slurm_cluster, job_id, BOUND, out)
@@ -80,7 +68,7 @@ def test_a_stopped_or_killed_server_is_the_root_cause(slurm_cluster, job_env, tm
     out = tmp_path / "job.out"
     job_id = sbatch(slurm_cluster, job_env, out, SMB_TRAINER, "--steps", "3000")
     run_dir = Path(job_env["EDDIS_RUN_DIR"])
-    training_ranks(run_dir, out)
+    wait_for_training(run_dir, out, timeout=150)
     server = json.loads((run_dir / "servers" / "1.json").read_text())
     os.kill(server["pid"], sig)
     state, code = wait_job_end(slurm_cluster, job_id, BOUND, out)
@@ -178,7 +166,7 @@ def test_a_stopped_supervisor_is_the_root_cause_and_the_job_ends(slurm_cluster, 
     out = tmp_path / "job.out"
     job_id = sbatch(slurm_cluster, job_env, out, trainer, "--steps", "3000", "--step-seconds", "0.1")
     run_dir = Path(job_env["EDDIS_RUN_DIR"])
-    ranks = training_ranks(run_dir, out)
+    ranks = wait_for_training(run_dir, out, timeout=150)
     pid = supervisor_pid(run_dir, which, ranks)
     os.kill(pid, signal.SIGSTOP)
     assert wait_job_end(slurm_cluster, job_id, BOUND, out) == ended, out.read_text()
