@@ -118,6 +118,17 @@ def wait_for_training(run_dir, out, ranks=4, timeout=120):
     return wait_until(running, timeout, interval=0.5, what="all ranks to be training")
 
 
+def peers_ended_after_root_cause(report):
+    """The ranks a failure report says ended after its root cause: those the launcher stopped
+    and those that failed on their own first (an MPI peer can see the lost rank's broken
+    connection and abort before its supervisor's next look at the run dir, 1 s at most)."""
+    stopped = re.search(r"^  stopped by the launcher: rank ([\d, ]+)$", report, re.M)
+    failed = re.search(r"^  failed after it \(probably as a consequence\): (.*)$", report, re.M)
+    ranks = [int(r) for r in stopped.group(1).split(", ")] if stopped else []
+    ranks += [int(r) for r in re.findall(r"rank (\d+)@", failed.group(1))] if failed else []
+    return sorted(ranks)
+
+
 # what a job's state is while scontrol cannot say (a busy slurmctld): not an end
 UNREACHABLE = "UNREACHABLE"
 NOT_ENDED = ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", UNREACHABLE)
