@@ -159,6 +159,25 @@ def test_the_link_probe_between_two_ranks(run_mpi):
     assert results == [["0", "1", "True"], ["1", "1", "True"]], proc.stdout + proc.stderr
 
 
+ALLREDUCE_PROBE = """
+import time
+from mpi4py import MPI
+from eddis.plan import probe
+comm = MPI.COMM_WORLD
+deadline = time.monotonic() + 120
+two, one = probe.allreduce_probe(comm, 2, 1 << 20, 3, deadline), probe.allreduce_probe(comm, 1, 1 << 20, 3, deadline)
+print("RESULT", comm.Get_rank(), two is not None and two > 0, one)
+"""
+
+
+def test_the_allreduce_probe_on_every_rank(run_mpi):
+    # as if the two ranks were on two nodes (one machine here): every rank takes part and gets
+    # the same positive rate; on one node there is no link for it to say anything of
+    proc = run_mpi(2, [PYTHON, "-c", ALLREDUCE_PROBE], timeout=180, check=True)
+    results = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    assert results == [["0", "True", "None"], ["1", "True", "None"]], proc.stdout + proc.stderr
+
+
 def local_job(tmp_path, name, *argv, env=None, timeout=300, status=0):
     run_env = python_env({"PATH": f"{make_bin(tmp_path / 'bin')}:{python_env()['PATH']}",
                           "SMB_MEMORY": "64M", **(env or {})})

@@ -140,6 +140,24 @@ def test_a_link_bound_step_is_its_bytes_over_the_rate():
     assert sync.link_busy == pytest.approx(1.0, rel=1e-6)
 
 
+def test_a_collectives_probed_rate_caps_its_path_only():
+    # mpi_gbs and ring_gbs: what each collective carries a node and way in its own pattern
+    k, r = 4, 2
+    capped = cluster(k, r, rate=1e9, mpi_bps=GBIT / 2, ring_bps=GBIT / 4)
+    wl = workload(ready=(1.0,), sizes=(S,))
+    per_sample = timing.per_sample_times(capped, wl)
+    compute, n = wl.local_batch / 1e9, k * r
+    assert step_of("eddis-allreduce", capped, wl, per_sample).step_s == pytest.approx(
+        compute + 2 * (k - 1) / k * S / (GBIT / 2))
+    assert step_of("ddp", capped, wl, per_sample).step_s == pytest.approx(compute + 2 * (n - 1) / n * S / (GBIT / 4))
+    assert step_of("eddis-sync", capped, wl, per_sample).step_s == pytest.approx(compute + 2 * (k - 1) / k * S / GBIT)
+    # a cap above the link's rate is no cap
+    fast = cluster(k, r, rate=1e9, mpi_bps=10 * GBIT, ring_bps=10 * GBIT)
+    plain = cluster(k, r, rate=1e9)
+    for mode in ("eddis-allreduce", "ddp"):
+        assert step_of(mode, fast, wl, per_sample).step_s == pytest.approx(step_of(mode, plain, wl, per_sample).step_s)
+
+
 def test_latency_counts_per_message_round():
     k = 2
     slow = tuple(Node(f"n{j}", (Rank(samples_per_s=1e9),), 1e30, 1e-3) for j in range(k))

@@ -7,6 +7,8 @@ rank takes part. What is measured:
 - the link between two nodes: rank 0 and the first rank on another node stream
   ``repeats`` MPI messages of ``nbytes`` one way, then both ways at once (the figure kept:
   a link carries both ways at once in every step), and ping-pong a byte for the latency;
+- MPI's allreduce of ``nbytes`` on every rank at once (on two nodes or more): what it
+  carries a node and way in its own pattern, the model's ``mpi_gbs``;
 - SMB, from rank 0: put and get of ``nbytes`` into a pool on a server of another node
   (its own node's server, mapped, where there is no other), and the server's reduce: the
   weighted sum of 4 slots of ``nbytes`` each (bytes of input per second);
@@ -23,6 +25,7 @@ import numpy as np
 
 from .. import identity
 from ..errors import CollectiveTimeoutError, ConfigError
+from . import traffic
 from .spec import TCP_PAYLOAD_SHARE, Cluster, Node, Rank
 
 HOST_BYTES = 256
@@ -98,6 +101,25 @@ def link_probe(comm, peer, nbytes, repeats, deadline):
     return one_way, both, latency
 
 
+def allreduce_probe(comm, nodes, nbytes, repeats, deadline):
+    """MPI's allreduce of ``nbytes`` on every rank at once: what it carries a node and way
+    across the link in its own pattern (the model's ``mpi_bps``: 2(k-1)/k of the bytes
+    over its time), bytes/s on every rank; None on one node."""
+    from mpi4py import MPI
+
+    if nodes < 2:
+        return None
+    mine = np.ones(nbytes // 4, dtype=np.float32)
+    total = np.empty_like(mine)
+    _wait([comm.Iallreduce(mine, total, op=MPI.SUM)], deadline, "the warm-up allreduce")
+    _wait([comm.Ibarrier()], deadline, "the start of the allreduce probe", pause=0.001)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        _wait([comm.Iallreduce(mine, total, op=MPI.SUM)], deadline, "the allreduce probe")
+    took = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    return traffic.halving_doubling(nodes, mine.nbytes) * repeats / max(took, 1e-9)
+
+
 def smb_probe(client, me, nbytes, repeats, timeout):
     """(put, get, reduce) bytes/s, and whether put/get crossed a link, from this process."""
     far = [s for s, info in enumerate(client.servers) if info.get("hostname") != me]
@@ -157,6 +179,7 @@ def run(nbytes=64 << 20, repeats=4, timeout=120.0, link_bits=None, ranks=None):
                               "give its rate (--link 200gbit) or run the probes on two nodes or more")
         return None
     link = None if peer is None else link_probe(comm, peer, nbytes, repeats, deadline)
+    allreduce = allreduce_probe(comm, len(nodes), nbytes, repeats, deadline)
     smb = None
     if rank == 0:
         client = Client(timeout=timeout)
@@ -178,7 +201,9 @@ def run(nbytes=64 << 20, repeats=4, timeout=120.0, link_bits=None, ranks=None):
     put, get, reduce, crossed = smb
     measured += (f"; SMB {'across the link' if crossed else 'on the own node (mapped)'}: put {put / 1e9:.3f} GB/s, "
                  f"get {get / 1e9:.3f} GB/s; server reduce {reduce / 1e9:.3f} GB/s of input "
-                 f"({REDUCE_SLOTS} slots); {nbytes} bytes x {repeats}, "
+                 f"({REDUCE_SLOTS} slots); "
+                 + (f"MPI allreduce {allreduce / 1e9:.3f} GB/s a node and way; " if allreduce else "")
+                 + f"{nbytes} bytes x {repeats}, "
                  f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     if ranks is None:
         gpu = identity.gpu_type() or "rank"
@@ -186,4 +211,4 @@ def run(nbytes=64 << 20, repeats=4, timeout=120.0, link_bits=None, ranks=None):
     built = tuple(Node(name, tuple(rs), link_bps, latency_s) for name, rs in ranks)
     # across a link the SMB rates are capped by it already; mapped ones say nothing of the network
     return Cluster(nodes=built, put_bps=put if crossed else None, get_bps=get if crossed else None,
-                   reduce_bps=reduce, source=measured)
+                   reduce_bps=reduce, mpi_bps=allreduce, source=measured)

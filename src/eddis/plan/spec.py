@@ -56,6 +56,10 @@ class Cluster:
     pcie_bps: Optional[float] = None    # device <-> host staging per rank (None: the gradients are in host memory)
     cast_bps: Optional[float] = None    # fp32 bytes cast to fp16/bf16 (or back) per second per rank
     intra_bps: Optional[float] = None   # between two ranks of one node (ring and MPI hops inside a node)
+    # what a collective of the peers carries a node and way across the link under its own
+    # traffic pattern (a probe's bus bandwidth): caps the link for that path
+    mpi_bps: Optional[float] = None     # MPI allreduce
+    ring_bps: Optional[float] = None    # the ring allreduce (DDP, NCCL)
     source: str = ""
 
     @property
@@ -223,7 +227,8 @@ def _rank(data, where):
 def cluster_from_dict(data, where="cluster.json"):
     f = _Fields(data, where)
     f.check_format(CLUSTER_FORMAT)
-    f.unknown({"format", "link", "smb", "pcie_gbs", "cast_gbs", "intra_gbs", "nodes", "source"})
+    f.unknown({"format", "link", "smb", "pcie_gbs", "cast_gbs", "intra_gbs", "mpi_gbs", "ring_gbs", "nodes",
+               "source"})
     if "link" not in data:
         f.fail("link", "missing", "give the nodes' link, e.g. \"link\": {\"rate\": \"200gbit\", \"latency_us\": 2}")
     default_link = _link(_Fields(data["link"], f"{where}.link"))
@@ -257,7 +262,8 @@ def cluster_from_dict(data, where="cluster.json"):
             nodes.append(Node(label if count == 1 or not name else f"{name}{c + 1}", parsed, *link))
     return Cluster(nodes=tuple(nodes), put_bps=smb.gbs("put_gbs"), get_bps=smb.gbs("get_gbs"),
                    reduce_bps=smb.gbs("reduce_gbs"), pcie_bps=f.gbs("pcie_gbs"), cast_bps=f.gbs("cast_gbs"),
-                   intra_bps=f.gbs("intra_gbs"), source=f.text("source"))
+                   intra_bps=f.gbs("intra_gbs"), mpi_bps=f.gbs("mpi_gbs"), ring_bps=f.gbs("ring_gbs"),
+                   source=f.text("source"))
 
 
 def model_from_dict(data, where="model.json"):
@@ -351,7 +357,8 @@ def cluster_to_dict(cluster):
                                     ("reduce_gbs", cluster.reduce_bps)) if v is not None}
     out = {"format": CLUSTER_FORMAT, "link": link(first), "smb": smb, "nodes": nodes, "source": cluster.source}
     for key, value in (("pcie_gbs", cluster.pcie_bps), ("cast_gbs", cluster.cast_bps),
-                       ("intra_gbs", cluster.intra_bps)):
+                       ("intra_gbs", cluster.intra_bps), ("mpi_gbs", cluster.mpi_bps),
+                       ("ring_gbs", cluster.ring_bps)):
         if value is not None:
             out[key] = _gbs(value)
     return out

@@ -147,14 +147,14 @@ def bucket_stages(path, wire_bytes_per_element, layout, cluster, nbytes):
             move = seconds(2 * (n - 1) / n * wire, cluster.intra_bps)
         else:
             both = traffic.halving_doubling(k, wire)
-            move = _link_phase(layout, [(both, both)] * k) + 2 * math.ceil(math.log2(n)) * lat
+            move = _link_phase(layout, [(both, both)] * k, cluster.mpi_bps) + 2 * math.ceil(math.log2(n)) * lat
         return [("submit", pcie + cast), ("link", move), ("finish", cast + pcie)]
     if path == "ring":
         if k == 1:
             move = seconds(2 * (n - 1) / n * wire, cluster.intra_bps)
         else:
             both = traffic.ring(n, k, wire)
-            move = _link_phase(layout, [(both, both)] * k) + 2 * (n - 1) * lat
+            move = _link_phase(layout, [(both, both)] * k, cluster.ring_bps) + 2 * (n - 1) * lat
             if cluster.intra_bps is not None and max(layout.ranks) > 1:
                 move = max(move, seconds(both, cluster.intra_bps))
         return [("submit", cast), ("link", move), ("finish", cast)]
