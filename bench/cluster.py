@@ -35,6 +35,13 @@ contender in turn on the same data:
   transport; the emulated cluster has no HCA, so UCX carries it over its tcp transport
   with the test-only ``SMB_UCX_ALLOW_TCP=1`` (``RDMA_SETTINGS``): a measure of the code
   path and of the servers' CPU, not of InfiniBand;
+- ``probe-ring``, ``probe-mpi``, ``probe-allreduce``, ``probe-sync`` (not in the default
+  list): each path's communication alone, what ``eddis plan`` calibrates the paths with:
+  the gradient's buckets (as EDDIS cuts them) all-reduced by gloo (DDP's ring), by MPI's
+  ``Iallreduce`` from the main thread (what ``eddis plan --calibrate`` measures), and by
+  EDDIS's allreduce mode and its sync (a backward that only touches every parameter, no
+  model); its "samples/s" is a global batch over the time of one such reduction, its bytes
+  those of the path;
 - ``solo``, the ideal: every rank trains a model of its own at the same time, with no
   communication, for ``--solo-seconds``; its samples/s is the sum of the ranks' own
   rates, so it carries the same CPU contention and slowdowns as the others, and the
@@ -92,6 +99,8 @@ MODELS = {  # local batch, target loss, learning rate at a batch of 32, steps to
 CONTENDERS = ["ddp", "ddp-fp16", "horovod", "eddis-allreduce", "eddis-sync", "eddis-sync-fp16",
               "eddis-sync-bf16", "eddis-sync-flat", "eddis-sync-rdma", "eddis-balanced", "eddis-easgd",
               "eddis-hybrid", "eddis-hybrid-balanced", "solo"]
+PROBES = ["probe-ring", "probe-mpi", "probe-allreduce", "probe-sync"]
+PROBE_WARMUP, PROBE_REPEATS = 2, 6
 # the job of the contenders on the rdma transport (name ends in -rdma): its servers offer it,
 # over UCX's tcp here (no HCA on the emulated cluster; unsafe outside a test setting). UCX_TLS
 # keeps UCX off its shared memory, which the nodes of one machine share and would bypass the links.
@@ -236,7 +245,10 @@ def worker(args):
     hosts = eddis.allgather_object(runtime.hostname())
     for contender in args.contenders.split(","):
         try:
-            result = run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts)
+            if contender in PROBES:
+                result = run_probe(contender, args, cfg, comm, rank, size, hosts)
+            else:
+                result = run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts)
         except ImportError as exc:
             if rank == 0:
                 print(f"SKIP {contender}: {exc}", flush=True)
@@ -251,6 +263,65 @@ def runtime_transport():
     from eddis.core.comm import connection
 
     return connection.smb_client().transport
+
+
+def init_gloo(args, hosts, rank, size):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://{hosts[0]}:{args.port}", rank=rank, world_size=size)
+    return dist
+
+
+def run_probe(contender, args, cfg, comm, rank, size, hosts):
+    """One path's reduction of the gradient alone (see the module docstring), timed over
+    PROBE_REPEATS after PROBE_WARMUP, between the driver's two counter readings."""
+    import numpy as np
+    import torch
+    import eddis.torch as eddis
+    from eddis.core.layout.buckets import BucketPlan
+
+    model = build_model(args.model)
+    gradient_bytes = 4 * sum(p.numel() for p in model.parameters())
+    global_batch = cfg["batch"] * size
+    sizes = [b.nbytes // 4 for b in BucketPlan([(n, tuple(p.shape)) for n, p in model.named_parameters()]).buckets]
+    if contender == "probe-ring":
+        dist = init_gloo(args, hosts, rank, size)
+        tensors = [torch.ones(n) for n in sizes]
+
+        def once():
+            for work in [dist.all_reduce(t, async_op=True) for t in tensors]:
+                work.wait()
+    elif contender == "probe-mpi":
+        from mpi4py import MPI
+
+        buffers = [(np.ones(n, np.float32), np.empty(n, np.float32)) for n in sizes]
+
+        def once():
+            MPI.Request.Waitall([comm.Iallreduce(a, b, op=MPI.SUM) for a, b in buffers])
+    else:   # EDDIS's own path: its sync, or its allreduce mode (MPI from its reduction thread)
+        opt = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                         named_parameters=model.named_parameters(), mode=contender[len("probe-"):])
+        params = list(model.parameters())
+
+        def once():
+            opt.zero_grad()
+            sum(p.sum() for p in params).backward()   # every gradient, in backward order, and no model
+            opt.step()
+    for _ in range(PROBE_WARMUP):
+        once()
+    pause(args.marker_dir, f"{contender}-1", comm, rank)
+    start = time.perf_counter()
+    for _ in range(PROBE_REPEATS):
+        once()
+    wall = max(eddis.allgather_object(time.perf_counter() - start))
+    pause(args.marker_dir, f"{contender}-2", comm, rank)
+    if contender in ("probe-sync", "probe-allreduce") and hasattr(opt, "close"):
+        opt.close()
+    return {"contender": contender, "samples": PROBE_REPEATS * global_batch, "wall_s": wall,
+            "samples_per_s": PROBE_REPEATS * global_batch / wall, "time_to_target_s": None,
+            "final_loss_ema": None, "gradient_bytes": gradient_bytes, "global_batch": global_batch,
+            "rank0_steps": PROBE_REPEATS}
 
 
 def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
@@ -269,11 +340,7 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
     eddis_mode = None
     group_size = sum(1 for h in hosts if h == hosts[rank])
     if ddp:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"tcp://{hosts[0]}:{args.port}", rank=rank,
-                                    world_size=size)
+        init_gloo(args, hosts, rank, size)
         net = torch.nn.parallel.DistributedDataParallel(model)
         if contender == "ddp-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -613,7 +680,7 @@ def main(argv=None):
     args.layouts = args.layouts.split(",")
     args.slowdowns = args.slowdowns.split(",")
     args.models = args.models.split(",")
-    known = CONTENDERS + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS + WHOLE_UPDATE_VARIANTS
+    known = CONTENDERS + PROBES + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS + WHOLE_UPDATE_VARIANTS
     for c in args.contenders.split(","):
         if c not in known:
             sys.exit(f"bench/cluster.py: unknown contender {c!r}; choose from {', '.join(known)}")

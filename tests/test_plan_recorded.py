@@ -7,6 +7,9 @@ runs' end is a few exchanges). Samples/s do depend on it; the model's *ratios* b
 contenders of one configuration, from inputs that were recorded too (the solo ideal, the
 link rate a timeline measured), must fall within 10 % of the range the runs gave.
 """
+import json
+from pathlib import Path
+
 import pytest
 
 from eddis.core.layout.buckets import BucketPlan
@@ -143,3 +146,74 @@ def test_a_runs_records_are_validated_with_the_inputs_of_that_run():
     s = {r["contender"]: r["samples_per_s"] for r in rows}
     # the ring's step is the link's: the model within 15 % of the run (issue 42's bound)
     assert s["ddp"]["predicted"] == pytest.approx(s["ddp"]["measured"], rel=0.15)
+
+
+def test_a_probe_gives_its_path_the_rate_it_measured_and_the_model_repeats_the_probe():
+    # probe-mpi of a 4 x 1 run: 1.5 S a node and way in 2.5 s a reduction (made-up figures of
+    # the bench's record format); MPI's rows take that rate, the ring keeps the link's
+    probe = dict(RUN_4X1[0], contender="probe-mpi", samples_per_s=32 / 2.5, global_batch=32,
+                 cross_node_bytes_per_step=1.5 * 100741160)
+    assert emulated.probe_rate(probe) == pytest.approx(1.5 * 100741160 / 2.5)
+    base = emulated.calibrated_base([probe], 119.6e6)
+    assert (base.mpi_bps, base.ring_bps, base.put_bps) == (pytest.approx(1.5 * 100741160 / 2.5), None, 119.6e6)
+    rows, _ = emulated.validate(RUN_4X1 + [probe], lambda config: mlp(ready=(1.0, 1.0, 1.0)))
+    assert [r["contender"] for r in rows] == ["ddp", "eddis-sync", "eddis-allreduce"]   # no row for a probe
+    s = {r["contender"]: r["samples_per_s"]["predicted"] for r in rows}
+    # every bucket at the end of the backward: the step is the compute, then the probe's reduction
+    cpu = emulated.solo_cpu_seconds(166.10, [1.0] * 4)
+    assert 32 / s["eddis-allreduce"] == pytest.approx(8 * cpu + 2.5, rel=1e-6)
+    assert 32 / s["ddp"] < 8 * cpu + 2.5 * 0.6
+
+
+def test_records_from_before_the_bench_wrote_its_defaults_match_those_that_did():
+    probe = dict(RUN_4X1[0], contender="probe-mpi", samples_per_s=32 / 2.5, global_batch=32,
+                 cross_node_bytes_per_step=1.5 * 100741160,
+                 config=dict(RUN_4X1[0]["config"], device_ms=0.0, steps=80))
+    rows, unsolved = emulated.validate(RUN_4X1 + [probe], lambda config: mlp())
+    assert unsolved == [] and len(rows) == 3
+    allreduce = next(r for r in rows if r["contender"] == "eddis-allreduce")
+    assert allreduce["samples_per_s"]["predicted"] < 32 / 2.5
+
+
+# ---------------------------------------------------------------- issue 42's eight configurations
+# bench/cluster.py --json records of 2026-12-06 (docs/benchmarks-cluster.md, "The planner beside
+# the bench": dates, loads, commands), the fields validate() reads; the probes are in them
+VALIDATION = Path(__file__).parent / "golden" / "plan_validation_2026-12-06.json"
+
+
+def test_the_eight_recorded_configurations_stay_as_close_as_they_were():
+    records = json.loads(VALIDATION.read_text())
+    rows, unsolved = emulated.validate(records, lambda config: mlp())
+    assert unsolved == [] and len(rows) == 21
+    configs = {}
+    for row in rows:
+        b, s = row["bytes_per_step_over_S"], row["samples_per_s"]
+        assert b["predicted"] == pytest.approx(b["measured"], rel=0.05), row
+        entry = configs.setdefault(json.dumps(row["config"], sort_keys=True), {"inside": True, "m": {}, "p": {}})
+        entry["inside"] &= abs(s["predicted"] / s["measured"] - 1) <= 0.15
+        entry["m"][row["contender"]], entry["p"][row["contender"]] = s["measured"], s["predicted"]
+    assert len(configs) == 8
+    # what the recorded runs gave: 6 of 8 configurations within 15 % (issue 42 asks 7); a change
+    # to the model must not lose one
+    assert sum(e["inside"] for e in configs.values()) >= 6
+    # the pick: the contender predicted fastest measured within 10 % of the fastest, everywhere
+    for name, e in configs.items():
+        pick = max(e["p"], key=e["p"].get)
+        assert e["m"][pick] >= 0.9 * max(e["m"].values()), (name, pick, e)
+
+
+def test_the_projection_stays_under_its_ideal_and_at_the_speed_mix_on_infiniband():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import plan_projection
+
+    rows = list(plan_projection.rows())
+    assert len(rows) == len(plan_projection.MODELS) * len(plan_projection.LINKS) * \
+        len(plan_projection.GPUS_A_NODE) * len(plan_projection.NODES)
+    mix = {name: (m["a100"] + m["v100"]) / (2 * m["v100"]) for name, m in plan_projection.MODELS.items()}
+    for r in rows:
+        ideal = r["x_ring"]["solo"]
+        assert all(x <= ideal * (1 + 1e-9) for x in r["x_ring"].values()), r
+        if r["link"] != "10gbit":   # the ring runs at the V100s' pace, give or take its transfer
+            assert ideal == pytest.approx(mix[r["model"]], rel=0.03), r

@@ -73,20 +73,50 @@ def predict(contender, cluster, workload, tau=4, run_steps=None):
     return step_of(MODES[mode], cluster, workload, per_sample, tau, overlap, run_steps)
 
 
+# bench/cluster.py's probe contenders: one path's reduction alone, and the cluster rates it calibrates
+# (probe-allreduce, EDDIS's own allreduce mode, before probe-mpi, MPI's from the main thread)
+PROBE_RATES = {"probe-sync": ("put_bps", "get_bps"), "probe-mpi": ("mpi_bps",), "probe-allreduce": ("mpi_bps",),
+               "probe-ring": ("ring_bps",)}
+PROBE_ORDER = ("probe-ring", "probe-mpi", "probe-allreduce", "probe-sync")
+
+
+def probe_rate(record):
+    """What a probe record's path carried a node and way, bytes/s: its bytes a reduction
+    over the time of one (its "samples/s" is a global batch a reduction)."""
+    return record["cross_node_bytes_per_step"] * record["samples_per_s"] / record["global_batch"]
+
+
+def calibrated_base(config_records, link_bytes_per_s):
+    """The SMB and collective rates of one configuration: each path's probe where it ran
+    (:data:`PROBE_RATES`), else SMB's put and get at the link rate the run measured (over
+    TCP the socket transport moves at most what the link carries) and no cap on MPI's and
+    the ring's."""
+    rates = {"put_bps": link_bytes_per_s, "get_bps": link_bytes_per_s}
+    probes = sorted((r for r in config_records if r["contender"] in PROBE_RATES),
+                    key=lambda r: PROBE_ORDER.index(r["contender"]))
+    for record in probes:
+        for name in PROBE_RATES[record["contender"]]:
+            rates[name] = probe_rate(record)
+    return Cluster(nodes=(), **rates)
+
+
 def validate(records, workload_of, tau=4):
     """bench/cluster.py ``--json`` records beside the model, the model's inputs taken from the
     same run: each rank's CPU seconds a sample from its configuration's ``solo`` record
-    (:func:`solo_cpu_seconds`), SMB's put and get at the link rate the run measured
-    (``link_bytes_per_s``; over TCP the socket transport moves what the link carries), the
-    buckets from ``workload_of(config)``. Returns (rows, configurations without a solo record)."""
-    def key(config):
-        return tuple(sorted(config.items()))
+    (:func:`solo_cpu_seconds`), the paths' rates from its probes (:func:`calibrated_base`),
+    the buckets from ``workload_of(config)``. Returns (rows, configurations without a solo
+    record)."""
+    def key(config):   # records from before the bench wrote them ran at its defaults
+        return tuple(sorted({"device_ms": 0.0, "steps": 80, **config}.items()))
 
+    by_config = {}
+    for r in records:
+        by_config.setdefault(key(r["config"]), []).append(r)
     solos = {key(r["config"]): r for r in records if r["contender"] == "solo"}
     rows, unsolved = [], []
     for record in records:
         config = record["config"]
-        if record["contender"] == "solo":
+        if record["contender"] == "solo" or record["contender"] in PROBE_RATES:
             continue
         solo = solos.get(key(config))
         if solo is None:
@@ -94,8 +124,7 @@ def validate(records, workload_of, tau=4):
             continue
         device_ms = float(config.get("device_ms", 0.0))
         cpu = solo_cpu_seconds(solo["samples_per_s"], rank_factors(config), device_ms)
-        link = record.get("link_bytes_per_s")
-        base = Cluster(nodes=(), put_bps=link, get_bps=link)
+        base = calibrated_base(by_config[key(config)], record.get("link_bytes_per_s"))
         cluster, workload = bench_cluster(config, cpu, device_ms, base), workload_of(config)
         step = predict(record["contender"], cluster, workload, tau, int(config.get("steps", 80)))
         S = record["gradient_bytes"]
