@@ -265,6 +265,13 @@ def runtime_transport():
     return connection.smb_client().transport
 
 
+def bucket_plan(model):
+    """The model's gradient buckets as EDDIS cuts them (definition order)."""
+    from eddis.core.layout.buckets import BucketPlan
+
+    return BucketPlan([(n, tuple(p.shape)) for n, p in model.named_parameters()])
+
+
 def init_gloo(args, hosts, rank, size):
     import torch.distributed as dist
 
@@ -279,12 +286,11 @@ def run_probe(contender, args, cfg, comm, rank, size, hosts):
     import numpy as np
     import torch
     import eddis.torch as eddis
-    from eddis.core.layout.buckets import BucketPlan
 
     model = build_model(args.model)
     gradient_bytes = 4 * sum(p.numel() for p in model.parameters())
     global_batch = cfg["batch"] * size
-    sizes = [b.nbytes // 4 for b in BucketPlan([(n, tuple(p.shape)) for n, p in model.named_parameters()]).buckets]
+    sizes = [b.nbytes // 4 for b in bucket_plan(model).buckets]
     if contender == "probe-ring":
         dist = init_gloo(args, hosts, rank, size)
         tensors = [torch.ones(n) for n in sizes]

@@ -33,12 +33,9 @@ COMM_MLP_READY = (0.86, 0.93, 1.0)
 def bucket_plan_of(model_name):
     """The bench model's gradient buckets as EDDIS cuts them (definition order, as the
     planner's recorded tests do)."""
-    from cluster import build_model
+    from cluster import bucket_plan, build_model
 
-    from eddis.core.layout.buckets import BucketPlan
-
-    model = build_model(model_name)
-    return BucketPlan([(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    return bucket_plan(build_model(model_name))
 
 
 def spread_ready(nbytes):

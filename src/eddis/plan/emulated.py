@@ -73,11 +73,11 @@ def predict(contender, cluster, workload, tau=4, run_steps=None):
     return step_of(MODES[mode], cluster, workload, per_sample, tau, overlap, run_steps)
 
 
-# bench/cluster.py's probe contenders: one path's reduction alone, and the cluster rates it calibrates
-# (probe-allreduce, EDDIS's own allreduce mode, before probe-mpi, MPI's from the main thread)
-PROBE_RATES = {"probe-sync": ("put_bps", "get_bps"), "probe-mpi": ("mpi_bps",), "probe-allreduce": ("mpi_bps",),
-               "probe-ring": ("ring_bps",)}
-PROBE_ORDER = ("probe-ring", "probe-mpi", "probe-allreduce", "probe-sync")
+# bench/cluster.py's probe contenders: one path's reduction alone, and the cluster rates it
+# calibrates, applied in this order (probe-allreduce, EDDIS's own allreduce mode, after and so
+# over probe-mpi, MPI's from the main thread)
+PROBE_RATES = {"probe-ring": ("ring_bps",), "probe-mpi": ("mpi_bps",), "probe-allreduce": ("mpi_bps",),
+               "probe-sync": ("put_bps", "get_bps")}
 
 
 def probe_rate(record):
@@ -93,7 +93,7 @@ def calibrated_base(config_records, link_bytes_per_s):
     the ring's."""
     rates = {"put_bps": link_bytes_per_s, "get_bps": link_bytes_per_s}
     probes = sorted((r for r in config_records if r["contender"] in PROBE_RATES),
-                    key=lambda r: PROBE_ORDER.index(r["contender"]))
+                    key=lambda r: list(PROBE_RATES).index(r["contender"]))
     for record in probes:
         for name in PROBE_RATES[record["contender"]]:
             rates[name] = probe_rate(record)
