@@ -561,8 +561,9 @@ def run_configuration(args, env, config, contenders):
         records.append({
             "config": {**{k: config[k] for k in ("link", "nodes", "ranks_per_node", "slowdowns", "model")},
                        "local_batch": model_config(config["model"], args.local_batch)["batch"],
-                       # what bench/plan_validate.py gives the model: the simulated device, the run's length
-                       "device_ms": args.device_ms, "steps": args.steps},
+                       # what bench/plan_validate.py gives the model: the simulated device, the run's
+                       # length, the cores every rank shares
+                       "device_ms": args.device_ms, "steps": args.steps, "host_cores": os.cpu_count()},
             "contender": c, "samples_per_s": r["samples_per_s"], "time_to_target_s": r["time_to_target_s"],
             "target_loss": MODELS[config["model"]]["target"], "final_loss_ema": r["final_loss_ema"],
             # each way: the mean over nodes of (out + in) / 2, the measure of 2(k-1)/k S

@@ -8,6 +8,12 @@ its node's link the configuration's rate, and the SMB, reduce and cast rates tho
 calibrated ``base`` cluster. A contender's name is a mode of :mod:`.modes`, with the
 bench's suffixes: ``-overlap``/``-nooverlap`` force the elastic exchange in the
 background or not, ``horovod`` moves what MPI's allreduce moves.
+
+The emulated cluster's ranks share one host's cores (``host_cores`` in a configuration).
+The solo run measures each rank's CPU time under the mean load of ranks that drift
+apart; a lockstep step starts every rank's forward at the same instant, and ranks of one
+speed their backward too, so there those phases meet the whole crowd at once
+(:func:`lockstep_cpu_seconds`). A cluster of GPU servers has no such term.
 """
 from dataclasses import replace
 
@@ -30,6 +36,31 @@ def solo_cpu_seconds(solo_samples_per_s, factors, device_ms=0.0):
     return low
 
 
+# the backward pass costs about twice the forward (two products a layer against one)
+FORWARD_SHARE = 1 / 3
+# the cores of the machine every recorded run so far was taken on (records from before
+# the bench wrote ``host_cores``)
+RECORDED_HOST_CORES = 2
+
+
+def lockstep_cpu_seconds(solo_cpu, factors, device_ms, host_cores):
+    """Every rank's CPU seconds a sample in a lockstep step, from the solo run's ``solo_cpu``.
+
+    A phase that k ranks run at once on ``host_cores`` cores is ``max(1, k / cores)`` times
+    its time alone. In the solo run the ranks drift apart and keep ``sum_i c / (c + f_i D)``
+    cores busy on average; in a lockstep step all N start the forward together and the ranks
+    of one slowdown factor start the backward together (after the same sleep)."""
+    def crowd(k):
+        return max(1.0, k / host_cores)
+
+    device_s = device_ms / 1000.0
+    busy = sum(solo_cpu / (solo_cpu + f * device_s) for f in factors) if solo_cpu > 0 else 0.0
+    alone = solo_cpu / crowd(busy)
+    return [alone * (FORWARD_SHARE * crowd(len(factors))
+                     + (1 - FORWARD_SHARE) * crowd(sum(1 for g in factors if g == f)))
+            for f in factors]
+
+
 def rank_factors(config):
     """Every rank's slowdown factor, in rank order: the configuration's digits, repeated."""
     digits = [float(c) for c in str(config.get("slowdowns", "1"))]
@@ -37,16 +68,20 @@ def rank_factors(config):
 
 
 def bench_cluster(config, cpu_s_per_sample, device_ms=0.0, base=None):
-    """The cluster of one bench configuration (see the module docstring)."""
+    """The cluster of one bench configuration (see the module docstring); ``cpu_s_per_sample``
+    one figure for every rank or one a rank."""
     nodes, per_node = int(config["nodes"]), int(config["ranks_per_node"])
     factors = rank_factors(config)
+    cpu = ([float(cpu_s_per_sample)] * len(factors) if isinstance(cpu_s_per_sample, (int, float))
+           else list(cpu_s_per_sample))
     link = parse_rate(config["link"], "the configuration's link") * TCP_PAYLOAD_SHARE / 8
     built = []
     for j in range(nodes):
         ranks = []
         for m in range(per_node):
             f = factors[j * per_node + m]
-            ranks.append(Rank(samples_per_s=1.0 / (cpu_s_per_sample + f * device_ms / 1000.0), kind=f"x{f:g}"))
+            c = cpu[j * per_node + m]
+            ranks.append(Rank(samples_per_s=1.0 / (c + f * device_ms / 1000.0), kind=f"x{f:g}"))
         built.append(Node(f"n{j + 1}", tuple(ranks), link, 0.0))
     base = base or Cluster(nodes=())
     return replace(base, nodes=tuple(built), source=f"bench/cluster.py {config}")
@@ -60,6 +95,16 @@ def contender_mode(contender):
         if contender.endswith(suffix):
             return contender[:-len(suffix)], overlap
     return contender, None
+
+
+def contender_cluster(contender, config, solo_cpu, device_ms=0.0, base=None):
+    """The cluster a contender meets: lockstep ones with their ranks' CPU phases crowded
+    together (:func:`lockstep_cpu_seconds`), the solo run's figure for the others."""
+    cpu = solo_cpu
+    if contender != "solo" and not MODES[contender_mode(contender)[0]].elastic:
+        cpu = lockstep_cpu_seconds(solo_cpu, rank_factors(config), device_ms,
+                                   int(config.get("host_cores", RECORDED_HOST_CORES)))
+    return bench_cluster(config, cpu, device_ms, base)
 
 
 def predict(contender, cluster, workload, tau=4, run_steps=None):
@@ -107,7 +152,8 @@ def validate(records, workload_of, tau=4):
     the buckets from ``workload_of(config)``. Returns (rows, configurations without a solo
     record)."""
     def key(config):   # records from before the bench wrote them ran at its defaults
-        return tuple(sorted({"device_ms": 0.0, "steps": 80, **config}.items()))
+        return tuple(sorted({"device_ms": 0.0, "steps": 80, "host_cores": RECORDED_HOST_CORES,
+                             **config}.items()))
 
     by_config = {}
     for r in records:
@@ -125,7 +171,8 @@ def validate(records, workload_of, tau=4):
         device_ms = float(config.get("device_ms", 0.0))
         cpu = solo_cpu_seconds(solo["samples_per_s"], rank_factors(config), device_ms)
         base = calibrated_base(by_config[key(config)], record.get("link_bytes_per_s"))
-        cluster, workload = bench_cluster(config, cpu, device_ms, base), workload_of(config)
+        cluster = contender_cluster(record["contender"], config, cpu, device_ms, base)
+        workload = workload_of(config)
         step = predict(record["contender"], cluster, workload, tau, int(config.get("steps", 80)))
         S = record["gradient_bytes"]
         rows.append({"config": config, "contender": record["contender"],
