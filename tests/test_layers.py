@@ -27,7 +27,10 @@ LAYERS = {
     "launch": (("eddis.launch",), ("base", "timeline", "smb", "slurm")),
     "torch": (("eddis.torch",), ("base", "timeline", "smb", "core")),
     "tensorflow": (("eddis.tensorflow",), ("base", "timeline", "smb", "core")),
-    "tools": (("eddis.cli", "eddis.doctor"), ("base", "timeline", "smb", "core", "slurm", "launch")),
+    # eddis plan's subcommand and its probes inside a job are tools: they time EDDIS's own
+    # reducers (core) and feed the planner's pure model (plan) what they measured
+    "tools": (("eddis.cli", "eddis.doctor", "eddis.plan.command", "eddis.plan.probe"),
+              ("base", "timeline", "smb", "core", "slurm", "launch", "plan")),
 }
 # The command-line tools reach the adapters only to report on them (doctor) and never at import.
 LAZY_EXTRA = {"tools": ("torch", "tensorflow")}
@@ -250,7 +253,9 @@ for prefix in mine:
     mod = importlib.import_module(prefix)
     names.append(prefix)
     if hasattr(mod, "__path__") and prefix != "eddis":  # the root's subpackages are the other layers
-        names += [m.name for m in pkgutil.walk_packages(mod.__path__, prefix + ".")]
+        # (a module of a layer above that lives in this package, as eddis plan's command, is not ours)
+        names += [m.name for m in pkgutil.walk_packages(mod.__path__, prefix + ".")
+                  if not any(m.name == b or m.name.startswith(b + ".") for b in blocked)]
 for name in names:
     importlib.import_module(name)
 print(len(names))

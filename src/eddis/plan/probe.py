@@ -8,7 +8,10 @@ rank takes part. What is measured:
   ``repeats`` MPI messages of ``nbytes`` one way, then both ways at once (the figure kept:
   a link carries both ways at once in every step), and ping-pong a byte for the latency;
 - MPI's allreduce of ``nbytes`` on every rank at once (on two nodes or more): what it
-  carries a node and way in its own pattern, the model's ``mpi_gbs``;
+  carries a node and way in its own pattern;
+- EDDIS's own paths, on two nodes or more: its ``allreduce`` and ``sync`` modes reduce
+  ``nbytes`` on every rank at once (:func:`reduction_probe`); what each carries a node and
+  way is the model's ``mpi_gbs`` and SMB's ``put_gbs``/``get_gbs``;
 - SMB, from rank 0: put and get of ``nbytes`` into a pool on a server of another node
   (its own node's server, mapped, where there is no other), and the server's reduce: the
   weighted sum of 4 slots of ``nbytes`` each (bytes of input per second);
@@ -120,6 +123,39 @@ def allreduce_probe(comm, nodes, nbytes, repeats, deadline):
     return traffic.halving_doubling(nodes, mine.nbytes) * repeats / max(took, 1e-9)
 
 
+# what each of EDDIS's paths moves a node and way for a bucket of W bytes on k nodes
+PATH_BYTES = {"allreduce": traffic.halving_doubling, "sync": lambda k, w: 2 * traffic.hierarchical_phase(k, w)}
+
+
+def reduction_probe(comm, mode, nodes, nbytes, repeats, timeout):
+    """EDDIS's own reduction in ``mode`` (``allreduce``, ``sync``) of ``nbytes`` of float32 on
+    every rank at once, with its own threads and traffic pattern, as a training step runs it:
+    bytes/s a node and way across the link, the slowest rank's; None on one node. The raw
+    MPI figure of :func:`allreduce_probe` can be far from it (on the 2-core development
+    cluster EDDIS's allreduce mode took 1.7x MPI's time from the main thread)."""
+    from mpi4py import MPI
+
+    from ..core import lifecycle
+    from ..core.layout.buckets import BucketPlan
+    from ..core.reduce.registry import make_reducer
+
+    if nodes < 2:
+        return None
+    lifecycle.init()
+    reducer = make_reducer(mode, BucketPlan([("probe", (nbytes // 4,))]), timeout=timeout,
+                           name=f"eddis-plan-probe-{mode}")
+    try:
+        reducer.reduce(1.0)   # the warm-up: connections, the pools on the servers
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            reducer.reduce(1.0)
+        took = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    finally:
+        reducer.close()
+    return PATH_BYTES[mode](nodes, 4 * (nbytes // 4)) * repeats / max(took, 1e-9)
+
+
 def smb_probe(client, me, nbytes, repeats, timeout):
     """(put, get, reduce) bytes/s, and whether put/get crossed a link, from this process."""
     far = [s for s, info in enumerate(client.servers) if info.get("hostname") != me]
@@ -188,6 +224,11 @@ def run(nbytes=64 << 20, repeats=4, timeout=120.0, link_bits=None, ranks=None):
         finally:
             client.close()
     _wait([comm.Ibarrier()], deadline, "the end of the probes", pause=0.01)
+    paths = {mode: reduction_probe(comm, mode, len(nodes), nbytes, repeats, timeout) for mode in PATH_BYTES}
+    if len(nodes) > 1:
+        from ..core import lifecycle
+
+        lifecycle.shutdown()   # collective: the reducers' pools and the SMB connection of the probes
     if rank != 0:
         return None
     if link is not None:
@@ -203,6 +244,8 @@ def run(nbytes=64 << 20, repeats=4, timeout=120.0, link_bits=None, ranks=None):
                  f"get {get / 1e9:.3f} GB/s; server reduce {reduce / 1e9:.3f} GB/s of input "
                  f"({REDUCE_SLOTS} slots); "
                  + (f"MPI allreduce {allreduce / 1e9:.3f} GB/s a node and way; " if allreduce else "")
+                 + "".join(f"EDDIS {mode} {rate / 1e9:.3f} GB/s a node and way; " for mode, rate in paths.items()
+                           if rate)
                  + f"{nbytes} bytes x {repeats}, "
                  f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     if ranks is None:
@@ -210,5 +253,9 @@ def run(nbytes=64 << 20, repeats=4, timeout=120.0, link_bits=None, ranks=None):
         ranks = [(node, [Rank(speed=1.0, kind=gpu)] * hosts.count(node)) for node in nodes]
     built = tuple(Node(name, tuple(rs), link_bps, latency_s) for name, rs in ranks)
     # across a link the SMB rates are capped by it already; mapped ones say nothing of the network
-    return Cluster(nodes=built, put_bps=put if crossed else None, get_bps=get if crossed else None,
-                   reduce_bps=reduce, mpi_bps=allreduce, source=measured)
+    # the model's caps: each path's own rate where it crossed a link (sync's covers SMB's put
+    # and get under every node's traffic at once), else the single transfers'
+    put = paths["sync"] or (put if crossed else None)
+    get = paths["sync"] or (get if crossed else None)
+    return Cluster(nodes=built, put_bps=put, get_bps=get, reduce_bps=reduce,
+                   mpi_bps=paths["allreduce"] or allreduce, source=measured)
