@@ -1,10 +1,12 @@
-"""One Slurm job's worker on the emulated cluster: mode sync's results and link bytes.
+"""One Slurm job's worker on the emulated cluster: mode sync's results and link bytes (and
+mode allreduce's bytes).
 
 1. The equivalence configurations of tests/test_torch_equivalence.py named in
    EQUIV_CONFIGS: rank 0 prints ``RESULT {json}`` for each (its error against one
    process on the global batch).
 2. For each case of LINK_BYTES_CASES (``compression:path``, e.g. ``none:auto``,
-   ``fp16:auto``, ``none:server``; path is EDDIS_SYNC_REDUCE): a warm-up step, a
+   ``fp16:auto``, ``none:server``; path is EDDIS_SYNC_REDUCE, or ``allreduce``: mode
+   allreduce, MPI's non-blocking allreduces): a warm-up step, a
    barrier while rank 0 reads the link counters of the emulated cluster
    (EDDIS_DEV_CLUSTER_DIR), STEPS steps, a barrier and the counters again; rank 0
    prints ``BYTES {json}``: per node the bytes out and in over the steps, the
@@ -26,11 +28,13 @@ STEPS = 3
 
 
 def link_bytes(compression, path):
-    os.environ["EDDIS_SYNC_REDUCE"] = path
+    mode = "allreduce" if path == "allreduce" else "sync"
+    if mode == "sync":
+        os.environ["EDDIS_SYNC_REDUCE"] = path
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1000, 2000), torch.nn.Tanh(), torch.nn.Linear(2000, 1000))
     opt = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                     named_parameters=model.named_parameters(),
+                                     named_parameters=model.named_parameters(), mode=mode,
                                      compression=getattr(eddis.Compression, compression))
     x = torch.randn(4, 1000)
 

@@ -7,13 +7,19 @@ from ..comm.waits import start, wait_request
 from ..layout.compression import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from .base import Reducer, check_total
 
+INT_MAX = 2 ** 31 - 1   # MPI-3 counts are int
+
 
 class AllreduceReducer(Reducer):
     """MPI in-place Allreduce of each bucket (the baseline to compare SMB against).
 
-    fp32 buckets use ``eddis._mpi.allreduce_sum_inplace`` (GIL released) when MPI
-    has THREAD_MULTIPLE, else a polled non-blocking Iallreduce (as fp64 buckets
-    of a float64 plan do, summed in float64 by MPI_DOUBLE); fp16/bf16
+    With THREAD_MULTIPLE, fp32 and fp64 buckets are posted as non-blocking Iallreduce
+    from the submit thread as soon as each is ready, and the finish thread waits for
+    them in order, so several buckets are on the wire at once, as one Waitall on all
+    of them would have them (one blocking Allreduce after the other left the link idle
+    between them: docs/benchmarks-cluster.md); buckets of more than INT_MAX elements
+    go through ``eddis._mpi.allreduce_sum_inplace`` (GIL released), in pieces. Without THREAD_MULTIPLE each bucket is a polled non-blocking
+    Iallreduce under the MPI lock (fp64 summed in float64 by MPI_DOUBLE). fp16/bf16
     buckets travel compressed and are summed by a user-defined MPI operation
     (fp16 accumulation for fp16, fp32 per pairwise sum for bf16). ``op="adasum"``
     swaps whole buckets with recursive doubling instead (``eddis.core.comm.adasum``).
@@ -30,6 +36,7 @@ class AllreduceReducer(Reducer):
         self._scale = 1.0
         self._wire = None if self.codec.is_identity else self.codec.empty(plan.total)
         self._native = None
+        self._received = None   # the non-blocking allreduces' results, as big as the plan's buffer
         if runtime.thread_multiple():
             try:
                 from ... import _mpi
@@ -80,12 +87,29 @@ class AllreduceReducer(Reducer):
             view *= view.dtype.type(self._scale)
         if self.codec.is_identity:
             mpi_type = self.MPI.DOUBLE if view.dtype == np.float64 else self.MPI.FLOAT
+            if runtime.thread_multiple() and view.size <= INT_MAX:
+                # out of place: Open MPI's non-blocking allreduce in place takes a tree that
+                # sends more across the links (tests/test_cluster_sync.py counts them)
+                if self._received is None:
+                    self._received = np.empty_like(self.plan.buffer)
+                received = self.plan.bucket_view(k, self._received)
+                request = self.comm.Iallreduce([view, mpi_type], [received, mpi_type], self.MPI.SUM)
+                return request, view, received
             self._allreduce(view, mpi_type, self.MPI.SUM)
             return None
         wire = self.codec.compress(view, out=self.plan.bucket_view(k, self._wire))
         self._allreduce(wire, self.MPI.UINT16_T, self._mpi_op)
         self.codec.decompress(wire, view)
         return None
+
+    def _finish(self, k, token):
+        if token is not None:
+            request, view, received = token
+            # blocking, with the GIL released: the wait drives MPI's progress (a polled
+            # Test with sleeps would leave the link idle between polls); a rank that never
+            # joins is the training thread's timeout to report, as for a blocking Allreduce
+            request.Wait()
+            view[...] = received
 
     def _release(self):
         try:
