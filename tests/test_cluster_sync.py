@@ -11,7 +11,8 @@ links) runs real Slurm jobs (the EDDIS job script: one smb-server per node,
   gradient bytes each way for k nodes (halved with fp16 on the wire), and at
   least that: the traffic went through the links. The flat path sends
   ``2 r (k-1)/k``; mode allreduce (MPI's non-blocking allreduce, out of place) the
-  hierarchy's ``2 (k-1)/k``, where the in-place one took a tree that sent 1.5 S at 2 x 2.
+  hierarchy's ``2 (k-1)/k``, where the in-place one took another algorithm that sent twice
+  that here at 2 x 2 (1.5 S in bench/cluster.py's 2 x 2).
   Counts, never timings.
 """
 import json

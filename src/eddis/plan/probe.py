@@ -130,18 +130,14 @@ PATH_BYTES = {"allreduce": traffic.halving_doubling, "sync": lambda k, w: 2 * tr
 def reduction_probe(comm, mode, nodes, nbytes, repeats, timeout):
     """EDDIS's own reduction in ``mode`` (``allreduce``, ``sync``) of ``nbytes`` of float32 on
     every rank at once, with its own threads and traffic pattern, as a training step runs it:
-    bytes/s a node and way across the link, the slowest rank's; None on one node. The raw
-    MPI figure of :func:`allreduce_probe` can be far from it (on the 2-core development
-    cluster EDDIS's allreduce mode took 1.7x MPI's time from the main thread)."""
+    bytes/s a node and way across the link, the slowest rank's. The runtime must be up
+    (``eddis.core.lifecycle.init``). The raw MPI figure of :func:`allreduce_probe` can be
+    far from it (docs/benchmarks-cluster.md, "The planner beside the bench")."""
     from mpi4py import MPI
 
-    from ..core import lifecycle
     from ..core.layout.buckets import BucketPlan
     from ..core.reduce.registry import make_reducer
 
-    if nodes < 2:
-        return None
-    lifecycle.init()
     reducer = make_reducer(mode, BucketPlan([("probe", (nbytes // 4,))]), timeout=timeout,
                            name=f"eddis-plan-probe-{mode}")
     try:
@@ -224,10 +220,12 @@ def run(nbytes=64 << 20, repeats=4, timeout=120.0, link_bits=None, ranks=None):
         finally:
             client.close()
     _wait([comm.Ibarrier()], deadline, "the end of the probes", pause=0.01)
-    paths = {mode: reduction_probe(comm, mode, len(nodes), nbytes, repeats, timeout) for mode in PATH_BYTES}
+    paths = dict.fromkeys(PATH_BYTES)   # EDDIS's paths cross a link on two nodes or more only
     if len(nodes) > 1:
         from ..core import lifecycle
 
+        lifecycle.init()
+        paths = {mode: reduction_probe(comm, mode, len(nodes), nbytes, repeats, timeout) for mode in PATH_BYTES}
         lifecycle.shutdown()   # collective: the reducers' pools and the SMB connection of the probes
     if rank != 0:
         return None

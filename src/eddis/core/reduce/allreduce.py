@@ -11,15 +11,16 @@ INT_MAX = 2 ** 31 - 1   # MPI-3 counts are int
 
 
 class AllreduceReducer(Reducer):
-    """MPI in-place Allreduce of each bucket (the baseline to compare SMB against).
+    """An MPI allreduce of each bucket (the baseline to compare SMB against).
 
     With THREAD_MULTIPLE, fp32 and fp64 buckets are posted as non-blocking Iallreduce
     from the submit thread as soon as each is ready, and the finish thread waits for
     them in order, so several buckets are on the wire at once, as one Waitall on all
     of them would have them (one blocking Allreduce after the other left the link idle
     between them: docs/benchmarks-cluster.md); buckets of more than INT_MAX elements
-    go through ``eddis._mpi.allreduce_sum_inplace`` (GIL released), in pieces. Without THREAD_MULTIPLE each bucket is a polled non-blocking
-    Iallreduce under the MPI lock (fp64 summed in float64 by MPI_DOUBLE). fp16/bf16
+    go through ``eddis._mpi.allreduce_sum_inplace`` (GIL released), in pieces. Without
+    THREAD_MULTIPLE each bucket is a polled non-blocking in-place Iallreduce under the
+    MPI lock (fp64 summed in float64 by MPI_DOUBLE). fp16/bf16
     buckets travel compressed and are summed by a user-defined MPI operation
     (fp16 accumulation for fp16, fp32 per pairwise sum for bf16). ``op="adasum"``
     swaps whole buckets with recursive doubling instead (``eddis.core.comm.adasum``).
