@@ -112,17 +112,17 @@ def _just_outside(setting):
     """Values on the wrong side of each bound of the setting's range, as text."""
     step = 0.5 if setting.type == "float" else 1
     if setting.min is not None:
-        yield f"{setting.min:g}" if setting.above_min else f"{setting.min - step:g}"
+        yield settings.number_text(setting.min if setting.above_min else setting.min - step)
     if setting.max is not None:
-        yield f"{setting.max + step:g}"
+        yield settings.number_text(setting.max + step)
 
 
 def _bounds(setting):
     """The values at each bound that the range includes, as text."""
     if setting.min is not None:
-        yield f"{setting.min + 0.5:g}" if setting.above_min else f"{setting.min:g}"
+        yield settings.number_text(setting.min + 0.5 if setting.above_min else setting.min)
     if setting.max is not None:
-        yield f"{setting.max:g}"
+        yield settings.number_text(setting.max)
 
 
 @pytest.mark.parametrize("name", sorted(s.name for s in _ranged()))

@@ -47,6 +47,11 @@ PARSERS = {"bool": _bool, "bool/auto": _bool_or_auto, "int": int, "float": float
            "path": os.path.expanduser}
 
 
+def number_text(value):
+    """A bound as it is typed: whole numbers in full (``67108864``, not ``6.71089e+07``)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -65,12 +70,13 @@ class Setting:
 
     def range_text(self):
         """The valid values as a user reads them (``> 0``, ``>= 1``, ``2 to 8``), or None."""
-        low = None if self.min is None else f"{'>' if self.above_min else '>='} {self.min:g}"
+        low = None if self.min is None else f"{'>' if self.above_min else '>='} {number_text(self.min)}"
         if self.max is None:
             return low
+        high = number_text(self.max)
         if low is None:
-            return f"<= {self.max:g}"
-        return f"{low} and <= {self.max:g}" if self.above_min else f"{self.min:g} to {self.max:g}"
+            return f"<= {high}"
+        return f"{low} and <= {high}" if self.above_min else f"{number_text(self.min)} to {high}"
 
     def check(self, value, given=None):
         """``value`` when it lies in the setting's choices and range; else a ConfigError that names
