@@ -442,13 +442,14 @@ cdef class ClientCore:
         CHKERR(ucp.ucp_context_query(self.cl.context, &attr), "ucp_context_query")
         return [name for code, name in MEMORY_TYPES.items() if attr.memory_types & (1 << code)]
 
-    def adopt_socket(self, int fd):
-        """Take a socket on which the handshake proved the token; returns its connection index."""
+    def adopt_socket(self, int fd, size_t unsent=0):
+        """Take a socket on which the handshake proved the token; returns its connection index.
+        `unsent`: see smb_sock_prepare."""
         self._check_open()
         if self.nconns >= MAX_CONNS:
             close(fd)
             raise _errors.SMBValueError("too many SMB servers for one client (1024)")
-        if sk.smb_sock_prepare(fd) != 0:
+        if sk.smb_sock_prepare(fd, unsent) != 0:
             err = errno
             close(fd)
             raise _errors.from_errno(err, f"cannot use the server connection: {_os.strerror(err)}")
@@ -742,7 +743,7 @@ cdef class ClientCore:
     def post_put(self, Pending pending, int ci, uintptr_t local, size_t nbytes,
                  uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey):
         """Write nbytes at `local` to region rid at byte `offset`: with a key (rkey != 0),
-        a one-sided put to address `remote`; else a request per GiB that the server checks."""
+        a one-sided put to address `remote`; else requests of a MiB that the server checks."""
         self._post_transfer(pending, ci, TRANSFER_PUT, local, nbytes, rid, offset, remote, rkey)
 
     def post_get(self, Pending pending, int ci, uintptr_t local, size_t nbytes,
@@ -800,15 +801,18 @@ cdef class ClientCore:
 
     cdef int _sock_transfer(self, Pending pending, int ci, transfer_t kind, uintptr_t local, size_t nbytes,
                             uint32_t rid, uint64_t offset) except -1:
-        """A put or get as requests the server checks against its region table, of at most
-        1 GiB each (a frame's length is 32-bit); a get's reply lands straight in `local`."""
+        """A put or get as requests the server checks against its region table, of SOCK_PIECE
+        bytes each (at most SOCK_MAX_PIECES of them; a frame's length is 32-bit, so at most
+        1 GiB); a get's reply lands straight in `local`."""
         cdef put_desc_t put
         cdef get_desc_t get
         cdef size_t done = 0, piece
+        cdef size_t size = max(<size_t>SOCK_PIECE, (nbytes + SOCK_MAX_PIECES - 1) // SOCK_MAX_PIECES)
         cdef uint64_t slot_id
         cdef reply_slot_t *s
+        size = min(size, <size_t>(1 << 30))
         while True:
-            piece = min(nbytes - done, <size_t>(1 << 30))
+            piece = min(nbytes - done, size)
             slot_id = self._alloc_slot()
             if kind == TRANSFER_GET:
                 s = &self.cl.slots[slot_id & 0xFFFF]

@@ -105,6 +105,11 @@ DEF RX_DESC = 2
 DEF RX_DATA = 3
 DEF SOCK_MAX_BODY = 64 << 20       # largest request other than a put (control, vector ops)
 DEF SOCK_BUDGET = 4 << 20          # bytes one connection may move per pass of the loop
+# a socket put or get is cut into requests of this size (more for transfers above 1024 of
+# them: 8 transfers of any size fit the 8192 requests in flight), so that a request queued
+# behind it waits for one piece, not for the whole transfer
+DEF SOCK_PIECE = 1 << 20
+DEF SOCK_MAX_PIECES = 1024
 DEF SOCK_SCRATCH = 65536
 
 cdef struct sock_rx_t:
@@ -155,6 +160,7 @@ WIRE_SIZES = {"header": sizeof(smb_hdr_t), "counter_request": sizeof(counter_req
               "vec_segment": sizeof(vec_segment_t),
               "put_desc": sizeof(put_desc_t), "get_desc": sizeof(get_desc_t)}
 WIRE_MAX_VEC_SEGMENTS = MAX_VEC_SEGMENTS
+SOCK_PIECE_BYTES = SOCK_PIECE   # the size of a socket put's or get's requests
 WIRE_STATUS = {"no_memory": ucp.UCS_ERR_EXCEEDS_LIMIT, "invalid": ucp.UCS_ERR_INVALID_PARAM,
                "no_elem": ucp.UCS_ERR_NO_ELEM, "bounds": ucp.UCS_ERR_OUT_OF_RANGE,
                "rejected": ucp.UCS_ERR_REJECTED}

@@ -46,6 +46,7 @@ cdef struct server_t:
     uint64_t registrations  # regions registered with UCX now (rdma)
     vp.smb_vecpool_t *vecpool   # reduction threads (NULL before start: the caller alone)
     int reduce_threads
+    size_t unsent           # socket transport: SMB_SOCKET_UNSENT of each connection
     int adopt_fds[2]        # socket transport: proven sockets handed over by the handshake
     sk.pollfd *pfds
     int *pfd_conns
@@ -484,7 +485,7 @@ cdef void sock_adopt(server_t *st) noexcept nogil:
             if st.conns[i].state == CONN_FREE:
                 slot = i
                 break
-        if slot < 0 or st.stop or sk.smb_sock_prepare(fd) != 0:
+        if slot < 0 or st.stop or sk.smb_sock_prepare(fd, st.unsent) != 0:
             close(fd)
             st.refused += 1
             continue
@@ -822,11 +823,12 @@ cdef class ServerCore:
         self.handler = handler
         self.st.py_handler = <void*>handler
 
-    def start_sockets(self, bytes hello_reply, handler, int reduce_threads=1):
+    def start_sockets(self, bytes hello_reply, handler, int reduce_threads=1, size_t unsent=0):
         """Serve requests over proven sockets: the caller proves each peer's token
         (eddis.smb.handshake) and hands the socket over with adopt_socket().
-        No port but the caller's own listens."""
+        No port but the caller's own listens. `unsent`: see smb_sock_prepare."""
         self._prepare(hello_reply, handler, reduce_threads)
+        self.st.unsent = unsent
         # the hand-over pipe, the UCX worker's event descriptor, one per connection
         self.st.pfds = <sk.pollfd*>calloc(MAX_CONNS + 2, sizeof(sk.pollfd))
         self.st.pfd_conns = <int*>calloc(MAX_CONNS + 2, sizeof(int))

@@ -33,11 +33,20 @@ typedef struct {
     smb_frame_t *last;
 } smb_txq_t;
 
-/* Takes ownership of head (freed on failure too). 0, or -1 without memory. */
+/* Takes ownership of head (freed on failure too). 0, or -1 without memory.
+ *
+ * A frame without a data tail (a request, a short reply) goes ahead of the
+ * data frames at the queue's end that have not started: a get or a reduce
+ * never waits behind megabytes of puts queued before it (nor a reduce's
+ * completion behind the data of gets). Frames without a tail keep their order
+ * among themselves, and a frame that has started is never overtaken. A data
+ * frame is ordered before a later request only once it completed, as the
+ * one-sided transports order them; every caller waits for its puts first. */
 static inline int smb_txq_push(smb_txq_t *q, char *head, size_t head_len,
                                const char *data, size_t data_len)
 {
     smb_frame_t *f = (smb_frame_t*)calloc(1, sizeof(*f));
+    smb_frame_t *after = NULL, *g;
     if (f == NULL) {
         free(head);
         return -1;
@@ -46,12 +55,21 @@ static inline int smb_txq_push(smb_txq_t *q, char *head, size_t head_len,
     f->head_len = head_len;
     f->data = data;
     f->data_len = data_len;
-    if (q->last != NULL) {
-        q->last->next = f;
+    if (data_len != 0 || q->last == NULL || q->last->data_len == 0) {
+        after = q->last;
     } else {
-        q->first = f;
+        for (g = q->first; g != NULL; g = g->next) {
+            if (g->sent > 0 || g->data_len == 0) after = g;
+        }
     }
-    q->last = f;
+    if (after == NULL) {
+        f->next = q->first;
+        q->first = f;
+    } else {
+        f->next = after->next;
+        after->next = f;
+    }
+    if (f->next == NULL) q->last = f;
     return 0;
 }
 
@@ -138,13 +156,20 @@ static inline long smb_sock_recv(int fd, void *buf, size_t n)
     return smb_would_block(errno) ? 0 : -1;
 }
 
-static inline int smb_sock_prepare(int fd)
+/* `unsent`: the most bytes the kernel may hold that are not on the wire yet
+ * (TCP_NOTSENT_LOWAT; 0: the kernel's own limit, several MiB), so that a
+ * request that overtakes queued data (smb_txq_push) does not wait behind
+ * megabytes the kernel took earlier. */
+static inline int smb_sock_prepare(int fd, size_t unsent)
 {
     int one = 1;
+    int lowat = unsent > (size_t)(1 << 30) ? (1 << 30) : (int)unsent;
     int flags = fcntl(fd, F_GETFL, 0);
     if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) return -1;
     /* requests are small and latency-bound; do not wait for Nagle */
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (lowat > 0 && setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &lowat, sizeof(lowat)) != 0)
+        return -1;
     return 0;
 }
 

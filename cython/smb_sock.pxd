@@ -11,7 +11,7 @@ cdef extern from "smb_sock.h" nogil:
     void smb_txq_clear(smb_txq_t *q)
     long smb_txq_flush(int fd, smb_txq_t *q, size_t budget)
     long smb_sock_recv(int fd, void *buf, size_t n)
-    int smb_sock_prepare(int fd)
+    int smb_sock_prepare(int fd, size_t unsent)
     int smb_pipe_nonblocking(int fds[2])
 
     struct pollfd:

@@ -16,7 +16,7 @@ import pytest
 from conftest import python_env
 
 from eddis.errors import SMBBoundsError, SMBKeyError, SMBValueError
-from eddis.smb import Client
+from eddis.smb import Client, _core
 from eddis.smb.pool import numpy_dtype
 from eddis.smb.testing import LocalServers
 
@@ -122,11 +122,12 @@ def test_pool_write_read_across_servers(client):
 def test_put_and_get_bytes_pass_the_servers_request_loop_only_on_the_socket_transport(client, cluster):
     """One-sidedness: with rdma (and on the same node) the servers' request loops see no byte
     and no request of a put or get, however large; on the socket transport they receive and
-    send every byte, one request per server piece. (UCX 1.13.1 has no RMA lane into memory it
+    send every byte, in requests of a MiB (so that a request queued behind a large transfer
+    waits for one of them, not for all). (UCX 1.13.1 has no RMA lane into memory it
     did not allocate over shared memory or tcp: it emulates these puts and gets in software in
     the server's UCX worker, UCX_PROTO_INFO says. Only on an HCA does no CPU of the server
     touch them; bench/smb_bandwidth.py measures the server's CPU per GB.)"""
-    for per_server in (1 << 10, 1 << 18):       # 4 KiB and 1 MiB of float32 per server
+    for per_server in (1 << 10, 1 << 18, 1 << 20):       # 4 KiB, 1 MiB and 4 MiB of float32 per server
         pool = client.pool(f"one-sided-{per_server}", 3 * per_server, dtype="float32")
         try:
             data = np.arange(3 * per_server, dtype=np.float32)
@@ -138,10 +139,38 @@ def test_put_and_get_bytes_pass_the_servers_request_loop_only_on_the_socket_tran
             pool.free()
         moved = [(a["put_bytes"] - b["put_bytes"], a["get_bytes"] - b["get_bytes"],
                   a["requests"] - b["requests"]) for b, a in zip(before, after)]
-        if cluster.transport == "socket":   # the put, the get, the second stats request
-            assert moved == [(4 * per_server, 4 * per_server, 3)] * 3, moved
+        if cluster.transport == "socket":   # the put's and the get's pieces, the second stats request
+            pieces = -(-4 * per_server // _core.SOCK_PIECE_BYTES)
+            assert moved == [(4 * per_server, 4 * per_server, 2 * pieces + 1)] * 3, moved
         else:   # only the second stats request itself
             assert moved == [(0, 0, 1)] * 3, moved
+
+
+@pytest.mark.timeout(120)
+def test_a_request_overtakes_queued_puts_but_not_one_that_started(monkeypatch):
+    """On the socket transport a get (or any request) posted behind large puts goes out after
+    the piece on the wire, not after every byte queued: the read is answered while the second
+    write's bytes are still on their way, and both writes land whole."""
+    env = {"SMB_TRANSPORT": "socket", "SMB_LOCAL_MAP": "0"}
+    with LocalServers(1, memory="160M", env=env, hostnames=["smb-node0"]) as servers:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("EDDIS_HOSTNAME", "client-node")
+        with Client(servers.run_dir, expected_servers=1, timeout=30) as c:
+            count = 16 * _core.SOCK_PIECE_BYTES // 4        # 16 pieces a write
+            big = c.pool("queued-puts", count, dtype="float32", slots=2)
+            small = c.pool("queued-get", 1024, dtype="float32")
+            small.write(np.arange(1024, dtype=np.float32))
+            first = np.full(count, 1, np.float32)
+            second = np.full(count, 2, np.float32)
+            writes = [big.write_nb(first, slot=0), big.write_nb(second, slot=1)]
+            read = small.read_nb()
+            np.testing.assert_array_equal(read.wait(), np.arange(1024, dtype=np.float32))
+            assert not writes[1].done(), "the read waited behind the whole second write"
+            for request in writes:
+                request.wait()
+            np.testing.assert_array_equal(big.read(slot=0), first)
+            np.testing.assert_array_equal(big.read(slot=1), second)
 
 
 @pytest.mark.timeout(60)

@@ -81,7 +81,8 @@ class Client:
     def _connect(self, token):
         from . import _core
 
-        conns = [self._core.adopt_socket(handshake.connect(host, port, token, self.timeout))
+        unsent = settings.get("SMB_SOCKET_UNSENT")
+        conns = [self._core.adopt_socket(handshake.connect(host, port, token, self.timeout), unsent)
                  for host, port in self._addresses]
         pending = _core.Pending(self._core)
         for conn in conns:

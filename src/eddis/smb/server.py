@@ -226,7 +226,8 @@ class Server:
                      "arena": f"/proc/{os.getpid()}/fd/{self.core.arena_fd}",
                      "arena_size": self.core.arena_size, "pid": os.getpid(),
                      "transport": self.transport, "transport_reason": self.transport_reason}
-            self.core.start_sockets(json.dumps(hello).encode(), self._handle, self.reduce_threads)
+            self.core.start_sockets(json.dumps(hello).encode(), self._handle, self.reduce_threads,
+                                    settings.get("SMB_SOCKET_UNSENT"))
             if self.transport == "rdma":
                 self._start_rdma(listen)
             self.gate = handshake.Gate(listen, self.port, token, self.core.adopt_socket,
