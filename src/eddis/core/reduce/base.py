@@ -81,7 +81,13 @@ def op_name(op):
 class Reducer:
     """Base class: threads, bucket state, events. Subclasses implement
     ``_prepare_step()``, ``_submit(k) -> token``, ``_finish(k, token)`` and
-    optionally ``_release()``."""
+    optionally ``_relay(k, token) -> token`` and ``_release()``.
+
+    A mode whose bucket passes a stage between the two that waits on other ranks (the
+    servers' sum of it) defines ``_relay``: a thread of its own then runs it, bucket by
+    bucket, so that the submit thread goes on to the next bucket meanwhile, and the
+    finish thread's waits for bucket k never hold back what bucket k+1 can already post.
+    """
 
     mode = None
 
@@ -133,7 +139,12 @@ class Reducer:
     # ------------------------------------------------------------ lifecycle
     def _start_threads(self):
         self._queue = queue.Queue()
-        for target, tag in ((self._submit_loop, "submit"), (self._finish_loop, "finish")):
+        loops = [(self._submit_loop, "submit"), (self._finish_loop, "finish")]
+        self._relayed = self._queue
+        if type(self)._relay is not Reducer._relay:
+            self._relayed = queue.Queue()
+            loops.insert(1, (self._relay_loop, "relay"))
+        for target, tag in loops:
             t = threading.Thread(target=target, name=f"eddis-{self.mode}-{tag}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -321,10 +332,23 @@ class Reducer:
         except BaseException as exc:
             self._fail(exc)
 
-    def _finish_loop(self):
+    def _relay_loop(self):
         try:
             while True:
                 item = self._queue.get()
+                if item is None:
+                    self._relayed.put(None)
+                    return
+                k, token = item
+                self._relayed.put((k, self._relay(k, token)))
+        except BaseException as exc:
+            self._relayed.put(None)   # the finish thread ends too; the waits report the error
+            self._fail(exc)
+
+    def _finish_loop(self):
+        try:
+            while True:
+                item = self._relayed.get()
                 if item is None:
                     return
                 k, token = item
@@ -347,6 +371,9 @@ class Reducer:
 
     def _submit(self, k):
         raise NotImplementedError
+
+    def _relay(self, k, token):
+        return token
 
     def _finish(self, k, token):
         pass

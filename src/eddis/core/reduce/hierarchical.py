@@ -35,8 +35,11 @@ Each node goes through the servers starting from the one after its own
 piece's reads go out as soon as the servers' sum of it is there, side by side with
 the other pieces'.
 
-The submit thread runs steps 1-2 (so bucket k+1 goes up the link while bucket k
-comes down it), the finish thread step 3. The math is that of one big batch:
+The submit thread sums and posts the writes of step 2 (so bucket k+1 goes up the link
+while bucket k comes down it), the relay thread waits for them, contributes to the servers'
+sum and posts the reads of step 3 as soon as that sum is there, and the finish thread
+completes step 3: a bucket's reads never wait until the one before is done on the whole
+node. The math is that of one big batch:
 ``sum_j W_j (sum_{i in j} w_i g_i / W_j) / sum_j W_j``.
 """
 import logging
@@ -53,6 +56,10 @@ from .join_board import JoinBoard
 from .slots import BucketShare, SlotReducer
 
 log = logging.getLogger("eddis.core.sync")
+
+# the most bytes of a bucket's piece (a node's sum of some of one server's columns): the unit
+# that is put, summed by the servers and read back, each as soon as the one before allows
+PIECE_BYTES = 4 << 20
 
 
 def visiting_order(servers, own):
@@ -159,29 +166,36 @@ class HierarchicalSyncReducer(SlotReducer):
         return all(everyone)
 
     def _my_pieces(self, k, pieces, r):
-        """This rank's pieces of bucket k: [(lo, hi)], those on other nodes' servers first.
+        """This rank's pieces of bucket k: [(lo, hi)], in rounds: in each, a piece of every
+        other node's server, then one of its own.
 
-        Every server's columns of the bucket are cut into the same P pieces on every node,
-        so each rank of a node gets a share of the columns that cross the network and of
-        those its own server holds: the node's ranks push and read their shares side by
-        side, and a rank that is descheduled leaves the link to the others' transfers.
-        (Cut the bucket as a whole into P pieces instead, and with 2 servers one rank of
-        each node did all the network work and the other none.)"""
+        Every server's columns of the bucket are cut into the same pieces on every node (P of
+        them, times as many as keep each within PIECE_BYTES), so each rank of a node gets a
+        share of the columns that cross the network and of those its own server holds: the
+        node's ranks push and read their shares side by side, and a rank that is descheduled
+        leaves the link to the others' transfers. (Cut the bucket as a whole into P pieces
+        instead, and with 2 servers one rank of each node did all the network work and the
+        other none.) Round j carries piece j of every server from every node at about the
+        same time, so that each server has its first pieces from all nodes, sums them and
+        serves their reads while the later ones are still on the link; a node's own piece
+        closes its round, summed while the others' cross the link."""
         bucket = self.plan.buckets[k]
-        remote, local = [], []
         segments = self.inter[k].layout(0, bucket.count)
         # every node visits the other servers starting from the one after its own, so that at
         # each turn each server serves one node: in server order, all nodes read from the same
         # server first while the others idle (at 4 x 1 the links carried 0.6 of their rate)
         own = next((i for i, (_, _, mapped) in enumerate(segments) if mapped),
                    min(sorted(self.layout.node_server).index(self.server), len(segments) - 1))
-        for i in visiting_order(len(segments), own):
-            start, count, mapped = segments[i]
-            for p in range(self.local, pieces, r):
-                lo, hi = column_share(bucket.start + start, count, p, pieces)
-                if hi > lo:
-                    (local if mapped else remote).append((lo, hi))
-        return remote + local
+        itemsize = self.inter[k].np_dtype.itemsize
+        order = visiting_order(len(segments), own)
+        per_server = []
+        for i in order[1:] + order[:1]:
+            start, count, _ = segments[i]
+            cuts = pieces * max(1, -(-count * itemsize // (pieces * PIECE_BYTES)))
+            shares = (column_share(bucket.start + start, count, p, cuts) for p in range(self.local, cuts, r))
+            per_server.append([(lo, hi) for lo, hi in shares if hi > lo])
+        return [server[j] for j in range(max(map(len, per_server), default=0))
+                for server in per_server if j < len(server)]
 
     # ------------------------------------------------------------ one step
     def _prepare_step(self):
@@ -197,11 +211,28 @@ class HierarchicalSyncReducer(SlotReducer):
         generation = self.step + 1
         self._wait_count(share.arrived, generation * len(self.members), f"bucket {k}")
         weights, node_weight = self._weighted(whole=False)   # a node whose ranks had no samples adds 0
-        first = bucket.start
         # every piece summed and on its way before the first wait: the local pieces are summed
-        # while the remote ones cross the link
+        # while the remote ones cross the link, and the next bucket's while these do (_relay)
         posted = [self._node_sum(k, lo, hi, weights) for lo, hi in share.pieces]
-        requests = []
+        return generation, node_weight, posted
+
+    def _relay(self, k, token):
+        """Each piece into the servers' sum once its writes are in, and its reads out once the
+        servers' sum is there: on a thread of its own (the base class's relay), so that neither
+        the next bucket's sum and writes nor the reads of this one wait for the other."""
+        generation, node_weight, posted = token
+        share, first = self.shares[k], self.plan.buckets[k].start
+        requests, fetched = [], []
+
+        def fetch_summed(block):
+            # each piece's reads go out as soon as its servers' sum is there, in order, side by
+            # side with the other pieces' (one server at a time, a node's link carried 0.65 of
+            # its rate at 4 x 1)
+            while len(fetched) < len(requests) and (block or requests[len(fetched)].done()):
+                lo, hi = share.pieces[len(fetched)]
+                self._wait_servers(requests[len(fetched)], k, f"node of {self.layout.nodes}")
+                fetched.append(self._fetch(k, lo, hi))
+
         for (lo, hi), writes in zip(share.pieces, posted):
             if writes:
                 with timeline.span(timeline.PUSH, args={"step": self.step, "bucket": k, "requests": len(writes)}):
@@ -210,7 +241,9 @@ class HierarchicalSyncReducer(SlotReducer):
             requests.append(self.inter_result[k].reduce_nb(
                 self.node, node_weight if self.op == "average" else 1.0, self.num_nodes, 0, self.step,
                 src_pool=self.inter[k], start=lo - first, count=hi - lo, average=self.op == "average"))
-        return generation, requests
+            fetch_summed(block=False)
+        fetch_summed(block=True)
+        return generation, fetched
 
     def _node_sum(self, k, lo, hi, weights):
         """The node's weighted sum of columns [lo, hi) into its row of the inter pool; returns
@@ -240,14 +273,8 @@ class HierarchicalSyncReducer(SlotReducer):
         return writes
 
     def _finish(self, k, token):
-        generation, requests = token
+        generation, fetched = token
         share = self.shares[k]
-        # each piece's reads go out as soon as its servers' sum is there, side by side with the
-        # other pieces' (one server at a time, a node's link carried 0.65 of its rate at 4 x 1)
-        fetched = []
-        for (lo, hi), request in zip(share.pieces, requests):
-            self._wait_servers(request, k, f"node of {self.layout.nodes}")
-            fetched.append(self._fetch(k, lo, hi))
         for (lo, hi), fetch in zip(share.pieces, fetched):
             self._spread(k, lo, hi, fetch)
         share.done.add()
