@@ -29,6 +29,28 @@ def test_bucket_plan_reverse_order_and_caps():
         BucketPlan(params, bucket_bytes=0)
 
 
+@pytest.mark.timeout(30)
+def test_bucket_cut_keeps_a_module_together():
+    # the comm MLP's layout: a 16 KB bias left behind would hold bucket 0 until the 67 MB
+    # weight of its module (computed by the same autograd node) is ready
+    params = [("0.weight", (4096, 1024)), ("0.bias", (4096,)), ("2.weight", (4096, 4096)),
+              ("2.bias", (4096,)), ("4.weight", (1024, 4096)), ("4.bias", (1024,)),
+              ("6.weight", (10, 1024)), ("6.bias", (10,))]
+    plan = BucketPlan(params, bucket_bytes=25 << 20)
+    names = [[plan.slots[i].name for i in b.params] for b in plan.buckets]
+    assert names == [["6.bias", "6.weight", "4.bias", "4.weight"], ["2.bias", "2.weight"],
+                     ["0.bias", "0.weight"]]
+    # Keras's names, and names without a module: a bucket is never emptied by the move
+    keras = BucketPlan([("dense/kernel:0", (30,)), ("dense/bias:0", (2,)), ("out/kernel:0", (20,))],
+                       bucket_bytes=100)
+    assert [b.params for b in keras.buckets] == [[2], [1, 0]]
+    unnamed = BucketPlan([(f"param.{i}", (n,)) for i, n in enumerate((30, 2, 20))], bucket_bytes=100)
+    assert [b.params for b in unnamed.buckets] == [[2, 1], [0]]
+    assert plan.total == sum(s.count for s in plan.slots)
+    assert [b.start for b in plan.buckets] == [0, plan.buckets[0].count,
+                                               plan.buckets[0].count + plan.buckets[1].count]
+
+
 def _nasty_floats(n=4096):
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(n) * np.exp(rng.uniform(-30, 30, n))).astype(np.float32)

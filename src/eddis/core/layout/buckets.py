@@ -6,7 +6,9 @@ opposite order during the backward pass. The plan therefore lays parameters
 out in *reverse* order and cuts that sequence into buckets of about
 ``bucket_bytes`` each, so bucket 0 is the first one ready and can be
 on the wire while the backward pass still computes the others. A parameter
-larger than ``bucket_bytes`` gets a bucket of its own.
+larger than ``bucket_bytes`` gets a bucket of its own, and a cut never leaves a
+module's parameters (by their names) in the bucket before the one its next
+parameter opens (:func:`_cut`).
 
 The buffer holds ``dtype``: float32, or float64 for a model with float64
 parameters, whose gradients a float32 buffer would round (the adapters pass
@@ -65,6 +67,40 @@ def gradient_dtype(dtype_names):
     return "float64" if "float64" in set(dtype_names) else "float32"
 
 
+def module_of(name):
+    """The module a parameter's name says it belongs to: "layer2.0.conv1.weight" -> "layer2.0.conv1",
+    "dense_1/kernel:0" -> "dense_1" (a name without a separator is its own)."""
+    cut = max(name.rfind("."), name.rfind("/"))
+    return name[:cut] if cut > 0 else name
+
+
+def _cut(slots, cap):
+    """``slots`` (in the order their gradients become ready) cut into buckets of about ``cap``
+    elements: a bucket closes when the next slot would overflow it, and the parameters of that
+    slot's module already in it move on with it (a module's gradients are computed by one
+    autograd node and become ready together: left behind, a bias of 16 KB held the bucket before
+    it until the module's 67 MB weight was computed). A parameter larger than ``cap`` gets a
+    bucket of its own, or one with the rest of its module."""
+    buckets, count = [], 0
+    for slot in slots:
+        if buckets and (count == 0 or count + slot.count <= cap):
+            buckets[-1].append(slot)
+            count += slot.count
+            continue
+        moved = []
+        if buckets:
+            current, module = buckets[-1], module_of(slot.name)
+            keep = len(current)
+            while keep > 0 and module_of(current[keep - 1].name) == module:
+                keep -= 1
+            if keep > 0:
+                moved = current[keep:]
+                del current[keep:]
+        buckets.append(moved + [slot])
+        count = sum(s.count for s in buckets[-1])
+    return buckets
+
+
 class BucketPlan:
     def __init__(self, params, bucket_bytes=25 << 20, dtype="float32"):
         """``params``: sequence of (name, shape) in definition order; ``dtype``: the
@@ -82,18 +118,16 @@ class BucketPlan:
             self.slots.append(Slot(index, str(name), shape, 0, int(prod(shape))))
         self.buckets = []
         itemsize = self.dtype.itemsize
-        cap = max(1, self.bucket_bytes // itemsize)
         offset = 0
-        current = None
-        for slot in reversed(self.slots):
-            if current is None or (current.count > 0 and current.count + slot.count > cap):
-                current = Bucket(len(self.buckets), offset, 0, itemsize=itemsize)
-                self.buckets.append(current)
-            slot.start = offset
-            slot.bucket = current.index
-            current.params.append(slot.index)
-            current.count += slot.count
-            offset += slot.count
+        for members in _cut(list(reversed(self.slots)), max(1, self.bucket_bytes // itemsize)):
+            bucket = Bucket(len(self.buckets), offset, 0, itemsize=itemsize)
+            self.buckets.append(bucket)
+            for slot in members:
+                slot.start = offset
+                slot.bucket = bucket.index
+                bucket.params.append(slot.index)
+                bucket.count += slot.count
+                offset += slot.count
         self.total = offset
         self.buffer = np.zeros(self.total, dtype=self.dtype)
         # False once a framework placed the buffer (pinned host memory for CUDA
