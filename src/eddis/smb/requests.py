@@ -18,6 +18,14 @@ class Request:
     def done(self):
         return self._completed or self._pending.done()
 
+    def wait_done(self, timeout):
+        """Drive the transport for up to ``timeout`` s or until the request is done; True once it
+        is (``wait()`` then returns its result or raises its error), False while it goes on.
+        Unlike ``wait()``, running out of time here gives nothing up."""
+        if self._completed:
+            return True
+        return self._pending.wait(float(timeout)) != 1
+
     def wait(self, timeout=None):
         if self._completed:
             return self._result
@@ -79,6 +87,9 @@ class Completed:
         self._result = result
 
     def done(self):
+        return True
+
+    def wait_done(self, timeout):
         return True
 
     def wait(self, timeout=None):

@@ -55,6 +55,8 @@ def any_built():
 
 
 INNER_ERROR_GRACE = 1.0
+# how often the finish thread looks at the buckets that wait for other ranks (_settle)
+FINISH_POLL_S = 0.001
 
 
 def check_total(total, step, who):
@@ -84,9 +86,16 @@ class Reducer:
     optionally ``_relay(k, token) -> token`` and ``_release()``.
 
     A mode whose bucket passes a stage between the two that waits on other ranks (the
-    servers' sum of it) defines ``_relay``: a thread of its own then runs it, bucket by
-    bucket, so that the submit thread goes on to the next bucket meanwhile, and the
-    finish thread's waits for bucket k never hold back what bucket k+1 can already post.
+    servers' sum of it) defines ``_relay`` (or a ``_relay_loop`` of its own, which takes the
+    submitted buckets from ``_queue`` and hands ``(k, token)`` items to ``_relayed``): a
+    thread of its own then runs it, so that the submit thread goes on to the next bucket
+    meanwhile, and the finish thread's waits for bucket k never hold back what bucket k+1
+    can already post.
+
+    ``_finish`` may return the buckets it completed (default: bucket k); a mode whose
+    buckets complete once other ranks are done too returns none there, says with
+    ``_unsettled()`` that some are still open, and ``_settle()`` returns those that
+    completed since (polled while the finish thread has nothing else to do).
     """
 
     mode = None
@@ -141,7 +150,7 @@ class Reducer:
         self._queue = queue.Queue()
         loops = [(self._submit_loop, "submit"), (self._finish_loop, "finish")]
         self._relayed = self._queue
-        if type(self)._relay is not Reducer._relay:
+        if type(self)._relay is not Reducer._relay or type(self)._relay_loop is not Reducer._relay_loop:
             self._relayed = queue.Queue()
             loops.insert(1, (self._relay_loop, "relay"))
         for target, tag in loops:
@@ -261,6 +270,16 @@ class Reducer:
             self._wait_locked(lambda: self._done[k], timeout)
         observe.reducer_waited_bucket(self, k, waited_from)
 
+    def wait_next(self, waiting, timeout=None):
+        """Wait until one of the buckets ``waiting`` of this step is reduced and return it
+        (of several, the first in ``waiting``): the buckets need not complete in plan order."""
+        waited_from = time.perf_counter_ns()
+        with self._cond:
+            self._wait_locked(lambda: any(self._done[k] for k in waiting), timeout)
+            k = next(k for k in waiting if self._done[k])
+        observe.reducer_waited_bucket(self, k, waited_from)
+        return k
+
     def _wait_locked(self, finished, timeout):
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -348,22 +367,34 @@ class Reducer:
     def _finish_loop(self):
         try:
             while True:
-                item = self._relayed.get()
+                try:
+                    item = self._relayed.get(timeout=FINISH_POLL_S if self._unsettled() else None)
+                except queue.Empty:
+                    item = False
                 if item is None:
                     return
-                k, token = item
-                self._finish(k, token)
-                self.stats["buckets"] += 1
-                self.stats["bytes_received"] += self.plan.buckets[k].count * self.codec.itemsize
-                self._emit("done", k)
-                with self._cond:
-                    self._done[k] = True
-                    if all(self._done):
-                        # the reduction needs every rank: about when the step ended for all
-                        self.completed_at = time.perf_counter()
-                    self._cond.notify_all()
+                done = []
+                if item:
+                    k, token = item
+                    done = self._finish(k, token)
+                    done = [k] if done is None else list(done)
+                if self._unsettled():
+                    done += self._settle()
+                for k in done:
+                    self._complete(k)
         except BaseException as exc:
             self._fail(exc)
+
+    def _complete(self, k):
+        self.stats["buckets"] += 1
+        self.stats["bytes_received"] += self.plan.buckets[k].count * self.codec.itemsize
+        self._emit("done", k)
+        with self._cond:
+            self._done[k] = True
+            if all(self._done):
+                # the reduction needs every rank: about when the step ended for all
+                self.completed_at = time.perf_counter()
+            self._cond.notify_all()
 
     # ------------------------------------------------------------ subclass API
     def _prepare_step(self):
@@ -376,4 +407,10 @@ class Reducer:
         return token
 
     def _finish(self, k, token):
-        pass
+        return None
+
+    def _unsettled(self):
+        return False
+
+    def _settle(self):
+        return []

@@ -35,14 +35,23 @@ Each node goes through the servers starting from the one after its own
 piece's reads go out as soon as the servers' sum of it is there, side by side with
 the other pieces'.
 
-The submit thread sums and posts the writes of step 2 (so bucket k+1 goes up the link
-while bucket k comes down it), the relay thread waits for them, contributes to the servers'
-sum and posts the reads of step 3 as soon as that sum is there, and the finish thread
-completes step 3: a bucket's reads never wait until the one before is done on the whole
-node. The math is that of one big batch:
+The submit thread stages a bucket and waits until the node's ranks all have; the relay
+thread (:meth:`HierarchicalSyncReducer._stream_pieces`) sums and posts the writes of step 2
+piece by piece, at most INFLIGHT_PIECES pieces per other server on their way at a time and the bucket the next
+forward needs first (the highest index) first, contributes each piece to the servers' sum once
+its writes are in and posts its reads as soon as that sum is there; the finish thread
+completes step 3. So bucket k+1 goes up the link while bucket k comes down it, a bucket that
+becomes ready later overtakes what is not posted yet of earlier ones (with
+EDDIS_OVERLAP_FORWARD the first layers' updates are then in while the last layers' gradients
+still cross the network), and a bucket's reads never wait until another is done on the
+whole node. The math is that of one big batch:
 ``sum_j W_j (sum_{i in j} w_i g_i / W_j) / sum_j W_j``.
 """
 import logging
+import queue
+import time
+from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,6 +69,16 @@ log = logging.getLogger("eddis.core.sync")
 # the most bytes of a bucket's piece (a node's sum of some of one server's columns): the unit
 # that is put, summed by the servers and read back, each as soon as the one before allows
 PIECE_BYTES = 4 << 20
+# a rank's writes on their way at once, in pieces per other server: two keep each connection busy
+# while the relay goes round, and a bucket handed over later waits behind no more than that
+INFLIGHT_PIECES = 2
+# how long the relay drives the transport for a request before it looks for a newly summed bucket
+RELAY_WAIT_S = 0.002
+
+
+class _Write(NamedTuple):
+    request: object
+    nbytes: int
 
 
 def visiting_order(servers, own):
@@ -151,6 +170,9 @@ class HierarchicalSyncReducer(SlotReducer):
         self._result = None if self.path == "slots" else self.node_result.mapped_views(0, 0, plan.total)[0]
         self.shares = [BucketShare(client, node, k, self.server, self._my_pieces(k, layout.pieces, r))
                        for k in range(self.num_buckets)]
+        self._inflight_bytes = INFLIGHT_PIECES * PIECE_BYTES * max(1, self.num_nodes - 1)
+        self._spread_pieces = [0] * self.num_buckets   # finish thread: this step's pieces spread
+        self._settling = {}                            # finish thread: bucket -> (done count, deadline)
         self._agree_on_bases(members=self.members,
                              who=f"mode sync: the ranks of node {layout.nodes[self.node]}")
         if self.path == "slots":
@@ -211,39 +233,96 @@ class HierarchicalSyncReducer(SlotReducer):
         generation = self.step + 1
         self._wait_count(share.arrived, generation * len(self.members), f"bucket {k}")
         weights, node_weight = self._weighted(whole=False)   # a node whose ranks had no samples adds 0
-        # every piece summed and on its way before the first wait: the local pieces are summed
-        # while the remote ones cross the link, and the next bucket's while these do (_relay)
-        posted = [self._node_sum(k, lo, hi, weights) for lo, hi in share.pieces]
-        return generation, node_weight, posted
+        return generation, node_weight, weights
 
-    def _relay(self, k, token):
-        """Each piece into the servers' sum once its writes are in, and its reads out once the
-        servers' sum is there: on a thread of its own (the base class's relay), so that neither
-        the next bucket's sum and writes nor the reads of this one wait for the other."""
-        generation, node_weight, posted = token
-        share, first = self.shares[k], self.plan.buckets[k].start
-        requests, fetched = [], []
+    def _relay_loop(self):
+        try:
+            self._stream_pieces()
+        except BaseException as exc:
+            self._relayed.put(None)   # the finish thread ends too; the waits report the error
+            self._fail(exc)
 
-        def fetch_summed(block):
-            # each piece's reads go out as soon as its servers' sum is there, in order, side by
-            # side with the other pieces' (one server at a time, a node's link carried 0.65 of
-            # its rate at 4 x 1)
-            while len(fetched) < len(requests) and (block or requests[len(fetched)].done()):
-                lo, hi = share.pieces[len(fetched)]
-                self._wait_servers(requests[len(fetched)], k, f"node of {self.layout.nodes}")
-                fetched.append(self._fetch(k, lo, hi))
+    def _stream_pieces(self):
+        """The relay: the node sums of the summed buckets' pieces onto the link, the servers'
+        sum of each once its writes are in, its reads once that sum is there (to the finish
+        thread). Of the buckets the submit thread handed over, the one the next forward needs
+        first (the highest index: the plan runs backwards through the model) goes first,
+        and at most INFLIGHT_PIECES pieces' bytes per other server are on their way at a
+        time, so that a bucket that is ready later still overtakes the pieces of earlier ones
+        not yet posted."""
+        waiting = {}              # bucket -> [generation, node weight, weights, next piece]
+        writing = deque()         # posted pieces: (bucket, piece, writes, bytes, generation, weight, posted)
+        summing = deque()         # pieces in the servers' sum: (bucket, piece, request, generation, posted)
+        in_flight = 0
+        while True:
+            busy = bool(waiting or writing or summing)
+            try:
+                item = self._queue.get_nowait() if busy else self._queue.get()
+            except queue.Empty:
+                item = False
+            if item is None:
+                self._relayed.put(None)
+                return
+            if item:
+                k, (generation, node_weight, weights) = item
+                if self.shares[k].pieces:
+                    waiting[k] = [generation, node_weight, weights, 0]
+                else:   # no column of it is this rank's: only the node's done count
+                    self._relayed.put((k, (None, generation, None)))
+                continue   # every bucket handed over first: one of them may go before the others
+            moved = False
+            while waiting and in_flight < self._inflight_bytes:
+                k = max(waiting)
+                entry = waiting[k]
+                i = entry[3]
+                lo, hi = self.shares[k].pieces[i]
+                writes = self._node_sum(k, lo, hi, entry[2])
+                nbytes = sum(w.nbytes for w in writes)
+                writing.append((k, i, [w.request for w in writes], nbytes, entry[0], entry[1],
+                                timeline.now_ns()))
+                in_flight += nbytes
+                entry[3] += 1
+                if entry[3] == len(self.shares[k].pieces):
+                    del waiting[k]
+                moved = True
+            while writing and all(request.done() for request in writing[0][2]):
+                k, i, requests, nbytes, generation, node_weight, posted = writing.popleft()
+                for request in requests:
+                    request.wait(self.timeout)   # done: its result, or its error
+                if requests:
+                    timeline.complete(timeline.PUSH, posted, args={"step": self.step, "bucket": k,
+                                                                   "requests": len(requests)})
+                in_flight -= nbytes
+                lo, hi = self.shares[k].pieces[i]
+                first = self.plan.buckets[k].start
+                summing.append((k, i, self.inter_result[k].reduce_nb(
+                    self.node, node_weight if self.op == "average" else 1.0, self.num_nodes, 0, self.step,
+                    src_pool=self.inter[k], start=lo - first, count=hi - lo, average=self.op == "average"),
+                    generation, time.monotonic()))
+                moved = True
+            while summing and summing[0][2].done():
+                k, i, request, generation, _ = summing.popleft()
+                self._wait_servers(request, k, f"node of {self.layout.nodes}")
+                lo, hi = self.shares[k].pieces[i]
+                self._relayed.put((k, (i, generation, self._fetch(k, lo, hi))))
+                moved = True
+            if moved:
+                continue
+            self._check_deadlines(writing, summing)
+            # nothing to post: drive the transport until the oldest request is done (waiting
+            # drives it; a poll loop of done() left the link idle between polls and took CPU
+            # from the training ranks), looking for a newly summed bucket now and then
+            oldest = next((r for r in writing[0][2] if not r.done()), None) if writing else summing[0][2]
+            if oldest is not None:
+                oldest.wait_done(RELAY_WAIT_S)
 
-        for (lo, hi), writes in zip(share.pieces, posted):
-            if writes:
-                with timeline.span(timeline.PUSH, args={"step": self.step, "bucket": k, "requests": len(writes)}):
-                    for request in writes:
-                        request.wait(self.timeout)
-            requests.append(self.inter_result[k].reduce_nb(
-                self.node, node_weight if self.op == "average" else 1.0, self.num_nodes, 0, self.step,
-                src_pool=self.inter[k], start=lo - first, count=hi - lo, average=self.op == "average"))
-            fetch_summed(block=False)
-        fetch_summed(block=True)
-        return generation, fetched
+    def _check_deadlines(self, writing, summing):
+        """Nothing moved: a write or a servers' sum past EDDIS_COMM_TIMEOUT ends in its error."""
+        if writing and timeline.now_ns() - writing[0][6] > self.timeout * 1e9:
+            for request in writing[0][2]:
+                request.wait(0.001)
+        if summing and time.monotonic() - summing[0][4] > self.timeout:
+            self._wait_servers(summing[0][2], summing[0][0], f"node of {self.layout.nodes}")
 
     def _node_sum(self, k, lo, hi, weights):
         """The node's weighted sum of columns [lo, hi) into its row of the inter pool; returns
@@ -260,7 +339,8 @@ class HierarchicalSyncReducer(SlotReducer):
             for start, count, mapped in inter.layout(lo - first, hi - lo):
                 s, e = start + first - lo, start + first - lo + count
                 if as_it_lies and not mapped:
-                    writes.append(inter.write_nb(sources[0][s:e], slot=self.node, start=start))
+                    writes.append(_Write(inter.write_nb(sources[0][s:e], slot=self.node, start=start),
+                                         sources[0][s:e].nbytes))
                     continue
                 if mapped:
                     dst = inter.mapped_views(self.node, start, count)[0]
@@ -269,21 +349,45 @@ class HierarchicalSyncReducer(SlotReducer):
                 _vecops.weighted_sum(dst, [src[s:e] for src in sources], weights, dtype=wire,
                                      src_dtypes=dtypes)
                 if not mapped:
-                    writes.append(inter.write_nb(dst, slot=self.node, start=start))
+                    writes.append(_Write(inter.write_nb(dst, slot=self.node, start=start), dst.nbytes))
         return writes
 
     def _finish(self, k, token):
-        generation, fetched = token
+        """A piece of bucket k read back: spread on the node. Once all of this rank's pieces of
+        it are, the rank counts itself done; the bucket is the node's once every rank is
+        (``_settle``: waited for there, so that the ranks of a node, which may take their
+        buckets in another order, never wait on each other here)."""
+        i, generation, fetch = token
         share = self.shares[k]
-        for (lo, hi), fetch in zip(share.pieces, fetched):
+        if i is not None:
+            lo, hi = share.pieces[i]
             self._spread(k, lo, hi, fetch)
-        share.done.add()
-        self._wait_count(share.done, generation * len(self.members),
-                         f"bucket {k} (the node's other pieces)")
-        if self.path != "slots":
-            bucket = self.plan.buckets[k]
-            lo, hi = bucket.start, bucket.start + bucket.count
-            self.plan.buffer[lo:hi] = self._result[lo:hi]
+            self._spread_pieces[k] += 1
+        if i is None or self._spread_pieces[k] == len(share.pieces):
+            self._spread_pieces[k] = 0
+            share.done.add()
+            self._settling[k] = (generation * len(self.members), time.monotonic() + self.timeout)
+        return []
+
+    def _unsettled(self):
+        return bool(self._settling)
+
+    def _settle(self):
+        """The buckets whose node is done with them since the last look."""
+        settled = []
+        for k, (target, deadline) in list(self._settling.items()):
+            done = self.shares[k].done
+            if done.counter.read() < done.base + target:
+                if time.monotonic() > deadline:
+                    self._wait_count(done, target, f"bucket {k} (the node's other pieces)", timeout=0.001)
+                continue
+            del self._settling[k]
+            if self.path != "slots":
+                bucket = self.plan.buckets[k]
+                lo, hi = bucket.start, bucket.start + bucket.count
+                self.plan.buffer[lo:hi] = self._result[lo:hi]
+            settled.append(k)
+        return settled
 
     def _target(self):
         """Where this rank puts the result: its slot (in slot), else the node's result."""

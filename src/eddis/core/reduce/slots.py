@@ -121,11 +121,12 @@ class SlotReducer(Reducer):
             raise ConfigError(f"{who} found different reduction counters; two optimizers share the name "
                               f"{self.name!r} at once? Give each its own.")
 
-    def _wait_count(self, count, target, what, ranks=None):
+    def _wait_count(self, count, target, what, ranks=None, timeout=None):
         """Wait until ``count`` reached ``target`` counts past its base; the timeout says how many
-        of ``ranks`` (the parties) arrived."""
+        of ``ranks`` (the parties) arrived. ``timeout``: what is left of EDDIS_COMM_TIMEOUT, where
+        the caller polled the count for the rest of it."""
         try:
-            count.counter.wait_for(count.base + target, self.timeout)
+            count.counter.wait_for(count.base + target, self.timeout if timeout is None else timeout)
         except SMBTimeoutError as exc:
             ranks = self.parties if ranks is None else ranks
             raise SMBTimeoutError(
