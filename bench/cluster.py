@@ -30,6 +30,9 @@ contender in turn on the same data:
   ``eddis-sync-whole`` and ``eddis-sync-fp16-whole`` (not in the default list): the
   optimizer's update once the whole gradient is in (``EDDIS_OVERLAP_OPTIMIZER=off``), where
   the others update bucket by bucket as each bucket's average arrives;
+  ``eddis-sync-forward``, ``eddis-sync-fp16-forward`` and ``eddis-allreduce-forward`` (not in
+  the default list): ``step()`` returns before the updates, which the next forward applies
+  module by module (``EDDIS_OVERLAP_FORWARD=on``);
   ``eddis-sync-rdma``: ``eddis-sync`` on the rdma transport (one-sided put/get, the
   servers' CPUs touch no byte), in a job of its own, since a job's servers offer one
   transport; the emulated cluster has no HCA, so UCX carries it over its tcp transport
@@ -116,6 +119,8 @@ OVERLAP_VARIANTS = ["eddis-easgd-overlap", "eddis-hybrid-overlap", "eddis-hybrid
                     "eddis-easgd-nooverlap", "eddis-hybrid-nooverlap", "eddis-hybrid-balanced-nooverlap"]
 # the optimizer's update after the whole gradient, not bucket by bucket (EDDIS_OVERLAP_OPTIMIZER)
 WHOLE_UPDATE_VARIANTS = ["eddis-sync-whole", "eddis-sync-fp16-whole"]
+# step() returns before the updates, which the next forward applies (EDDIS_OVERLAP_FORWARD=on)
+FORWARD_VARIANTS = ["eddis-sync-forward", "eddis-sync-fp16-forward", "eddis-allreduce-forward"]
 PAUSE_TIMEOUT_S = 300
 JOB_TIMEOUT_S = 1800
 
@@ -377,6 +382,7 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
         os.environ["EDDIS_SYNC_REDUCE"] = "server" if parts[-1] == "flat" else "auto"
         os.environ["EDDIS_EASGD_OVERLAP"] = {"overlap": "on", "nooverlap": "off"}.get(parts[-1], "auto")
         os.environ["EDDIS_OVERLAP_OPTIMIZER"] = "off" if parts[-1] == "whole" else "auto"
+        os.environ["EDDIS_OVERLAP_FORWARD"] = "on" if parts[-1] == "forward" else "off"
         # every contender at the global batch's rate: the average of the workers' (groups')
         # steps then moves as far per sample as one synchronous step of the global batch
         batch_for_lr = global_batch
@@ -687,7 +693,7 @@ def main(argv=None):
     args.layouts = args.layouts.split(",")
     args.slowdowns = args.slowdowns.split(",")
     args.models = args.models.split(",")
-    known = CONTENDERS + PROBES + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS + WHOLE_UPDATE_VARIANTS
+    known = CONTENDERS + PROBES + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS + WHOLE_UPDATE_VARIANTS + FORWARD_VARIANTS
     for c in args.contenders.split(","):
         if c not in known:
             sys.exit(f"bench/cluster.py: unknown contender {c!r}; choose from {', '.join(known)}")

@@ -265,6 +265,14 @@ register("EDDIS_OVERLAP_OPTIMIZER", "str", "auto",
          "on: for any optimizer whose update of a parameter reads only that parameter's gradient "
          "and state; off: one update once the whole gradient is in. Never with a closure, optimizer "
          "step hooks or skip_synchronize().", choices=["auto", "on", "off"])
+register("EDDIS_OVERLAP_FORWARD", "str", "off",
+         "torch, sync and allreduce, with the update bucket by bucket (EDDIS_OVERLAP_OPTIMIZER): on: "
+         "step() returns before the updates, and the next forward applies each bucket's just before "
+         "a module that owns one of its parameters runs, while the gradients its later modules need "
+         "still cross the network. A module's state_dict(), the optimizer's, EDDIS's checkpoints and "
+         "optimizer.finish_step() apply them first; reading a parameter otherwise (p.data, an EMA "
+         "copy) between step() and the next forward sees it before the update. off: step() returns "
+         "with every update applied.", choices=["on", "off"])
 register("EDDIS_COMM_TIMEOUT", "float", 300.0,
          "Seconds optimizer.step() and other collective calls wait for other ranks before "
          "raising TimeoutError.", min=0, above_min=True)

@@ -14,6 +14,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..core.progress import agreement
+from . import deferred
 
 _live = weakref.WeakKeyDictionary()  # optimizer -> order of its first step (the same on every rank)
 _snapshots = {}                      # order -> checksums of a freed optimizer's parameters
@@ -75,6 +76,7 @@ def _stepped(optimizer, args, kwargs):
 
 
 def checksums():
+    deferred.finish_all()   # EDDIS_OVERLAP_FORWARD: the last step's updates are part of the parameters
     by_order = dict(_snapshots)
     seen = set()
     for optimizer, order in sorted(_live.items(), key=lambda item: item[1]):

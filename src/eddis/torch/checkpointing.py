@@ -18,6 +18,7 @@ import torch
 
 from ..core.basics import basics as _basics
 from ..errors import ConfigError
+from . import deferred
 from .hetero import _state_of, state_of
 
 
@@ -41,6 +42,7 @@ class TorchParticipant:
         payload = {"rng": {"torch": torch.get_rng_state(),
                            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}}
         if include_model:
+            deferred.finish_all()   # EDDIS_OVERLAP_FORWARD: the last step's updates first
             payload["model"] = self.model.state_dict()
             payload["optimizer"] = self.optimizer.state_dict()
         torch.save(payload, path)

@@ -53,7 +53,8 @@ class GradientFeed:
     parameter got this step, and ``left``: the parameters each bucket still waits for, both
     under ``lock`` (autograd may call the hooks from its own threads); ``bucket_of``: a
     parameter's bucket by ``id``; ``samples``: the model's forward passes' samples
-    (:class:`ForwardSampleCounter`); ``hooks``: the parameters' hook handles.
+    (:class:`ForwardSampleCounter`); ``hooks``: the parameters' hook handles; ``deferred``:
+    the last step's updates while they wait for the forward (EDDIS_OVERLAP_FORWARD).
     """
 
     def __init__(self, params, plan, reducer, backward_passes, pinned, before_push):
@@ -74,6 +75,7 @@ class GradientFeed:
         self._bind(pinned if pinned is not None else torch.from_numpy(plan.buffer))
         plan.watch_buffer(self.follow_buffer)
         self.passthrough = isinstance(reducer, LocalReducer)
+        self.deferred = None   # the optimizer's DeferredStep while the last step's updates wait
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
         self.samples = ForwardSampleCounter(params)
 
@@ -103,6 +105,8 @@ class GradientFeed:
         return hook
 
     def _on_grad(self, index, param):
+        if self.deferred is not None:   # the last step's updates: used ones applied, the rest now
+            self.deferred.before_gradient(param)
         with self.lock:
             count = self.counts[index] + 1
             if count > self.backward_passes:

@@ -21,6 +21,9 @@ How a step goes:
    state alone (EDDIS_OVERLAP_OPTIMIZER), ``step()`` runs that update bucket by
    bucket instead, each as soon as its averaged gradients are in, so the update
    of the first buckets runs while the last ones still cross the network.
+   With EDDIS_OVERLAP_FORWARD=on (sync, allreduce), ``step()`` returns before those
+   updates, and the next forward applies each just before a module that owns one of
+   its parameters runs (:mod:`eddis.torch.deferred`).
 """
 import contextlib
 
@@ -32,9 +35,10 @@ from ..core import make_reducer
 from ..core.basics import basics as _basics
 from ..core.comm import collectives, observe, runtime
 from ..core.comm.ops import reject_unsupported_horovod_options
+from ..core.progress import agreement as _core_agreement
 from ..core.progress import join as _core_join
 from ..errors import ConfigError, UsageError
-from . import agreement, gradients, hetero
+from . import agreement, deferred, gradients, hetero
 from .closure import AveragedClosure
 from .compression import codec_of
 from .ops import Average
@@ -55,7 +59,11 @@ class _State:
     ``skip_sync``: inside ``skip_synchronize()``; ``whole_groups``: the param_groups' lists
     while ``step()`` updates a bucket at a time (the parameter agreement check reads them);
     ``steps``: ``step()`` calls so far (names a closure's evaluations across the ranks);
-    ``closure_used``: a step took a closure (eddis.join() cannot stand in for one).
+    ``closure_used``: a step took a closure (eddis.join() cannot stand in for one);
+    ``deferred``: the last step's updates that wait for the next forward
+    (:class:`eddis.torch.deferred.DeferredStep`, EDDIS_OVERLAP_FORWARD), else None;
+    ``zero_grad``: zero_grad()'s ``set_to_none`` while they wait (applied to each bucket's
+    gradients once its update is), else None.
     """
 
     def __init__(self, feed, hetero):
@@ -66,6 +74,8 @@ class _State:
         self.whole_groups = None
         self.steps = 0
         self.closure_used = False
+        self.deferred = None
+        self.zero_grad = None
 
 
 class _DistributedOptimizer:
@@ -102,6 +112,8 @@ class _DistributedOptimizer:
                                       before_push=self._eddis_before_push)
         _core_join.register(self.reducer, self._eddis_join_reduce, self._eddis_join_apply)
         self._eddis = _State(feed, steps)
+        if settings.get("EDDIS_OVERLAP_FORWARD") == "on":
+            deferred.install()   # modules seen in the first forward already apply pending updates
 
     def _eddis_before_push(self):
         self._eddis.hetero.before_push()  # simulated slowdown: before gradients leave
@@ -115,20 +127,40 @@ class _DistributedOptimizer:
 
     def synchronize(self):
         """Finish this step's gradient averaging; afterwards ``.grad`` holds the result."""
+        self.finish_step()
         self._eddis_send_rest()
         self._eddis.feed.take_result()
         self._eddis.synchronized = True
 
     def _eddis_send_rest(self, hooks=True):
         """The end of this step's backward passes: every bucket not sent yet goes now."""
+        self._eddis.feed.deferred = None   # the last step's updates were all applied before
         if hooks:
             self._eddis.hetero.before_sync()  # end of this step's compute (balance, slowdown)
         self._eddis.feed.send_rest()
+
+    def finish_step(self):
+        """Apply the updates the last ``step()`` left for the next forward
+        (EDDIS_OVERLAP_FORWARD=on); a no-op when none wait. Call it before reading the
+        parameters other than through the model's forward or ``state_dict()`` (an EMA copy,
+        ``p.data``), which otherwise see them as they were before the step."""
+        state = self._eddis
+        if state.deferred is not None:
+            state.deferred.finish()
+
+    def state_dict(self):
+        self.finish_step()
+        return super(_DistributedOptimizer, self).state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.finish_step()
+        return super(_DistributedOptimizer, self).load_state_dict(state_dict)
 
     def _eddis_join_reduce(self):
         """A step of a rank that has no data left (eddis.join(), which set the joined
         weight): zeros into the reduction, the others' result into .grad."""
         state = self._eddis
+        self.finish_step()
         if state.closure_used:
             raise UsageError(
                 "eddis.join() with an optimizer that steps with a closure (LBFGS): the others evaluate "
@@ -158,6 +190,7 @@ class _DistributedOptimizer:
 
     def step(self, closure=None):
         state = self._eddis
+        self.finish_step()   # a step without a forward since the last one
         if closure is not None:
             result = self._eddis_closure_step(closure)
         elif state.skip_sync:
@@ -166,7 +199,7 @@ class _DistributedOptimizer:
                                  "call optimizer.synchronize() before the with-block")
         elif not state.synchronized and self._eddis_overlaps():
             self._eddis_send_rest()
-            result = self._eddis_step_by_bucket()
+            result = self._eddis_defer_updates() if self._eddis_defers() else self._eddis_step_by_bucket()
         elif not state.synchronized:
             self.synchronize()
         if state.synchronized:
@@ -230,38 +263,94 @@ class _DistributedOptimizer:
             return False
         return wanted == "on" or type(self).__mro__[2] in PER_PARAMETER_OPTIMIZERS
 
-    def _eddis_step_by_bucket(self):
-        """The wrapped optimizer's update, one bucket's parameters at a time, each as soon as
-        that bucket's averaged gradients are in: its param_groups hold only those parameters
-        for the call (every option and state entry stays the group's and the parameter's)."""
-        state = self._eddis
-        feed, groups = state.feed, self.param_groups
-        plan = feed.plan
-        last = len(plan.buckets) - 1
-        originals = [g["params"] for g in groups]
-        # parameters outside the plan (no gradient expected) go with the last bucket
-        shares = [[[] for _ in groups] for _ in plan.buckets]
-        for j, params in enumerate(originals):
-            for p in params:
+    def _eddis_defers(self):
+        """Whether this step's updates may wait for the next forward (EDDIS_OVERLAP_FORWARD)."""
+        return (settings.get("EDDIS_OVERLAP_FORWARD") == "on"
+                and self._eddis.hetero.mode in _core_agreement.SYNCHRONOUS_MODES)
+
+    def _eddis_bucket_shares(self):
+        """Per bucket, per param group, the group's parameters in that bucket (parameters
+        outside the plan, which expect no gradient, go with the last bucket)."""
+        feed = self._eddis.feed
+        last = len(feed.plan.buckets) - 1
+        shares = [[[] for _ in self.param_groups] for _ in feed.plan.buckets]
+        for j, group in enumerate(self.param_groups):
+            for p in group["params"]:
                 shares[feed.bucket_of.get(id(p), last)][j].append(p)
+        return shares
+
+    def _eddis_update_bucket(self, k, shares):
+        """The wrapped optimizer's update of bucket k's parameters, once its averaged gradients
+        are in: its param_groups hold only those parameters for the call (every option and
+        state entry stays the group's and the parameter's)."""
+        state = self._eddis
+        groups = self.param_groups
+        self.reducer.wait_bucket(k)
+        state.feed.unstage(state.feed.plan.buckets[k].params)   # never passthrough (_eddis_overlaps)
+        originals = [g["params"] for g in groups]
         state.whole_groups = originals   # what the parameter agreement check reads meanwhile
         try:
-            for k, bucket in enumerate(plan.buckets):
-                self.reducer.wait_bucket(k)
-                feed.unstage(bucket.params)   # never passthrough here (_eddis_overlaps)
-                for g, share in zip(groups, shares[k]):
-                    g["params"] = share
-                with timeline.span(timeline.OPTIMIZER_STEP, args={"bucket": k}):
-                    super(_DistributedOptimizer, self).step()
+            for g, share in zip(groups, shares[k]):
+                g["params"] = share
+            with timeline.span(timeline.OPTIMIZER_STEP, args={"bucket": k}):
+                super(_DistributedOptimizer, self).step()
         finally:
             for g, params in zip(groups, originals):
                 g["params"] = params
             state.whole_groups = None
+
+    def _eddis_step_by_bucket(self):
+        """The wrapped optimizer's update, one bucket's parameters at a time, each as soon as
+        that bucket's averaged gradients are in."""
+        shares = self._eddis_bucket_shares()
+        left = list(range(len(shares)))
+        while left:
+            k = self.reducer.wait_next(left)   # in the order the buckets come back
+            left.remove(k)
+            self._eddis_update_bucket(k, shares)
         self.reducer.wait()   # every bucket is in: this ends the reducer's step
-        feed.reset_counts()
+        self._eddis.feed.reset_counts()
+        return None
+
+    def _eddis_defer_updates(self):
+        """The updates wait for the next forward (eddis.torch.deferred): each bucket's is
+        applied when a module that owns one of its parameters starts, or when something reads
+        the parameters; the reducer's step ends once all are."""
+        state = self._eddis
+        shares = self._eddis_bucket_shares()
+        feed = state.feed
+
+        def apply_bucket(k):
+            self._eddis_update_bucket(k, shares)
+            if state.zero_grad is not None:   # zero_grad() came while this update waited
+                for i in feed.plan.buckets[k].params:
+                    p = feed.params[i]
+                    if state.zero_grad:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.zero_()
+
+        def done():
+            self.reducer.wait()
+            feed.reset_counts()
+            state.deferred = None   # the feed asks it until the next step (a late parameter's gradient)
+            state.zero_grad = None
+
+        state.zero_grad = None
+        feed.deferred = state.deferred = deferred.DeferredStep(
+            feed.plan, feed.params, feed.names(), apply_bucket, self.reducer.wait_next, done)
         return None
 
     def zero_grad(self, set_to_none=True):
+        state = self._eddis
+        if state.deferred is not None:
+            # the pending updates still need their averaged gradients, which .grad will be
+            state.zero_grad = bool(set_to_none)
+            for p in state.feed.params:
+                if state.deferred.bucket_of.get(id(p)) in state.deferred.left:
+                    p.grad = None   # its update sets it again, then applies this call's wish
+            super(_DistributedOptimizer, self).zero_grad(set_to_none=set_to_none)
+            return None
         if self.reducer.in_progress:
             # Also reached by a loop that updates the parameters itself from the local
             # .grad (p.data.add_(p.grad, alpha=-lr)): its next zero_grad() lands here
@@ -277,6 +366,8 @@ class _DistributedOptimizer:
     def close(self):
         """Remove the hooks and stop the communication threads; in easgd and hybrid, also
         release the centre variable (call eddis.final_model() first; every rank)."""
+        if not self.reducer.closed:
+            self.finish_step()
         self._eddis.feed.close()
         self.reducer.close()
         self._eddis.hetero.close()   # easgd/hybrid: the centre variable's memory
