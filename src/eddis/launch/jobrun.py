@@ -72,6 +72,8 @@ from .topwatch import TopWatch
 # for the sruns to end once Slurm signalled the job; Slurm's KillWait (30 s by default) ends the rest
 SIGNAL_WAIT_SECONDS = 30.0
 GUARD_JOIN_SECONDS = 15.0  # the guard may be inside one squeue call when srun ends
+# the ranks of a killed server's peers fail at once; srun may report the server's step later
+SERVER_END_GRACE_SECONDS = 3.0
 
 
 class Job(Launcher):
@@ -248,7 +250,10 @@ class Job(Launcher):
         noted = set()
         while True:
             if self.trainer.poll() is not None:
-                return exit_status(self.trainer.returncode)
+                status = exit_status(self.trainer.returncode)
+                if status != 0:
+                    self._name_ended_servers(status, survivable)
+                return status
             if self.signals.checkpoint_asked and not self.checkpoint_requested:
                 self._request_checkpoint()
             ended = [p for p in self.servers if p.poll() is not None]
@@ -261,6 +266,20 @@ class Job(Launcher):
                 noted.add(step.pid)   # a hetjob component's servers, lost with its node(s)
                 self.say(f"an smb-server step ended (status {exit_status(step.returncode)}) during training; "
                          "elastic run with mirrored state: the trainers go on", err=True)
+            time.sleep(POLL_SECONDS)
+
+    def _name_ended_servers(self, status, survivable):
+        """Failed trainers whose smb-server step ended too: name the server's end as the cause,
+        waiting briefly for srun to report it."""
+        deadline = time.monotonic() + SERVER_END_GRACE_SECONDS
+        while True:
+            ended = [p for p in self.servers if p.poll() is not None]
+            if ended and server_steps_end_training(len(ended), len(self.servers), survivable):
+                self.say(f"an smb-server step ended (status {exit_status(ended[0].returncode)}) during training; "
+                         f"the trainers stopped with status {status}", err=True)
+                return
+            if time.monotonic() >= deadline:
+                return
             time.sleep(POLL_SECONDS)
 
     def _request_checkpoint(self):
