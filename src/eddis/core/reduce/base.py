@@ -83,14 +83,14 @@ def op_name(op):
 class Reducer:
     """Base class: threads, bucket state, events. Subclasses implement
     ``_prepare_step()``, ``_submit(k) -> token``, ``_finish(k, token)`` and
-    optionally ``_relay(k, token) -> token`` and ``_release()``.
+    optionally ``_relay_loop()`` and ``_release()``.
 
     A mode whose bucket passes a stage between the two that waits on other ranks (the
-    servers' sum of it) defines ``_relay`` (or a ``_relay_loop`` of its own, which takes the
-    submitted buckets from ``_queue`` and hands ``(k, token)`` items to ``_relayed``): a
-    thread of its own then runs it, so that the submit thread goes on to the next bucket
-    meanwhile, and the finish thread's waits for bucket k never hold back what bucket k+1
-    can already post.
+    servers' sum of it) defines ``_relay_loop``, which takes the submitted ``(k, token)``
+    items from ``_queue`` and hands ``(k, token)`` items to ``_relayed`` until it takes
+    None, which it passes on: a thread of its own then runs it, so that the submit thread
+    goes on to the next bucket meanwhile, and the finish thread's waits for bucket k never
+    hold back what bucket k+1 can already post.
 
     ``_finish`` may return the buckets it completed (default: bucket k); a mode whose
     buckets complete once other ranks are done too returns none there, says with
@@ -150,9 +150,9 @@ class Reducer:
         self._queue = queue.Queue()
         loops = [(self._submit_loop, "submit"), (self._finish_loop, "finish")]
         self._relayed = self._queue
-        if type(self)._relay is not Reducer._relay or type(self)._relay_loop is not Reducer._relay_loop:
+        if self._relay_loop is not None:
             self._relayed = queue.Queue()
-            loops.insert(1, (self._relay_loop, "relay"))
+            loops.insert(1, (self._run_relay, "relay"))
         for target, tag in loops:
             t = threading.Thread(target=target, name=f"eddis-{self.mode}-{tag}", daemon=True)
             t.start()
@@ -351,15 +351,9 @@ class Reducer:
         except BaseException as exc:
             self._fail(exc)
 
-    def _relay_loop(self):
+    def _run_relay(self):
         try:
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    self._relayed.put(None)
-                    return
-                k, token = item
-                self._relayed.put((k, self._relay(k, token)))
+            self._relay_loop()
         except BaseException as exc:
             self._relayed.put(None)   # the finish thread ends too; the waits report the error
             self._fail(exc)
@@ -403,8 +397,7 @@ class Reducer:
     def _submit(self, k):
         raise NotImplementedError
 
-    def _relay(self, k, token):
-        return token
+    _relay_loop = None   # the mode's relay stage, on a thread of its own (class docstring)
 
     def _finish(self, k, token):
         return None

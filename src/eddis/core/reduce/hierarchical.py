@@ -36,7 +36,7 @@ piece's reads go out as soon as the servers' sum of it is there, side by side wi
 the other pieces'.
 
 The submit thread stages a bucket and waits until the node's ranks all have; the relay
-thread (:meth:`HierarchicalSyncReducer._stream_pieces`) sums and posts the writes of step 2
+thread (:meth:`HierarchicalSyncReducer._relay_loop`) sums and posts the writes of step 2
 piece by piece, at most INFLIGHT_PIECES pieces per other server on their way at a time and the bucket the next
 forward needs first (the highest index) first, contributes each piece to the servers' sum once
 its writes are in and posts its reads as soon as that sum is there; the finish thread
@@ -236,13 +236,6 @@ class HierarchicalSyncReducer(SlotReducer):
         return generation, node_weight, weights
 
     def _relay_loop(self):
-        try:
-            self._stream_pieces()
-        except BaseException as exc:
-            self._relayed.put(None)   # the finish thread ends too; the waits report the error
-            self._fail(exc)
-
-    def _stream_pieces(self):
         """The relay: the node sums of the summed buckets' pieces onto the link, the servers'
         sum of each once its writes are in, its reads once that sum is there (to the finish
         thread). Of the buckets the submit thread handed over, the one the next forward needs
@@ -298,7 +291,7 @@ class HierarchicalSyncReducer(SlotReducer):
                 summing.append((k, i, self.inter_result[k].reduce_nb(
                     self.node, node_weight if self.op == "average" else 1.0, self.num_nodes, 0, self.step,
                     src_pool=self.inter[k], start=lo - first, count=hi - lo, average=self.op == "average"),
-                    generation, time.monotonic()))
+                    generation, timeline.now_ns()))
                 moved = True
             while summing and summing[0][2].done():
                 k, i, request, generation, _ = summing.popleft()
@@ -318,10 +311,11 @@ class HierarchicalSyncReducer(SlotReducer):
 
     def _check_deadlines(self, writing, summing):
         """Nothing moved: a write or a servers' sum past EDDIS_COMM_TIMEOUT ends in its error."""
-        if writing and timeline.now_ns() - writing[0][6] > self.timeout * 1e9:
+        now = timeline.now_ns()
+        if writing and now - writing[0][6] > self.timeout * 1e9:
             for request in writing[0][2]:
                 request.wait(0.001)
-        if summing and time.monotonic() - summing[0][4] > self.timeout:
+        if summing and now - summing[0][4] > self.timeout * 1e9:
             self._wait_servers(summing[0][2], summing[0][0], f"node of {self.layout.nodes}")
 
     def _node_sum(self, k, lo, hi, weights):
