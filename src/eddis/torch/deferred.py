@@ -40,24 +40,27 @@ _installed = []
 
 class DeferredStep:
     """The updates of one optimizer step that wait for the forward: ``apply(k)`` runs bucket
-    ``k``'s (``apply_bucket(k)``, after the reducer has it), ``finish()`` the rest, and
-    ``done()`` once all are applied. ``order(left)`` returns the next bucket to apply of the
-    ``left`` ones when the forward asks for none in particular (the first to arrive). The
-    gradient feed asks :meth:`before_gradient` until the next step starts."""
+    ``k``'s (``apply_bucket(k)``, once ``wait_bucket(k)`` says the reducer has it),
+    ``finish()`` the rest, and ``done()`` once all are applied. ``wait_next(left)`` waits for
+    the first of the ``left`` buckets to arrive and returns it: the next to apply when the
+    forward asks for none in particular. The gradient feed asks :meth:`before_gradient`
+    until the next step starts."""
 
-    def __init__(self, plan, params, names, apply_bucket, order, done):
+    def __init__(self, plan, params, names, apply_bucket, wait_bucket, wait_next, done):
         self.left = set(range(len(plan.buckets)))
         self.late = set()   # parameters whose update the next backward applied: none read since
         self.bucket_of = {}
+        self.keys = [[id(params[i]) for i in bucket.params] for bucket in plan.buckets]
         self.names = names
         self._apply_bucket = apply_bucket
-        self._order = order
+        self._wait_bucket = wait_bucket
+        self._wait_next = wait_next
         self._done = done
         self._lock = threading.RLock()
-        for k, bucket in enumerate(plan.buckets):
-            for i in bucket.params:
-                self.bucket_of[id(params[i])] = k
-                _pending[id(params[i])] = (self, k)
+        for k, keys in enumerate(self.keys):
+            for key in keys:
+                self.bucket_of[key] = k
+                _pending[key] = (self, k)
         _steps.add(self)
         install()
         runtime.register_closable(self)   # eddis.shutdown() applies what is still pending
@@ -66,14 +69,16 @@ class DeferredStep:
     def pending(self):
         return bool(self.left)
 
-    def apply(self, k):
+    def apply(self, k, arrived=False):
+        """Bucket k's update, waiting for the bucket unless it ``arrived``."""
         with self._lock:
             if k not in self.left:
                 return
+            if not arrived:
+                self._wait_bucket(k)
             self.left.discard(k)
-            for key, at in self.bucket_of.items():
-                if at == k:
-                    _pending.pop(key, None)
+            for key in self.keys[k]:
+                _pending.pop(key, None)
             self._apply_bucket(k)
             if not self.left:
                 _steps.discard(self)
@@ -84,7 +89,7 @@ class DeferredStep:
         """Apply every update still pending, in the order the buckets arrive."""
         with self._lock:
             while self.left:
-                self.apply(self._order(sorted(self.left)))
+                self.apply(self._wait_next(sorted(self.left)), arrived=True)
 
     close = finish
 

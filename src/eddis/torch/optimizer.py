@@ -280,12 +280,11 @@ class _DistributedOptimizer:
         return shares
 
     def _eddis_update_bucket(self, k, shares):
-        """The wrapped optimizer's update of bucket k's parameters, once its averaged gradients
+        """The wrapped optimizer's update of bucket k's parameters, whose averaged gradients
         are in: its param_groups hold only those parameters for the call (every option and
         state entry stays the group's and the parameter's)."""
         state = self._eddis
         groups = self.param_groups
-        self.reducer.wait_bucket(k)
         state.feed.unstage(state.feed.plan.buckets[k].params)   # never passthrough (_eddis_overlaps)
         originals = [g["params"] for g in groups]
         state.whole_groups = originals   # what the parameter agreement check reads meanwhile
@@ -338,7 +337,8 @@ class _DistributedOptimizer:
 
         state.zero_grad = None
         feed.deferred = state.deferred = deferred.DeferredStep(
-            feed.plan, feed.params, feed.names(), apply_bucket, self.reducer.wait_next, done)
+            feed.plan, feed.params, feed.names(), apply_bucket, self.reducer.wait_bucket, self.reducer.wait_next,
+            done)
         return None
 
     def zero_grad(self, set_to_none=True):
