@@ -82,6 +82,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -651,6 +652,10 @@ def configurations(args):
                            "model": model}
 
 
+def _leave_on_signal(signum, frame):
+    raise SystemExit(f"bench/cluster.py: {signal.Signals(signum).name}: stopping the run")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="one configuration: 2x2, 1gbit, comm, DDP/sync/hybrid")
@@ -715,6 +720,8 @@ def main(argv=None):
     print(f"bench/cluster.py, {started}, load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
     configs = list(configurations(args))
     records, current = [], None
+    for signum in (signal.SIGTERM, signal.SIGHUP):   # the finally below takes the cluster down
+        signal.signal(signum, _leave_on_signal)
     try:
         for config in configs:
             nodes = max(2, max(c["nodes"] for c in configs))
