@@ -15,9 +15,10 @@ server reports the pages it really holds, not the ones it asked for.
 """
 import re
 
+from .. import settings
 from ..errors import ConfigError
 
-MODES = ("off", "auto", "hugetlb", "transparent")
+MODES = settings.REGISTRY["SMB_HUGEPAGES"].choices   # the registry holds the list
 MEMINFO = "/proc/meminfo"
 SHMEM_POLICY = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 OVERCOMMIT = "/proc/sys/vm/nr_overcommit_hugepages"
