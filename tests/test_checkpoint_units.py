@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from eddis import __version__
+from eddis import __version__, settings
 from eddis.core.checkpoint import folders as layout
 from eddis.core.checkpoint import state as checkpoint_state
 from eddis.core.checkpoint.resume import Start
@@ -151,13 +151,15 @@ def test_the_lowest_live_rank_commits_and_asks_for_the_periodic_checkpoints():
 @pytest.mark.parametrize("text,expected", [(None, None), ("", None), ("500", ("steps", 500)),
                                            ("600s", ("seconds", 600.0)), ("1.5S", ("seconds", 1.5))])
 def test_interval_in_steps_or_seconds(text, expected):
-    assert layout.parse_interval(text) == expected
+    env = {} if text is None else {"EDDIS_CHECKPOINT_INTERVAL": text}
+    assert settings.get("EDDIS_CHECKPOINT_INTERVAL", env) == expected
 
 
 @pytest.mark.parametrize("text", ["0", "-3", "ten", "5m", "2.5"])
 def test_a_bad_interval_names_the_forms_it_takes(text):
-    with pytest.raises(ConfigError, match="'500'.*'600s'"):
-        layout.parse_interval(text)
+    # the registry's check: eddis-train and job scripts refuse it before anything starts
+    with pytest.raises(ConfigError, match="EDDIS_CHECKPOINT_INTERVAL=.*'500'.*'600s'"):
+        settings.check_environment({"EDDIS_CHECKPOINT_INTERVAL": text})
 
 
 def test_the_request_flag_is_set_by_the_signal_handler():

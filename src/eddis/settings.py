@@ -37,6 +37,20 @@ def _size(text):
     return value
 
 
+def _interval(text):
+    """``("steps", n)`` from ``500``, ``("seconds", s)`` from ``600s``."""
+    t = text.strip().lower()
+    unit = "seconds" if t.endswith("s") else "steps"
+    number = t[:-1] if unit == "seconds" else t
+    try:
+        value = float(number) if unit == "seconds" else int(number)
+    except ValueError:
+        value = None
+    if value is None or value <= 0:
+        raise ConfigError("expected a positive number of steps ('500') or seconds ('600s')")
+    return unit, value
+
+
 def _bool_or_auto(text):
     """``auto`` (the code decides), else a boolean word."""
     return "auto" if text.strip().lower() == "auto" else _bool(text)
@@ -44,7 +58,7 @@ def _bool_or_auto(text):
 
 NUMERIC_TYPES = ("int", "float", "size")
 PARSERS = {"bool": _bool, "bool/auto": _bool_or_auto, "int": int, "float": float, "str": str, "size": _size,
-           "path": os.path.expanduser}
+           "path": os.path.expanduser, "interval": _interval}
 
 
 def number_text(value):
@@ -107,7 +121,8 @@ class Setting:
         except ValueError as exc:  # int() and float() raise it; our parsers a ConfigError
             raise ConfigError(
                 f"{given} is not a valid {self.type}: {exc}. "
-                f"Set it to a {self.type} (default {self.default!r}) or unset it."
+                f"Set it to {'an' if self.type[0] in 'aeiou' else 'a'} {self.type} (default {self.default!r}) "
+                "or unset it."
             ) from None
         return self.check(value, given)
 
@@ -330,7 +345,7 @@ register("EDDIS_STALENESS", "int", -1,
 register("EDDIS_CHECKPOINT_DIR", "path", None,
          "Folder of the periodic and requested checkpoints (eddis.checkpoint/eddis.resume); set, "
          "eddis.init() also installs the SIGUSR1 handler that asks for a checkpoint and a stop.")
-register("EDDIS_CHECKPOINT_INTERVAL", "str", None,
+register("EDDIS_CHECKPOINT_INTERVAL", "interval", None,
          "Periodic checkpoints into EDDIS_CHECKPOINT_DIR: every N optimizer steps ('500'), or "
          "every N seconds ('600s'), by rank 0's steps or clock (in an elastic run that lost rank 0, "
          "the lowest live rank's); unset: none (requests only).")

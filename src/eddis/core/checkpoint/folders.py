@@ -31,7 +31,7 @@ import time
 import uuid
 
 from ... import __version__, settings
-from ...errors import CheckpointCorruptError, CheckpointError, ConfigError
+from ...errors import CheckpointCorruptError, CheckpointError
 from ...smb import rundir
 
 FORMAT = 1
@@ -286,25 +286,9 @@ def _fsync_dir(path):
 
 
 # ---------------------------------------------------------------- the interval setting
-def parse_interval(text):
-    """EDDIS_CHECKPOINT_INTERVAL: None, ``("steps", n)`` or ``("seconds", s)``."""
-    if text is None or str(text).strip() == "":
-        return None
-    t = str(text).strip().lower()
-    unit = "seconds" if t.endswith("s") else "steps"
-    number = t[:-1] if unit == "seconds" else t
-    try:
-        value = float(number) if unit == "seconds" else int(number)
-    except ValueError:
-        value = None
-    if value is None or value <= 0:
-        raise ConfigError(f"EDDIS_CHECKPOINT_INTERVAL={text!r} is not a positive number of steps "
-                          "('500') or seconds ('600s'); set one of them or unset it")
-    return unit, value
-
-
 def interval_from_settings():
-    return parse_interval(settings.get("EDDIS_CHECKPOINT_INTERVAL"))
+    """EDDIS_CHECKPOINT_INTERVAL: None, ``("steps", n)`` or ``("seconds", s)``."""
+    return settings.get("EDDIS_CHECKPOINT_INTERVAL")
 
 
 # ---------------------------------------------------------------- the request flag
