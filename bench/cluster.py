@@ -91,6 +91,7 @@ from pathlib import Path
 
 import job_cpu
 import link_rate
+import link_usage
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -507,15 +508,16 @@ def job_script(nodes, ranks, command, output, settings=None):
                              settings={"SMB_MEMORY": "1G", "EDDIS_COMM_TIMEOUT": "600", **(settings or {})})
 
 
-def run_configuration(args, env, config, contenders):
+def run_configuration(args, env, config, contenders, rate):
     """One Slurm job: every contender of this configuration; returns its records. The
-    contenders on the rdma transport get a job of their own (RDMA_SETTINGS)."""
+    contenders on the rdma transport get a job of their own (RDMA_SETTINGS). ``rate``: what
+    a link carries (bytes/s), the measure of an idle one (bench/link_usage.py)."""
     from eddis.slurm import devcluster
 
     rdma = [c for c in contenders if c.endswith("-rdma")]
     if rdma and len(rdma) < len(contenders):
-        return (run_configuration(args, env, config, [c for c in contenders if c not in rdma])
-                + run_configuration(args, env, config, rdma))
+        return (run_configuration(args, env, config, [c for c in contenders if c not in rdma], rate)
+                + run_configuration(args, env, config, rdma, rate))
 
     work = Path(tempfile.mkdtemp(prefix="eddis-bench-cluster-", dir="/tmp"))
     os.chmod(work, 0o755)
@@ -536,12 +538,19 @@ def run_configuration(args, env, config, contenders):
         sys.exit(f"bench/cluster.py: sbatch failed: {submit.stderr}")
     job = submit.stdout.strip().split(";")[0]
     counters, cpu, deadline = {}, {}, time.monotonic() + JOB_TIMEOUT_S
+    samplers, link_samples = {}, {}
     labels = [f"{c}-{i}" for c in contenders for i in (1, 2)]
     while time.monotonic() < deadline:
         for label in labels:
             if label not in counters and (work / f"pause-{label}").exists():
                 counters[label] = devcluster.traffic(args.cluster_dir)
                 cpu[label] = job_cpu.sample(job_env["EDDIS_RUN_DIR"])
+                contender, mark = label.rsplit("-", 1)
+                if mark == "1":   # the measured steps start: sample the links until they end
+                    samplers[contender] = link_usage.Sampler(
+                        lambda: devcluster.traffic(args.cluster_dir)).start()
+                elif contender in samplers:
+                    link_samples[contender] = samplers.pop(contender).stop()
                 (work / f"go-{label}").write_text("")
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True,
                                text=True, timeout=30).stdout.strip()
@@ -551,6 +560,8 @@ def run_configuration(args, env, config, contenders):
     else:
         subprocess.run(["scancel", job], env=env, timeout=30)
         print(f"job {job} ran past {JOB_TIMEOUT_S} s and was cancelled", file=sys.stderr)
+    for sampler in samplers.values():   # a contender that never reached its end mark
+        sampler.stop()
     text = output.read_text() if output.exists() else ""
     records = []
     for line in text.splitlines():
@@ -565,6 +576,8 @@ def run_configuration(args, env, config, contenders):
         used = sorted(per_node)[:config["nodes"]]
         tx = [per_node[n]["tx"] / steps for n in used]
         rx = [per_node[n]["rx"] / steps for n in used]
+        # per node and way, the share of the measured steps' time the link carried next to nothing
+        idle = link_usage.idle_shares(link_samples.get(c, []), rate, used)
         records.append({
             "config": {**{k: config[k] for k in ("link", "nodes", "ranks_per_node", "slowdowns", "model")},
                        "local_batch": model_config(config["model"], args.local_batch)["batch"],
@@ -576,6 +589,7 @@ def run_configuration(args, env, config, contenders):
             # each way: the mean over nodes of (out + in) / 2, the measure of 2(k-1)/k S
             "cross_node_bytes_per_step": sum(t + x for t, x in zip(tx, rx)) / (2 * len(used)),
             "tx_per_step": tx, "rx_per_step": rx, "gradient_bytes": r["gradient_bytes"],
+            "link_idle": idle, "link_idle_mean": link_usage.mean_idle(idle),
             "global_batch": r["global_batch"], "wall_s": r["wall_s"], "job": job,
             # every rank's (server's) CPU seconds added up, per global batch
             "cpu_s_per_step": {role: seconds / steps for role, seconds in used_cpu.items()}})
@@ -619,7 +633,7 @@ def print_table(records):
               f"target loss {rows[0]['target_loss']})")
         print(f"{'contender':22s} {'samples/s':>10s} {'x DDP':>6s} {'to target s':>12s} {'x DDP':>6s} "
               f"{'bytes/step/node/way':>20s} {'/ S':>6s} {'x ideal':>8s} {'floor s':>8s} {'x floor':>8s} "
-              f"{'cpu s/step: ranks':>18s} {'servers':>8s}")
+              f"{'cpu s/step: ranks':>18s} {'servers':>8s} {'link idle':>10s}")
         for r in rows:
             speed = f"{r['samples_per_s'] / ddp['samples_per_s']:.2f}" if ddp else "-"
             hit = r["time_to_target_s"]
@@ -629,7 +643,8 @@ def print_table(records):
                   f"{'-' if hit is None else f'{hit:.1f}':>12s} {faster:>6s} "
                   f"{r['cross_node_bytes_per_step'] / 1e6:18.1f}MB {r['cross_node_bytes_per_step'] / r['gradient_bytes']:6.2f} "
                   f"{share:>8s} {_figure(r.get('floor_step_s'), '.3f'):>8s} {_figure(r.get('x_floor'), '.2f'):>8s} "
-                  f"{r['cpu_s_per_step']['ranks']:18.3f} {r['cpu_s_per_step']['servers']:8.3f}")
+                  f"{r['cpu_s_per_step']['ranks']:18.3f} {r['cpu_s_per_step']['servers']:8.3f} "
+                  f"{_figure(r.get('link_idle_mean'), '.2f'):>10s}")
 
 
 def _figure(value, spec):
@@ -734,7 +749,7 @@ def main(argv=None):
             if config["nodes"] * config["ranks_per_node"] == 1:
                 contenders = [c for c in contenders if c in ("ddp", "eddis-sync")]
             print(f"-- {config}: {', '.join(contenders)}", flush=True)
-            found = run_configuration(args, env, config, contenders)
+            found = run_configuration(args, env, config, contenders, rate)
             add_floors(found, rate)
             for r in found:
                 print(f"   {r['contender']:22s} {r['samples_per_s']:8.1f} samples/s, to target "
