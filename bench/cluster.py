@@ -2,8 +2,12 @@
 
     python bench/cluster.py --quick                       # one configuration, under 10 minutes
     python bench/cluster.py [--links 1gbit,10gbit] [--layouts 2x2,4x1] [--slowdowns 1111,1123]
-                            [--models comm,compute,lstm] [--contenders ...] [--json out.json]
+                            [--models comm,compute,lstm,deep] [--contenders ...] [--json out.json]
     python bench/cluster.py --scaling [--json out.json]   # 1, 2, 4, 8 nodes of 1 rank; 2 nodes of 1, 2, 4
+
+The models (``MODELS``): ``comm``, an MLP whose middle layer holds two thirds of its 101 MB;
+``compute``, a small CNN; ``lstm``, a small LSTM language model; ``deep`` (not in the
+default list), an MLP of about comm's bytes in seven equal layers.
 
 The cluster is ``scripts/eddis-dev-cluster`` in network mode ``netns`` (every Slurm
 node its own network host, each link limited by an HTB qdisc), in a state directory
@@ -100,6 +104,9 @@ MODELS = {  # local batch, target loss, learning rate at a batch of 32, steps to
     "comm": {"batch": 8, "target": 0.5, "lr": 0.05, "warmup": 2, "separation": 0.2},
     "compute": {"batch": 8, "target": 1.0, "lr": 0.05, "warmup": 2, "separation": 1.0},
     "lstm": {"batch": 8, "target": 3.5, "lr": 1.0, "warmup": 2},
+    # about comm's bytes in seven equal layers: the backward makes them ready one by one and
+    # the next forward needs them in the other order, where comm's middle layer holds 2/3
+    "deep": {"batch": 8, "target": 1.0, "lr": 0.05, "warmup": 2, "separation": 0.2},
 }
 CONTENDERS = ["ddp", "ddp-fp16", "horovod", "eddis-allreduce", "eddis-sync", "eddis-sync-fp16",
               "eddis-sync-bf16", "eddis-sync-flat", "eddis-sync-rdma", "eddis-balanced", "eddis-easgd",
@@ -141,6 +148,9 @@ def build_model(name):
     if name == "comm":
         return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
                              nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    if name == "deep":
+        hidden = [layer for _ in range(6) for layer in (nn.Linear(2048, 2048), nn.ReLU())]
+        return nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), *hidden, nn.Linear(2048, 10))
     return LanguageModel()
 
 
@@ -187,7 +197,7 @@ class Data:
                                            torch.randint(0, vocab, (samples,), generator=g))
             self.x, self.y = tokens[:, :-1], tokens[:, 1:]
         else:
-            shape = (1024,) if model == "comm" else (3, 32, 32)
+            shape = (1024,) if model in ("comm", "deep") else (3, 32, 32)
             # ten Gaussian classes whose means lie close: learnable, not at once
             self.y = torch.randint(0, 10, (samples,), generator=g)
             means = MODELS[model]["separation"] * torch.randn(10, *shape, generator=g)
