@@ -256,11 +256,10 @@ class Job(Launcher):
                 return status
             if self.signals.checkpoint_asked and not self.checkpoint_requested:
                 self._request_checkpoint()
-            ended = [p for p in self.servers if p.poll() is not None]
-            if ended and server_steps_end_training(len(ended), len(self.servers), survivable):
-                self.say(f"an smb-server step ended (status {exit_status(ended[0].returncode)}) during training; "
-                         "stopping the trainers", err=True)
-                self._stop_trainers(f"an smb-server step ended (status {exit_status(ended[0].returncode)})")
+            ended, cause = self._servers_ended(survivable)
+            if cause:
+                self.say(f"{cause} during training; stopping the trainers", err=True)
+                self._stop_trainers(cause)
                 return 1
             for step in (p for p in ended if p.pid not in noted):
                 noted.add(step.pid)   # a hetjob component's servers, lost with its node(s)
@@ -268,15 +267,22 @@ class Job(Launcher):
                          "elastic run with mirrored state: the trainers go on", err=True)
             time.sleep(POLL_SECONDS)
 
+    def _servers_ended(self, survivable):
+        """The server steps that have ended, and the cause to name when training cannot go on
+        without them (None while it can)."""
+        ended = [p for p in self.servers if p.poll() is not None]
+        if ended and server_steps_end_training(len(ended), len(self.servers), survivable):
+            return ended, f"an smb-server step ended (status {exit_status(ended[0].returncode)})"
+        return ended, None
+
     def _name_ended_servers(self, status, survivable):
         """Failed trainers whose smb-server step ended too: name the server's end as the cause,
         waiting briefly for srun to report it."""
         deadline = time.monotonic() + SERVER_END_GRACE_SECONDS
         while True:
-            ended = [p for p in self.servers if p.poll() is not None]
-            if ended and server_steps_end_training(len(ended), len(self.servers), survivable):
-                self.say(f"an smb-server step ended (status {exit_status(ended[0].returncode)}) during training; "
-                         f"the trainers stopped with status {status}", err=True)
+            cause = self._servers_ended(survivable)[1]
+            if cause:
+                self.say(f"{cause} during training; the trainers stopped with status {status}", err=True)
                 return
             if time.monotonic() >= deadline:
                 return
