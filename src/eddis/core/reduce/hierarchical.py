@@ -242,13 +242,15 @@ class HierarchicalSyncReducer(SlotReducer):
         first (the highest index: the plan runs backwards through the model) goes first,
         and at most INFLIGHT_PIECES pieces' bytes per other server are on their way at a
         time, so that a bucket that is ready later still overtakes the pieces of earlier ones
-        not yet posted."""
+        not yet posted. A summed piece's reads wait while a bucket the forward needs sooner
+        is still on its way up, so that the first layers' results come back first."""
         waiting = {}              # bucket -> [generation, node weight, weights, next piece]
         writing = deque()         # posted pieces: (bucket, piece, writes, bytes, generation, weight, posted)
         summing = deque()         # pieces in the servers' sum: (bucket, piece, request, generation, posted)
+        summed = {}               # bucket -> [(piece, generation)] whose reads wait for a sooner bucket
         in_flight = 0
         while True:
-            busy = bool(waiting or writing or summing)
+            busy = bool(waiting or writing or summing or summed)
             try:
                 item = self._queue.get_nowait() if busy else self._queue.get()
             except queue.Empty:
@@ -296,9 +298,15 @@ class HierarchicalSyncReducer(SlotReducer):
             while summing and summing[0][2].done():
                 k, i, request, generation, _ = summing.popleft()
                 self._wait_servers(request, k, f"node of {self.layout.nodes}")
-                lo, hi = self.shares[k].pieces[i]
-                self._relayed.put((k, (i, generation, self._fetch(k, lo, hi))))
+                summed.setdefault(k, []).append((i, generation))
                 moved = True
+            if summed:
+                rising = max((*waiting, *(w[0] for w in writing), *(s[0] for s in summing)), default=-1)
+                for k in sorted((k for k in summed if k >= rising), reverse=True):
+                    for i, generation in summed.pop(k):
+                        lo, hi = self.shares[k].pieces[i]
+                        self._relayed.put((k, (i, generation, self._fetch(k, lo, hi))))
+                        moved = True
             if moved:
                 continue
             self._check_deadlines(writing, summing)
