@@ -1,7 +1,7 @@
 """hybrid across the two partitions of the local Slurm cluster: ``eddis submit --gpus
 a100:2,v100:2 --mode hybrid`` makes one hetjob component per GPU type (n1: a100, n2: v100),
 so the hybrid groups are the components: sync inside each, EASGD between them through the
-SMB servers of both nodes. The v100 group is slowed 2x (EDDIS_SIMULATE_SLOWDOWN=g1:2.0, the
+SMB servers of both nodes. The v100 group is slowed 4x (EDDIS_SIMULATE_SLOWDOWN=g1:4.0, the
 testing aid), so the a100 group does more iterations; the job uses exactly the total and the
 centre (the final model, written once by save_checkpoint) reaches 0.90 test accuracy."""
 import re
@@ -24,7 +24,7 @@ def test_hybrid_groups_are_the_hetjob_components(slurm_cluster, job_env, tmp_pat
 
     out = tmp_path / "job.out"
     checkpoint = tmp_path / "model.pt"
-    env = dict(job_env, EDDIS_SIMULATE_SLOWDOWN="g1:2.0")
+    env = dict(job_env, EDDIS_SIMULATE_SLOWDOWN="g1:4.0")
     proc = slurm_cluster.run([PYTHON, "-m", "eddis.cli", "submit", "--gpus", "a100:2,v100:2",
                               "--time", "00:10:00", "--mode", "hybrid", "--output", out, EXAMPLE,
                               "--mode", "hybrid", "--iterations", TOTAL, "--checkpoint", checkpoint],
