@@ -59,6 +59,29 @@ def test_a_missing_module_name_is_explained(argv, capsys):
     assert "-m needs a module name right after it, as python -m does" in capsys.readouterr().err
 
 
+def test_a_module_is_looked_up_from_the_working_directory_first(tmp_path, monkeypatch):
+    from eddis.slurm.command import missing_script
+
+    monkeypatch.chdir(echo_package(tmp_path / "work"))
+    assert missing_script(["-m", "echo_pkg.argv", "--x"]) is None
+    assert missing_script(["-m", "json.tool"]) is None
+    assert "echo_pkg" not in __import__("sys").modules   # looked up, not imported
+    why = missing_script(["-m", "no_such_pkg.train"])
+    assert why.startswith("-m no_such_pkg.train: no module named 'no_such_pkg'") and str(tmp_path) in why, why
+    assert "is not a module name" in missing_script(["-m", "1st.train"])
+
+
+def test_a_module_that_is_not_there_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    from eddis.launch.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EDDIS_RUN_DIR", str(tmp_path / "run"))
+    assert main(["--local", "-n", "2", "-m", "no_such_pkg.train", "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "no module named 'no_such_pkg'" in err and "nothing was started" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(180)
 def test_local_runs_a_module_on_every_rank_as_python_m_does(tmp_path):
