@@ -6,6 +6,7 @@ those that look like eddis-train's own options, and a ``--`` among them.
 import json
 import os
 import re
+import sys
 
 import pytest
 
@@ -65,7 +66,7 @@ def test_a_module_is_looked_up_from_the_working_directory_first(tmp_path, monkey
     monkeypatch.chdir(echo_package(tmp_path / "work"))
     assert missing_script(["-m", "echo_pkg.argv", "--x"]) is None
     assert missing_script(["-m", "json.tool"]) is None
-    assert "echo_pkg" not in __import__("sys").modules   # looked up, not imported
+    assert "echo_pkg" not in sys.modules   # looked up, not imported
     why = missing_script(["-m", "no_such_pkg.train"])
     assert why.startswith("-m no_such_pkg.train: no module named 'no_such_pkg'") and str(tmp_path) in why, why
     assert "is not a module name" in missing_script(["-m", "1st.train"])
