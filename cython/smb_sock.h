@@ -11,6 +11,7 @@
 #include <unistd.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <netinet/in.h>
@@ -180,6 +181,65 @@ static inline int smb_pipe_nonblocking(int fds[2])
     fcntl(fds[0], F_SETFD, FD_CLOEXEC);
     fcntl(fds[1], F_SETFD, FD_CLOEXEC);
     return 0;
+}
+
+/* A count of completions that threads can sleep on: the thread that moves a
+ * client's sockets bumps it when replies complete, and a thread whose requests
+ * it moves meanwhile sleeps until then instead of spinning on the lock. */
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    unsigned long count;
+} smb_waker_t;
+
+static inline int smb_waker_init(smb_waker_t *w)
+{
+    pthread_condattr_t attr;
+    int err = pthread_condattr_init(&attr);
+    if (err) return err;
+    err = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    if (!err) err = pthread_mutex_init(&w->lock, NULL);
+    if (!err && (err = pthread_cond_init(&w->cond, &attr)) != 0) pthread_mutex_destroy(&w->lock);
+    pthread_condattr_destroy(&attr);
+    w->count = 0;
+    return err;
+}
+
+static inline void smb_waker_destroy(smb_waker_t *w)
+{
+    pthread_cond_destroy(&w->cond);
+    pthread_mutex_destroy(&w->lock);
+}
+
+static inline unsigned long smb_waker_count(smb_waker_t *w)
+{
+    return __atomic_load_n(&w->count, __ATOMIC_ACQUIRE);
+}
+
+static inline void smb_waker_bump(smb_waker_t *w)
+{
+    pthread_mutex_lock(&w->lock);
+    __atomic_store_n(&w->count, w->count + 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+}
+
+/* Sleep until the count differs from `seen` or `timeout_ms` passed: 1 if it
+ * moved, 0 if the time ran out. */
+static inline int smb_waker_wait(smb_waker_t *w, unsigned long seen, int timeout_ms)
+{
+    struct timespec until;
+    int moved;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += timeout_ms / 1000;
+    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) { until.tv_sec += 1; until.tv_nsec -= 1000000000L; }
+    pthread_mutex_lock(&w->lock);
+    while (w->count == seen && pthread_cond_timedwait(&w->cond, &w->lock, &until) != ETIMEDOUT)
+        ;
+    moved = w->count != seen;
+    pthread_mutex_unlock(&w->lock);
+    return moved;
 }
 
 #endif

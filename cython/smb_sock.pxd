@@ -35,3 +35,11 @@ cdef extern from "smb_sock.h" nogil:
     int pthread_mutex_lock(pthread_mutex_t *m)
     int pthread_mutex_trylock(pthread_mutex_t *m)
     int pthread_mutex_unlock(pthread_mutex_t *m)
+
+    ctypedef struct smb_waker_t:
+        pass
+    int smb_waker_init(smb_waker_t *w)
+    void smb_waker_destroy(smb_waker_t *w)
+    unsigned long smb_waker_count(smb_waker_t *w)
+    void smb_waker_bump(smb_waker_t *w)
+    int smb_waker_wait(smb_waker_t *w, unsigned long seen, int timeout_ms)

@@ -473,6 +473,44 @@ def test_one_client_shared_by_threads(client):
     pool.free()
 
 
+@pytest.mark.timeout(120)
+def test_threads_wait_on_one_clients_transfers(client, cluster):
+    """Two threads wait on large transfers of one client at once (a reducer's relay thread
+    on its writes, its finish thread on its reads): each gets its own data back, and over
+    the sockets a thread that finds the other moving them sleeps until that pass completes
+    replies (counted) instead of spinning on the lock."""
+    import threading
+
+    n = 4 << 20   # 16 MiB of float32 a transfer: many passes over the sockets
+    pools = [client.pool(f"shared-wait-{t}", n, slots=1) for t in range(2)]
+    errors = []
+    before = client._core.shared_waits
+
+    def transfers(t):
+        try:
+            rng = np.random.default_rng(t)
+            out = np.empty(n, np.float32)
+            for _ in range(8):
+                data = rng.random(n, dtype=np.float32)
+                pools[t].write_nb(data, slot=0).wait()
+                pools[t].read_nb(out=out, slot=0).wait()
+                np.testing.assert_array_equal(out, data)
+        except BaseException as exc:   # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=transfers, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=100)
+    assert not any(thread.is_alive() for thread in threads)
+    assert not errors, errors
+    if cluster.transport == "socket":
+        assert client._core.shared_waits > before
+    for pool in pools:
+        pool.free()
+
+
 @pytest.mark.timeout(60)
 def test_close_while_another_thread_waits(cluster, monkeypatch):
     """close() from one thread while another waits: an error there, never a crash."""
