@@ -47,6 +47,7 @@ cdef struct server_t:
     vp.smb_vecpool_t *vecpool   # reduction threads (NULL before start: the caller alone)
     int reduce_threads
     size_t unsent           # socket transport: SMB_SOCKET_UNSENT of each connection
+    double spin             # socket transport: SMB_SERVER_SPIN_US, in seconds
     int adopt_fds[2]        # socket transport: proven sockets handed over by the handshake
     sk.pollfd *pfds
     int *pfd_conns
@@ -647,9 +648,9 @@ cdef void server_loop_sock(server_t *st) noexcept nogil:
             st.pfd_conns[k] = i
             k += 1
         now = smb_now()
-        # Requests come in bursts (buckets, counters): poll without sleeping a
-        # little longer, which saves a wakeup per request of a burst.
-        timeout = 0 if ucx_busy or now - last_busy < 50e-6 else 100
+        # SMB_SERVER_SPIN_US: poll without sleeping a little longer after something moved,
+        # which saves a wakeup per request of a burst where the server has a core of its own
+        timeout = 0 if ucx_busy or now - last_busy < st.spin else 100
         n = sk.poll(st.pfds, k, timeout)
         if n < 0 and loop_failed(st, b"poll()"):
             return
@@ -823,12 +824,15 @@ cdef class ServerCore:
         self.handler = handler
         self.st.py_handler = <void*>handler
 
-    def start_sockets(self, bytes hello_reply, handler, int reduce_threads=1, size_t unsent=0):
+    def start_sockets(self, bytes hello_reply, handler, int reduce_threads=1, size_t unsent=0,
+                      double spin_us=0):
         """Serve requests over proven sockets: the caller proves each peer's token
         (eddis.smb.handshake) and hands the socket over with adopt_socket().
-        No port but the caller's own listens. `unsent`: see smb_sock_prepare."""
+        No port but the caller's own listens. `unsent`: see smb_sock_prepare; `spin_us`: how
+        long the loop polls without sleeping after something moved."""
         self._prepare(hello_reply, handler, reduce_threads)
         self.st.unsent = unsent
+        self.st.spin = spin_us * 1e-6
         # the hand-over pipe, the UCX worker's event descriptor, one per connection
         self.st.pfds = <sk.pollfd*>calloc(MAX_CONNS + 2, sizeof(sk.pollfd))
         self.st.pfd_conns = <int*>calloc(MAX_CONNS + 2, sizeof(int))

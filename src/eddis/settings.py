@@ -429,6 +429,11 @@ register("SMB_SOCKET_UNSENT", "size", 256 << 10,
          "sends a request (a read, a reduction) ahead of the puts it has queued, but not ahead of "
          "what the kernel holds already: a smaller figure lets a request wait less behind bulk "
          "data, a larger one needs fewer wakeups on fast links.", max=64 << 20)
+register("SMB_SERVER_SPIN_US", "float", 0.0,
+         "Socket transport: microseconds an smb-server keeps polling its sockets without sleeping "
+         "after something moved, so that the next request of a burst costs no wakeup. Worth it where "
+         "the server has a core of its own; where it shares the node's cores with the trainers (0, "
+         "the default), they get that time: each poll is a system call.", min=0, max=10000)
 register("SMB_UCX_ALLOW_TCP", "bool", False,
          "UNSAFE, FOR TESTS ONLY: let the rdma transport use UCX's tcp transport, whose one-sided "
          "writes check no key and no address, so any peer that reaches its port can write anywhere "

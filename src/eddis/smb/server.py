@@ -227,7 +227,7 @@ class Server:
                      "arena_size": self.core.arena_size, "pid": os.getpid(),
                      "transport": self.transport, "transport_reason": self.transport_reason}
             self.core.start_sockets(json.dumps(hello).encode(), self._handle, self.reduce_threads,
-                                    settings.get("SMB_SOCKET_UNSENT"))
+                                    settings.get("SMB_SOCKET_UNSENT"), settings.get("SMB_SERVER_SPIN_US"))
             if self.transport == "rdma":
                 self._start_rdma(listen)
             self.gate = handshake.Gate(listen, self.port, token, self.core.adopt_socket,
