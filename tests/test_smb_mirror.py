@@ -53,6 +53,13 @@ def test_a_mirrored_pool_and_counter_outlive_a_killed_server(transport, monkeypa
             pool.axpy(0, 1, 1.0)
             want += np.arange(LENGTH, dtype=np.float32) + 1000
             np.testing.assert_array_equal(pool.read(slot=0), want)
+            # the non-blocking calls answer done() and wait_done() as a Pool's requests do
+            update = pool.axpy_nb(0, 1, 0.0)
+            assert update.wait_done(20) and update.done()
+            update.wait()
+            read = pool.read_nb(slot=0)
+            assert read.wait_done(20) and read.done()
+            np.testing.assert_array_equal(read.wait(), want)
             # a piece that straddles the lost server's segment
             pool.write(np.full(400, 7, dtype=np.float32), slot=1, start=300)
             got = pool.read(slot=1, start=250, count=500)

@@ -29,6 +29,8 @@ Cost: twice the memory; every update sends its bytes twice (an easgd exchange re
 centre once and writes the worker's move twice, 4 rather than 3 times the parameter
 bytes) and every counter update is one more round trip; reads cost nothing more.
 """
+import time
+
 import numpy as np
 
 from ..errors import SMBConnectionError, SMBTimeoutError, SMBValueError
@@ -51,6 +53,12 @@ class _Failed:
     def __init__(self, error):
         self.error = error
 
+    def done(self):
+        return True
+
+    def wait_done(self, timeout):
+        return True
+
     def wait(self, timeout=None):
         raise self.error
 
@@ -63,6 +71,13 @@ def _issue(start):
         return start()
     except SMBConnectionError as exc:
         return _Failed(exc)
+
+
+def drive_all(requests, timeout):
+    """Drive the transport for up to ``timeout`` s in all, until every request is done; True
+    once they are (``wait()`` then returns or raises at once), False while some go on."""
+    deadline = time.monotonic() + float(timeout)
+    return all(request.wait_done(max(0.0, deadline - time.monotonic())) for request in requests)
 
 
 def wait_all(client, requests, timeout):
@@ -89,6 +104,14 @@ class _Read:
         self.pool, self.arr, self.result, self.slot, self.start = pool, arr, result, slot, start
         self.requests = pool._start_read(arr, slot, start)
 
+    def done(self):
+        """True once this round's reads are done (``wait()`` reads again, from the mirror,
+        what a server lost meanwhile held)."""
+        return all(request.done() for request in self.requests)
+
+    def wait_done(self, timeout):
+        return drive_all(self.requests, timeout)
+
     def wait(self, timeout=None):
         pool = self.pool
         # a round fails only when a server more is lost: bounded by the number of servers
@@ -105,6 +128,12 @@ class _Update:
 
     def __init__(self, pool, requests, start, count, what):
         self.pool, self.requests, self.start, self.count, self.what = pool, requests, start, count, what
+
+    def done(self):
+        return all(request.done() for request in self.requests)
+
+    def wait_done(self, timeout):
+        return drive_all(self.requests, timeout)
 
     def wait(self, timeout=None):
         if not wait_all(self.pool.client, self.requests, timeout):
