@@ -135,6 +135,10 @@ JOB_TIMEOUT_S = 1800
 
 
 # ---------------------------------------------------------------- models and data (worker side)
+# the width of the MLPs' input (comm, deep): build_model's first layer and Data's samples
+MLP_INPUT = 1024
+
+
 def build_model(name):
     import torch
     import torch.nn as nn
@@ -146,11 +150,11 @@ def build_model(name):
             nn.MaxPool2d(2), nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Flatten(), nn.Linear(128 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10))
     if name == "comm":
-        return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+        return nn.Sequential(nn.Linear(MLP_INPUT, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
                              nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
     if name == "deep":
         hidden = [layer for _ in range(6) for layer in (nn.Linear(2048, 2048), nn.ReLU())]
-        return nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), *hidden, nn.Linear(2048, 10))
+        return nn.Sequential(nn.Linear(MLP_INPUT, 2048), nn.ReLU(), *hidden, nn.Linear(2048, 10))
     return LanguageModel()
 
 
@@ -197,7 +201,7 @@ class Data:
                                            torch.randint(0, vocab, (samples,), generator=g))
             self.x, self.y = tokens[:, :-1], tokens[:, 1:]
         else:
-            shape = (1024,) if model in ("comm", "deep") else (3, 32, 32)
+            shape = (MLP_INPUT,) if model in ("comm", "deep") else (3, 32, 32)
             # ten Gaussian classes whose means lie close: learnable, not at once
             self.y = torch.randint(0, 10, (samples,), generator=g)
             means = MODELS[model]["separation"] * torch.randn(10, *shape, generator=g)
