@@ -475,15 +475,17 @@ def test_one_client_shared_by_threads(client):
 
 @pytest.mark.timeout(120)
 def test_threads_wait_on_one_clients_transfers(client, cluster):
-    """Two threads wait on large transfers of one client at once (a reducer's relay thread
-    on its writes, its finish thread on its reads): each gets its own data back, and over
-    the sockets a thread that finds the other moving them sleeps until that pass completes
-    replies (counted) instead of spinning on the lock."""
+    """Threads wait on one client at once (a reducer's relay thread on its writes, its finish
+    thread on its reads): each gets its own data back, and over the sockets a thread that
+    finds another moving them sleeps until that pass completes replies (counted) instead of
+    spinning on the lock. A third thread waits on an event all along, so the sockets are
+    being moved by another thread most of the time, however the threads are scheduled."""
     import threading
 
     n = 4 << 20   # 16 MiB of float32 a transfer: many passes over the sockets
     pools = [client.pool(f"shared-wait-{t}", n, slots=1) for t in range(2)]
-    errors = []
+    held = client.event("shared-wait-held")
+    errors, versions = [], []
     before = client._core.shared_waits
 
     def transfers(t):
@@ -498,13 +500,24 @@ def test_threads_wait_on_one_clients_transfers(client, cluster):
         except BaseException as exc:   # reported by the main thread
             errors.append(exc)
 
+    def holding():
+        try:
+            versions.append(held.wait(1, timeout=60))
+        except BaseException as exc:
+            errors.append(exc)
+
+    holder = threading.Thread(target=holding)
+    holder.start()
     threads = [threading.Thread(target=transfers, args=(t,)) for t in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=100)
-    assert not any(thread.is_alive() for thread in threads)
+        thread.join(timeout=90)
+    held.notify()
+    holder.join(timeout=30)
+    assert not any(thread.is_alive() for thread in [holder, *threads])
     assert not errors, errors
+    assert versions == [1]
     if cluster.transport == "socket":
         assert client._core.shared_waits > before
     for pool in pools:
