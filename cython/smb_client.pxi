@@ -127,9 +127,10 @@ cdef long client_sock_progress(client_t *cl, client_conn_t *conns, int nconns,
                                int timeout_ms) noexcept nogil:
     """One pass over the sockets. While another thread makes its pass (this thread's requests
     included), this one sleeps until that pass completes replies or ``timeout_ms`` is up: 1 if
-    replies completed meanwhile, else 0. Spinning on the lock instead (a relay thread waiting
-    for its writes beside a finish thread waiting for its reads) took a tenth of the CPU of a
-    rank at 4 x 1, in sched_yield and context switches."""
+    replies completed meanwhile, else 0. Two threads wait on one client all the time (a
+    reducer's relay thread on its writes, its finish thread on its reads); spinning on the lock
+    instead kept the one that lost it on the CPU, in sched_yield and context switches, beside
+    trainers that need those cores."""
     cdef int i, k = 0
     cdef long moved, total = 0
     cdef client_conn_t *c
