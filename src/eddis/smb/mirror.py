@@ -73,13 +73,6 @@ def _issue(start):
         return _Failed(exc)
 
 
-def drive_all(requests, timeout):
-    """Drive the transport for up to ``timeout`` s in all, until every request is done; True
-    once they are (``wait()`` then returns or raises at once), False while some go on."""
-    deadline = time.monotonic() + float(timeout)
-    return all(request.wait_done(max(0.0, deadline - time.monotonic())) for request in requests)
-
-
 def wait_all(client, requests, timeout):
     """Wait for every request (each on its own servers); the servers they lost are noted on
     ``client``. True when all completed; raises what is neither a lost connection nor a timeout."""
@@ -97,20 +90,28 @@ def wait_all(client, requests, timeout):
     return not failed
 
 
-class _Read:
-    """A mirrored read in flight: wait() reads again what a lost primary server held."""
+class _InFlight:
+    """The requests (``self.requests``) of one mirrored operation on its copies, polled and
+    driven together."""
+
+    def done(self):
+        """True once every request of this round is done."""
+        return all(request.done() for request in self.requests)
+
+    def wait_done(self, timeout):
+        """Drive the transport for up to ``timeout`` s in all, until every request is done; True
+        once they are (``wait()`` then returns or raises at once), False while some go on."""
+        deadline = time.monotonic() + float(timeout)
+        return all(request.wait_done(max(0.0, deadline - time.monotonic())) for request in self.requests)
+
+
+class _Read(_InFlight):
+    """A mirrored read in flight: wait() reads again what a lost primary server held, so it may
+    go on after done()."""
 
     def __init__(self, pool, arr, result, slot, start):
         self.pool, self.arr, self.result, self.slot, self.start = pool, arr, result, slot, start
         self.requests = pool._start_read(arr, slot, start)
-
-    def done(self):
-        """True once this round's reads are done (``wait()`` reads again, from the mirror,
-        what a server lost meanwhile held)."""
-        return all(request.done() for request in self.requests)
-
-    def wait_done(self, timeout):
-        return drive_all(self.requests, timeout)
 
     def wait(self, timeout=None):
         pool = self.pool
@@ -123,17 +124,11 @@ class _Read:
                                  f"{pool.client.num_servers} attempts", -25)
 
 
-class _Update:
+class _Update(_InFlight):
     """A mirrored update in flight: done once every live copy has it."""
 
     def __init__(self, pool, requests, start, count, what):
         self.pool, self.requests, self.start, self.count, self.what = pool, requests, start, count, what
-
-    def done(self):
-        return all(request.done() for request in self.requests)
-
-    def wait_done(self, timeout):
-        return drive_all(self.requests, timeout)
 
     def wait(self, timeout=None):
         if not wait_all(self.pool.client, self.requests, timeout):
