@@ -137,6 +137,7 @@ cdef long client_sock_progress(client_t *cl, client_conn_t *conns, int nconns,
     cdef short revents
     cdef unsigned long seen = sk.smb_waker_count(&cl.completions)
     cdef unsigned long done_before
+    cdef bint completed
     if sk.pthread_mutex_trylock(&cl.io_lock) != 0:
         if timeout_ms <= 0:
             return 0
@@ -167,9 +168,9 @@ cdef long client_sock_progress(client_t *cl, client_conn_t *conns, int nconns,
                 client_sock_fail(c, ucp.UCS_ERR_CONNECTION_RESET)
             else:
                 total += moved
-    done_before = cl.replies_done - done_before
+    completed = cl.replies_done != done_before
     sk.pthread_mutex_unlock(&cl.io_lock)
-    if done_before:
+    if completed:
         sk.smb_waker_bump(&cl.completions)
     return total
 
