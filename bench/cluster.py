@@ -61,7 +61,11 @@ carry when the cluster came up (``link_rate.py``); ``x floor`` is its step over 
 (``floor_step_s`` and ``x_floor`` in the ``--json`` records), "-" without ``solo``.
 ``cpu s/step`` is the CPU time the job's processes used per step, all ranks added up and
 all smb-servers added up (``job_cpu.py``; ``cpu_s_per_step`` in the records): where the
-2 CPUs went, beside where the seconds went.
+2 CPUs went, beside where the seconds went. ``link idle`` is the share of the measured
+steps' time a node link and way carried under 5 % of the measured rate, ``busy rate``
+what it carried the rest of the time as a share of that rate (``link_usage.py``; per
+node and way as ``link_idle`` and ``link_busy_rate`` in the records): a link that idles
+little can still run far below its rate while it works.
 
 Each contender warms up, then every rank stops at a barrier while this driver reads
 the byte counters of every node link (``eddis.slurm.devcluster.traffic``), trains on
@@ -592,6 +596,8 @@ def run_configuration(args, env, config, contenders, rate):
         rx = [per_node[n]["rx"] / steps for n in used]
         # per node and way, the share of the measured steps' time the link carried next to nothing
         idle = link_usage.idle_shares(link_samples.get(c, []), rate, used)
+        # and how full it was while it carried something
+        busy = link_usage.busy_rates(link_samples.get(c, []), rate, used)
         records.append({
             "config": {**{k: config[k] for k in ("link", "nodes", "ranks_per_node", "slowdowns", "model")},
                        "local_batch": model_config(config["model"], args.local_batch)["batch"],
@@ -603,7 +609,8 @@ def run_configuration(args, env, config, contenders, rate):
             # each way: the mean over nodes of (out + in) / 2, the measure of 2(k-1)/k S
             "cross_node_bytes_per_step": sum(t + x for t, x in zip(tx, rx)) / (2 * len(used)),
             "tx_per_step": tx, "rx_per_step": rx, "gradient_bytes": r["gradient_bytes"],
-            "link_idle": idle, "link_idle_mean": link_usage.mean_idle(idle),
+            "link_idle": idle, "link_idle_mean": link_usage.link_mean(idle),
+            "link_busy_rate": busy, "link_busy_rate_mean": link_usage.link_mean(busy),
             "global_batch": r["global_batch"], "wall_s": r["wall_s"], "job": job,
             # every rank's (server's) CPU seconds added up, per global batch
             "cpu_s_per_step": {role: seconds / steps for role, seconds in used_cpu.items()}})
@@ -647,7 +654,7 @@ def print_table(records):
               f"target loss {rows[0]['target_loss']})")
         print(f"{'contender':22s} {'samples/s':>10s} {'x DDP':>6s} {'to target s':>12s} {'x DDP':>6s} "
               f"{'bytes/step/node/way':>20s} {'/ S':>6s} {'x ideal':>8s} {'floor s':>8s} {'x floor':>8s} "
-              f"{'cpu s/step: ranks':>18s} {'servers':>8s} {'link idle':>10s}")
+              f"{'cpu s/step: ranks':>18s} {'servers':>8s} {'link idle':>10s} {'busy rate':>10s}")
         for r in rows:
             speed = f"{r['samples_per_s'] / ddp['samples_per_s']:.2f}" if ddp else "-"
             hit = r["time_to_target_s"]
@@ -658,7 +665,8 @@ def print_table(records):
                   f"{r['cross_node_bytes_per_step'] / 1e6:18.1f}MB {r['cross_node_bytes_per_step'] / r['gradient_bytes']:6.2f} "
                   f"{share:>8s} {_figure(r.get('floor_step_s'), '.3f'):>8s} {_figure(r.get('x_floor'), '.2f'):>8s} "
                   f"{r['cpu_s_per_step']['ranks']:18.3f} {r['cpu_s_per_step']['servers']:8.3f} "
-                  f"{_figure(r.get('link_idle_mean'), '.2f'):>10s}")
+                  f"{_figure(r.get('link_idle_mean'), '.2f'):>10s} "
+                  f"{_figure(r.get('link_busy_rate_mean'), '.2f'):>10s}")
 
 
 def _figure(value, spec):

@@ -6,7 +6,8 @@ not say when the link idles. ``Sampler(read)`` calls ``read()`` (the cluster's c
 ``stop()``; ``idle_shares(samples, rate, nodes)`` gives, per node and way, the share of the
 intervals in which the link carried less than ``IDLE_SHARE`` of ``rate``. Compute with no
 bucket to send, a node waiting for a straggler and a transfer that uses one way only all
-show there.
+show there. ``busy_rates(samples, rate, nodes)`` gives what the link carried in the other
+intervals, as a share of ``rate``: how full it was while it worked.
 """
 import threading
 import time
@@ -65,8 +66,32 @@ def idle_shares(samples, rate, nodes):
     return shares
 
 
-def mean_idle(shares):
-    """The mean over the nodes and both ways of ``idle_shares``'s result (None: unknown)."""
+def busy_rates(samples, rate, nodes):
+    """``{node: {"tx": share, "rx": share}}``: what that node's link and way carried while it
+    was not idle (the intervals at or above IDLE_SHARE of ``rate``), as a share of ``rate``.
+    A link can idle little and still carry less than it could (streams that stall and
+    restart, senders that wait on their peers); this says how full it was while it worked.
+    None where there are fewer than two samples; a way that never worked has None."""
+    if len(samples) < 2:
+        return None
+    rates = {}
+    for node in nodes:
+        rates[node] = {}
+        for way in ("tx", "rx"):
+            moved = busy = 0.0
+            for (t0, before), (t1, after) in zip(samples, samples[1:]):
+                dt = t1 - t0
+                delta = after[node][way] - before[node][way]
+                if dt > 0 and delta / dt >= IDLE_SHARE * rate:
+                    moved += delta
+                    busy += dt
+            rates[node][way] = moved / busy / rate if busy else None
+    return rates
+
+
+def link_mean(shares):
+    """The mean over the nodes and both ways of ``idle_shares``'s or ``busy_rates``'s result
+    (None: unknown)."""
     if not shares:
         return None
     values = [v for ways in shares.values() for v in ways.values() if v is not None]

@@ -33,12 +33,12 @@ def test_idle_is_the_share_of_intervals_below_the_threshold_per_node_and_way():
     assert shares["n1"]["rx"] == pytest.approx(0.2)
     assert shares["n2"]["tx"] == pytest.approx(0.4)
     assert shares["n2"]["rx"] == pytest.approx(1.0)
-    assert link_usage.mean_idle(shares) == pytest.approx(0.5)
+    assert link_usage.link_mean(shares) == pytest.approx(0.5)
 
 
 def test_too_few_samples_say_unknown():
     assert link_usage.idle_shares(samples_of([])[:1], RATE, ["n1"]) is None
-    assert link_usage.mean_idle(None) is None
+    assert link_usage.link_mean(None) is None
 
 
 def test_the_sampler_reads_until_stopped_and_ends_with_a_last_sample():
@@ -56,3 +56,16 @@ def test_the_sampler_reads_until_stopped_and_ends_with_a_last_sample():
     assert len(reads) == count >= 3          # nothing read after stop()
     assert [s[1]["n1"]["tx"] for s in samples] == list(range(1, count + 1))
     assert all(a[0] <= b[0] for a, b in zip(samples, samples[1:]))
+
+
+def test_busy_rate_is_what_the_working_intervals_carried_per_node_and_way():
+    full, half, idle, trickle = RATE, 0.5 * RATE, 0, 0.04 * RATE   # a trickle counts as idle
+    intervals = ([(full, half, full, idle)] * 4 + [(half, half, trickle, idle)] * 4
+                 + [(idle, idle, idle, idle)] * 2)
+    rates = link_usage.busy_rates(samples_of(intervals), RATE, ["n1", "n2"])
+    assert rates["n1"]["tx"] == pytest.approx(0.75, rel=1e-3)   # 4 full and 4 half intervals
+    assert rates["n1"]["rx"] == pytest.approx(0.5, rel=1e-3)
+    assert rates["n2"]["tx"] == pytest.approx(1.0, rel=1e-3)    # the trickle is not work
+    assert rates["n2"]["rx"] is None                            # this way never worked
+    assert link_usage.link_mean(rates) == pytest.approx(0.75, rel=1e-3)
+    assert link_usage.busy_rates(samples_of([])[:1], RATE, ["n1"]) is None
