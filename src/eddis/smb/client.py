@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import threading
-import time
 import zlib
 
 from .. import identity, settings
@@ -87,7 +86,6 @@ class Client:
         pending = _core.Pending(self._core)
         for conn in conns:
             self._core.post_request(pending, conn, _core.OP_HELLO, b"")
-        deadline = time.monotonic() + self.timeout
         if pending.wait(self.timeout) != 0 or pending.error_status:
             failed = [c for c in conns if self._core.conn_failed(c)]
             if failed:
@@ -97,7 +95,6 @@ class Client:
                     f"{self._status_text(self._core.conn_status(c))}; is it running (see the run directory)?",
                     self._core.conn_status(c) or -6)
             raise SMBTimeoutError(f"smb-servers did not answer HELLO within {self.timeout:g} s")
-        del deadline
         local_map = settings.get("SMB_LOCAL_MAP")
         me = identity.node_name()
         for conn, (status, data) in zip(conns, pending.replies()):
