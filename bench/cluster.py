@@ -48,7 +48,10 @@ contender in turn on the same data:
   ``Iallreduce`` from the main thread (what ``eddis plan --calibrate`` measures), and by
   EDDIS's allreduce mode and its sync (a backward that only touches every parameter, no
   model); its "samples/s" is a global batch over the time of one such reduction, its bytes
-  those of the path;
+  those of the path; ``probe-smbring`` (one rank a node): the buckets' bytes all-reduced by a
+  ring across the nodes through their smb-servers (``smb_ring``: each node's chunk into the
+  next node's server, read there from mapped memory), the ring issue 41 allows at one rank a
+  node, measured before it is a mode;
 - ``solo``, the ideal: every rank trains a model of its own at the same time, with no
   communication, for ``--solo-seconds``; its samples/s is the sum of the ranks' own
   rates, so it carries the same CPU contention and slowdowns as the others, and the
@@ -115,7 +118,7 @@ MODELS = {  # local batch, target loss, learning rate at a batch of 32, steps to
 CONTENDERS = ["ddp", "ddp-fp16", "horovod", "eddis-allreduce", "eddis-sync", "eddis-sync-fp16",
               "eddis-sync-bf16", "eddis-sync-flat", "eddis-sync-rdma", "eddis-balanced", "eddis-easgd",
               "eddis-hybrid", "eddis-hybrid-balanced", "solo"]
-PROBES = ["probe-ring", "probe-mpi", "probe-allreduce", "probe-sync"]
+PROBES = ["probe-ring", "probe-mpi", "probe-allreduce", "probe-sync", "probe-smbring"]
 PROBE_WARMUP, PROBE_REPEATS = 2, 6
 # the job of the contenders on the rdma transport (name ends in -rdma): its servers offer it,
 # over UCX's tcp here (no HCA on the emulated cluster; unsafe outside a test setting). UCX_TLS
@@ -134,6 +137,9 @@ OVERLAP_VARIANTS = ["eddis-easgd-overlap", "eddis-hybrid-overlap", "eddis-hybrid
 WHOLE_UPDATE_VARIANTS = ["eddis-sync-whole", "eddis-sync-fp16-whole"]
 # step() returns before the updates, which the next forward applies (EDDIS_OVERLAP_FORWARD=on)
 FORWARD_VARIANTS = ["eddis-sync-forward", "eddis-sync-fp16-forward", "eddis-allreduce-forward"]
+# probe-smbring: floats a piece of a ring step, and how long one node waits for its neighbour
+RING_PROBE_PIECE = 1 << 20
+RING_PROBE_TIMEOUT_S = 120
 PAUSE_TIMEOUT_S = 300
 JOB_TIMEOUT_S = 1800
 
@@ -330,6 +336,8 @@ def run_probe(contender, args, cfg, comm, rank, size, hosts):
 
         def once():
             MPI.Request.Waitall([comm.Iallreduce(a, b, op=MPI.SUM) for a, b in buffers])
+    elif contender == "probe-smbring":
+        once, close = smb_ring(sum(sizes), rank, lambda: eddis.allgather_object(0))
     else:   # EDDIS's own path: its sync, or its allreduce mode (MPI from its reduction thread)
         opt = eddis.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                          named_parameters=model.named_parameters(), mode=contender[len("probe-"):])
@@ -349,10 +357,95 @@ def run_probe(contender, args, cfg, comm, rank, size, hosts):
     pause(args.marker_dir, f"{contender}-2", comm, rank)
     if contender in ("probe-sync", "probe-allreduce") and hasattr(opt, "close"):
         opt.close()
+    if contender == "probe-smbring":
+        close()
     return {"contender": contender, "samples": PROBE_REPEATS * global_batch, "wall_s": wall,
             "samples_per_s": PROBE_REPEATS * global_batch / wall, "time_to_target_s": None,
             "final_loss_ema": None, "gradient_bytes": gradient_bytes, "global_batch": global_batch,
             "rank0_steps": PROBE_REPEATS}
+
+
+def smb_ring(total, rank, barrier):
+    """probe-smbring: an allreduce of ``total`` float32s by a ring across the nodes through
+    their smb-servers, one rank a node (the ring issue 41 allows there; not an EDDIS mode).
+    Each of the 2(n-1) steps sends one chunk of a node's n, in pieces, into the next node's
+    server, where that node reads it from mapped memory, adds its own (reduce-scatter) or
+    keeps it (allgather) and sends it on; a counter on the receiving server counts the
+    pieces that are in. Returns one reduction as a callable; the first call checks the sum."""
+    import collections
+
+    import numpy as np
+    from eddis.core.comm import connection
+    from eddis.core.reduce.hierarchical import NodeLayout
+
+    client = connection.smb_client()
+    layout = NodeLayout.gather(client, RING_PROBE_TIMEOUT_S)
+    if layout.problem or layout.pieces != 1:
+        raise RuntimeError(f"probe-smbring needs one rank and one smb-server a node ({layout.problem})")
+    n, me = layout.num_nodes, layout.node_of[rank]
+    chunk = -(-total // n)
+    steps = 2 * (n - 1)
+    pieces = [(lo, min(chunk, lo + RING_PROBE_PIECE)) for lo in range(0, chunk, RING_PROBE_PIECE)]
+    x = np.ones(n * chunk, np.float32)
+    inbox = client.pool(f"probe.ring.in.{me}", steps * chunk, "float32", servers=[layout.node_server[me]])
+    ahead = client.pool(f"probe.ring.in.{(me + 1) % n}", steps * chunk, "float32",
+                        servers=[layout.node_server[(me + 1) % n]])
+    arrived = client.counter(f"probe.ring.in.{me}", server=layout.node_server[me])
+    announce = client.counter(f"probe.ring.in.{(me + 1) % n}", server=layout.node_server[(me + 1) % n])
+    received = inbox.mapped_views(0, 0, steps * chunk)[0]
+    state = {"base": arrived.read(), "checked": False}
+    barrier()   # every base read before any piece is counted
+
+    def once():
+        pending = collections.deque()
+
+        def drain(block=False):
+            while pending and (block or pending[0].done()):
+                pending.popleft().wait(RING_PROBE_TIMEOUT_S)
+                announce.fetch_add(1)
+
+        def wait_for(need):
+            deadline = time.monotonic() + RING_PROBE_TIMEOUT_S
+            while arrived.read() < need:
+                drain()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"probe-smbring: node {me} waited {RING_PROBE_TIMEOUT_S} s for "
+                                       f"piece {need - state['base']} from node {(me - 1) % n}")
+                if not pending:
+                    time.sleep(0.0002)
+
+        for s in range(steps + 1):
+            # the chunk sent at step s is the one received from the node before at step s - 1
+            at = (me - s) % n * chunk
+            for m, (lo, hi) in enumerate(pieces):
+                out = x[at + lo:at + hi]
+                if s > 0:
+                    wait_for(state["base"] + (s - 1) * len(pieces) + m + 1)
+                    incoming = received[(s - 1) * chunk + lo:(s - 1) * chunk + hi]
+                    if s <= n - 1:
+                        out = incoming + out
+                        if s == n - 1:   # the sum of every node's chunk: this node's result
+                            x[at + lo:at + hi] = out
+                    else:
+                        x[at + lo:at + hi] = incoming
+                        out = incoming
+                if s < steps:
+                    pending.append(ahead.write_nb(out, start=s * chunk + lo))
+                    drain()
+        drain(block=True)
+        state["base"] += steps * len(pieces)
+        if not state["checked"]:
+            if not np.all(x == n):
+                raise RuntimeError(f"probe-smbring: the sum is wrong (values {np.unique(x)[:8]}, not {n})")
+            state["checked"] = True
+        barrier()   # no node writes the next reduction's pieces over ones not yet read
+        x[:] = 1.0
+
+    def close():
+        barrier()
+        inbox.free()   # each node its own: the node before it is done writing into it
+
+    return once, close
 
 
 def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
