@@ -411,7 +411,9 @@ def smb_ring(total, rank, barrier):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"probe-smbring: node {me} waited {RING_PROBE_TIMEOUT_S} s for "
                                        f"piece {need - state['base']} from node {(me - 1) % n}")
-                if not pending:
+                if pending:   # drive the writes, sleeping in the transport's poll
+                    pending[0].wait_done(0.0005)
+                else:
                     time.sleep(0.0002)
 
         for s in range(steps + 1):
