@@ -70,6 +70,38 @@ def test_a_module_is_looked_up_from_the_working_directory_first(tmp_path, monkey
     why = missing_script(["-m", "no_such_pkg.train"])
     assert why.startswith("-m no_such_pkg.train: no module named 'no_such_pkg'") and str(tmp_path) in why, why
     assert "is not a module name" in missing_script(["-m", "1st.train"])
+    assert "is not a module name" in missing_script(["-m", "echo_pkg.2nd"])
+
+
+def test_a_submodule_is_looked_up_without_importing_its_package(tmp_path, monkeypatch):
+    """``-m pkg.mod`` once passed the check whenever ``pkg`` was there; the rank then failed."""
+    from eddis.slurm.command import missing_script
+
+    work = echo_package(tmp_path / "work")
+    (work / "echo_pkg" / "__init__.py").write_text("raise SystemExit('imported on the launching host')\n")
+    (work / "echo_pkg" / "inner").mkdir()
+    (work / "echo_pkg" / "inner" / "__init__.py").write_text("")
+    (work / "echo_pkg" / "inner" / "run.py").write_text(ECHO)
+    (work / "plain.py").write_text("")
+    # a package split over two folders, as pkgutil.extend_path (or a namespace package) has it
+    for folder, module in (("one", "first"), ("two", "second")):
+        (tmp_path / folder / "split_pkg").mkdir(parents=True)
+        (tmp_path / folder / "split_pkg" / "__init__.py").write_text(
+            "__path__ = __import__('pkgutil').extend_path(__path__, __name__)\n")
+        (tmp_path / folder / "split_pkg" / f"{module}.py").write_text("")
+        monkeypatch.syspath_prepend(str(tmp_path / folder))
+    monkeypatch.chdir(work)
+    assert missing_script(["-m", "echo_pkg.argv"]) is None
+    assert missing_script(["-m", "echo_pkg.inner.run"]) is None
+    assert missing_script(["-m", "split_pkg.first"]) is None
+    assert missing_script(["-m", "split_pkg.second"]) is None
+    why = missing_script(["-m", "echo_pkg.trian"])
+    assert why.startswith("-m echo_pkg.trian: package echo_pkg has no module 'trian'"), why
+    assert str(work / "echo_pkg") in why
+    assert "package echo_pkg.inner has no module 'nope'" in missing_script(["-m", "echo_pkg.inner.nope"])
+    assert "plain is a module" in missing_script(["-m", "plain.train"])
+    assert "package split_pkg has no module 'third'" in missing_script(["-m", "split_pkg.third"])
+    assert not {"echo_pkg", "split_pkg", "plain"} & set(sys.modules)   # looked up, none imported
 
 
 def test_a_module_that_is_not_there_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):

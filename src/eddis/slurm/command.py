@@ -4,6 +4,7 @@
 submit`` (before ``sbatch``) ask the same question, so a job is never queued, nor its
 servers started, only to find that its script is not there.
 """
+import importlib.machinery
 import importlib.util
 import os
 import shutil
@@ -13,7 +14,7 @@ import sys
 def missing_script(script):
     """Why the training command cannot start (a sentence), or None. Only what can be known
     without running it: a .py file that is not there, a program that is not on PATH, a
-    ``-m`` module whose top-level package is nowhere on the path."""
+    ``-m`` module that is nowhere on the path."""
     if not script:
         return None
     first = script[0]
@@ -31,22 +32,50 @@ def missing_script(script):
 
 
 def missing_module(name):
-    """Why ``python -m name`` would find nothing, or None. Only the top-level package is
-    looked up: finding it imports nothing, while a dotted name's parents would be imported
-    (and run) here, on the launching host. The working directory comes first, as it does
-    for ``python -m``."""
-    top = name.split(".")[0]
-    if not top.isidentifier():
-        return f"-m {name}: {top!r} is not a module name"
+    """Why ``python -m name`` would find nothing, or None. Nothing is imported: a dotted
+    name's parents would run here, on the launching host, so each submodule is looked for
+    with the path finder in its parent package's folders (those the parent's spec names,
+    and the same folder under every path entry, as a namespace package or ``pkgutil``'s
+    ``extend_path`` would add). The working directory comes first, as it does for
+    ``python -m``. A parent whose submodules no folder can show (a finder of its own) is
+    given the benefit of the doubt."""
+    parts = name.split(".")
+    bad = next((part for part in parts if not part.isidentifier()), None)
+    if bad is not None:
+        return f"-m {name}: {bad!r} is not a module name"
     sys.path.insert(0, os.getcwd())
     try:
-        found = importlib.util.find_spec(top) is not None
-    except (ImportError, ValueError):
-        found = False
+        return _missing_part(name, parts)
     finally:
         sys.path.pop(0)
-    if found:
-        return None
-    return (f"-m {name}: no module named {top!r} on this Python's path (working directory "
-            f"{os.getcwd()}, {sys.executable}); install it, or run eddis-train from the "
-            "directory that holds it")
+
+
+def _missing_part(name, parts):
+    try:
+        spec = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return (f"-m {name}: no module named {parts[0]!r} on this Python's path (working directory "
+                f"{os.getcwd()}, {sys.executable}); install it, or run eddis-train from the "
+                "directory that holds it")
+    for depth in range(1, len(parts)):
+        parent, child = ".".join(parts[:depth]), ".".join(parts[:depth + 1])
+        if spec.submodule_search_locations is None:
+            if spec.origin in (None, "built-in", "frozen") or not os.path.isfile(spec.origin):
+                return None   # not a module on disk: nothing to look through
+            return f"-m {name}: {parent} is a module ({spec.origin}), not a package that holds {child}"
+        folders = list(dict.fromkeys([*spec.submodule_search_locations,
+                                      *(os.path.join(entry or os.curdir, *parts[:depth]) for entry in sys.path
+                                        if isinstance(entry, str))]))
+        folders = [folder for folder in folders if os.path.isdir(folder)]
+        if not folders:
+            return None       # a finder of its own: only importing the parent would tell
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(child, folders)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            return (f"-m {name}: package {parent} has no module {parts[depth]!r} (looked in "
+                    f"{', '.join(folders)}); check the name")
+    return None
