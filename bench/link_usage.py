@@ -44,26 +44,29 @@ class Sampler:
         return self.samples
 
 
+def _per_link(samples, nodes, measure):
+    """``{node: {"tx": measure(intervals), "rx": ...}}``, ``intervals`` being that link and
+    way's [(seconds, bytes moved)] between consecutive samples (those of positive length).
+    None where there are fewer than two samples."""
+    if len(samples) < 2:
+        return None
+    pairs = list(zip(samples, samples[1:]))
+    return {node: {way: measure([(t1 - t0, after[node][way] - before[node][way])
+                                 for (t0, before), (t1, after) in pairs if t1 > t0])
+                   for way in ("tx", "rx")}
+            for node in nodes}
+
+
 def idle_shares(samples, rate, nodes):
     """``{node: {"tx": share, "rx": share}}``: of the time between the first and the last
     sample, the share spent in intervals that moved less than IDLE_SHARE of ``rate`` (bytes
     per second) on that node's link and way. None where there are fewer than two samples."""
-    if len(samples) < 2:
-        return None
-    shares = {}
-    for node in nodes:
-        shares[node] = {}
-        for way in ("tx", "rx"):
-            idle = total = 0.0
-            for (t0, before), (t1, after) in zip(samples, samples[1:]):
-                dt = t1 - t0
-                if dt <= 0:
-                    continue
-                total += dt
-                if (after[node][way] - before[node][way]) / dt < IDLE_SHARE * rate:
-                    idle += dt
-            shares[node][way] = idle / total if total else None
-    return shares
+    def idle_share(intervals):
+        total = sum(dt for dt, _ in intervals)
+        idle = sum(dt for dt, moved in intervals if moved / dt < IDLE_SHARE * rate)
+        return idle / total if total else None
+
+    return _per_link(samples, nodes, idle_share)
 
 
 def busy_rates(samples, rate, nodes):
@@ -72,21 +75,12 @@ def busy_rates(samples, rate, nodes):
     A link can idle little and still carry less than it could (streams that stall and
     restart, senders that wait on their peers); this says how full it was while it worked.
     None where there are fewer than two samples; a way that never worked has None."""
-    if len(samples) < 2:
-        return None
-    rates = {}
-    for node in nodes:
-        rates[node] = {}
-        for way in ("tx", "rx"):
-            moved = busy = 0.0
-            for (t0, before), (t1, after) in zip(samples, samples[1:]):
-                dt = t1 - t0
-                delta = after[node][way] - before[node][way]
-                if dt > 0 and delta / dt >= IDLE_SHARE * rate:
-                    moved += delta
-                    busy += dt
-            rates[node][way] = moved / busy / rate if busy else None
-    return rates
+    def busy_rate(intervals):
+        working = [(dt, moved) for dt, moved in intervals if moved / dt >= IDLE_SHARE * rate]
+        busy = sum(dt for dt, _ in working)
+        return sum(moved for _, moved in working) / busy / rate if busy else None
+
+    return _per_link(samples, nodes, busy_rate)
 
 
 def link_mean(shares):
