@@ -362,6 +362,19 @@ def test_counter_barrier_event_single(client):
 
 
 @pytest.mark.timeout(120)
+def test_fetch_add_nb_posts_many_adds_before_any_answer(client):
+    counter = client.counter("announced", initial=7, server=1)
+    requests = [counter.fetch_add_nb(3) for _ in range(50)]
+    befores = sorted(request.wait(10) for request in requests)
+    # each add saw the ones before it: the values before are 7, 10, ..., one each
+    assert befores == list(range(7, 7 + 3 * 50, 3))
+    assert counter.read() == 7 + 3 * 50
+    with pytest.raises(SMBValueError, match="outside a counter's signed"):
+        counter.fetch_add_nb(1 << 64)
+    assert counter.read() == 7 + 3 * 50
+
+
+@pytest.mark.timeout(120)
 def test_fetch_add_that_would_wrap_is_refused_and_the_counter_keeps_its_value(client):
     # issue 44: 2**62 + 2**62 gave -2**63, and the counter handed out its values again
     top = client.counter("near-top", initial=1 << 62)

@@ -3,7 +3,7 @@ import time
 
 from ..errors import SMBTimeoutError, SMBValueError
 from .protocol import COUNTER_REPLY, COUNTER_REQUEST
-from .requests import Request
+from .requests import Completed, Request
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -47,13 +47,16 @@ class Counter:
             raise SMBValueError(f"counter {name!r}: server={server} outside 0..{client.num_servers - 1}")
         return int(server)
 
-    def _remote(self, kind, a=0, b=0):
+    def _remote_nb(self, kind, a=0, b=0):
         client = self._client
         pending = client._pending()
         client._post(pending, self.server, self._core.OP_COUNTER,
                      COUNTER_REQUEST.pack(self._rid, kind, 0, a, b))
         return Request(client, pending, f"counter {self.name!r}",
-                       lambda replies: COUNTER_REPLY.unpack(replies[0])[0], [self.server]).wait()
+                       lambda replies: COUNTER_REPLY.unpack(replies[0])[0], [self.server])
+
+    def _remote(self, kind, a=0, b=0):
+        return self._remote_nb(kind, a, b).wait()
 
     def _check(self):
         self._client.check_alive([self.server], f"counter {self.name!r}")
@@ -67,6 +70,15 @@ class Counter:
                 self._check()
                 return self._core.local_fetch_add(self._local, n, f"counter {self.name!r}")
         return self._remote(self._core.COUNTER_FETCH_ADD, n)
+
+    def fetch_add_nb(self, n=1):
+        """Start adding n; returns a Request whose ``wait()`` gives the value before (a
+        :class:`~eddis.smb.requests.Completed` one on a mapped counter). Lets a caller that
+        announces many pieces go on with the next instead of waiting a round trip for each."""
+        n = counter_value(n, self.name, "fetch_add n")
+        if self._local:
+            return Completed(self.fetch_add(n))
+        return self._remote_nb(self._core.COUNTER_FETCH_ADD, n)
 
     def compare_swap(self, expected, desired):
         """Set to desired if it equals expected; returns the value before."""
