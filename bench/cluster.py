@@ -37,6 +37,9 @@ contender in turn on the same data:
   ``eddis-sync-forward``, ``eddis-sync-fp16-forward`` and ``eddis-allreduce-forward`` (not in
   the default list): ``step()`` returns before the updates, which the next forward applies
   module by module (``EDDIS_OVERLAP_FORWARD=on``);
+  ``eddis-sync-ring``, ``eddis-sync-fp16-ring`` (one rank a node), ``eddis-sync-mesh`` and
+  ``eddis-sync-fp16-mesh`` (not in the default list): mode sync's route across the nodes
+  asked for (``EDDIS_SYNC_REDUCE=ring`` or ``hierarchical``) whatever ``auto`` picks;
   ``eddis-sync-rdma``: ``eddis-sync`` on the rdma transport (one-sided put/get, the
   servers' CPUs touch no byte), in a job of its own, since a job's servers offer one
   transport; the emulated cluster has no HCA, so UCX carries it over its tcp transport
@@ -137,6 +140,8 @@ OVERLAP_VARIANTS = ["eddis-easgd-overlap", "eddis-hybrid-overlap", "eddis-hybrid
 WHOLE_UPDATE_VARIANTS = ["eddis-sync-whole", "eddis-sync-fp16-whole"]
 # step() returns before the updates, which the next forward applies (EDDIS_OVERLAP_FORWARD=on)
 FORWARD_VARIANTS = ["eddis-sync-forward", "eddis-sync-fp16-forward", "eddis-allreduce-forward"]
+# mode sync's route across nodes asked for (EDDIS_SYNC_REDUCE): the ring at one rank a node, the mesh
+ROUTE_VARIANTS = ["eddis-sync-ring", "eddis-sync-fp16-ring", "eddis-sync-mesh", "eddis-sync-fp16-mesh"]
 # probe-smbring: floats a piece of a ring step, and how long one node waits for its neighbour
 RING_PROBE_PIECE = 1 << 20
 RING_PROBE_TIMEOUT_S = 120
@@ -494,7 +499,8 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
         eddis_mode = {"sync": "sync", "balanced": "sync", "allreduce": "allreduce", "easgd": "easgd",
                       "hybrid": "hybrid"}[parts[0]]
         compression = parts[1] if len(parts) > 1 and parts[1] in ("fp16", "bf16") else "none"
-        os.environ["EDDIS_SYNC_REDUCE"] = "server" if parts[-1] == "flat" else "auto"
+        os.environ["EDDIS_SYNC_REDUCE"] = {"flat": "server", "ring": "ring", "mesh": "hierarchical"}.get(
+            parts[-1], "auto")
         os.environ["EDDIS_EASGD_OVERLAP"] = {"overlap": "on", "nooverlap": "off"}.get(parts[-1], "auto")
         os.environ["EDDIS_OVERLAP_OPTIMIZER"] = "off" if parts[-1] == "whole" else "auto"
         os.environ["EDDIS_OVERLAP_FORWARD"] = "on" if parts[-1] == "forward" else "off"
@@ -830,7 +836,8 @@ def main(argv=None):
     args.layouts = args.layouts.split(",")
     args.slowdowns = args.slowdowns.split(",")
     args.models = args.models.split(",")
-    known = CONTENDERS + PROBES + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS + WHOLE_UPDATE_VARIANTS + FORWARD_VARIANTS
+    known = (CONTENDERS + PROBES + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS + WHOLE_UPDATE_VARIANTS + FORWARD_VARIANTS
+             + ROUTE_VARIANTS)
     for c in args.contenders.split(","):
         if c not in known:
             sys.exit(f"bench/cluster.py: unknown contender {c!r}; choose from {', '.join(known)}")

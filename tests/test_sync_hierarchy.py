@@ -24,13 +24,15 @@ LAYOUTS = {  # name: node of each rank
 CONFIGS = ["sync,none,mlp,False", "sync,none,cnn,False", "sync,fp16,mlp,False", "sync,bf16,mlp,False",
            "sync,none,mlp,True", "sync:keepgrads,none,mlp,False"]
 FLAT = "sync:server,none,mlp,False"   # the flat path, asked for: run last in the 2x2 launch
+MESH = "sync:hierarchical,none,mlp,False"   # the mesh where auto takes the ring: last in the 4x1 launch
 _runs = {}
 
 
 def layout_results(run_mpi, layout):
     """One launch a layout (starting torch on every rank costs more than the training)."""
     if layout not in _runs:
-        _runs[layout] = run_layout(run_mpi, layout, CONFIGS + [FLAT] * (layout == "2x2"))
+        _runs[layout] = run_layout(run_mpi, layout, CONFIGS + [FLAT] * (layout == "2x2")
+                                   + [MESH] * (layout == "4x1"))
     return _runs[layout]
 
 
@@ -51,12 +53,22 @@ def test_hierarchical_sync_matches_one_process(run_mpi, layout):
     assert len(results) == len(CONFIGS), results
     for r in results:
         assert r["hierarchical"], f"ranks on several nodes must reduce hierarchically: {r}"
+        # auto: a ring at one rank on each of 3 or more nodes, the mesh otherwise
+        assert r["ring"] == (layout == "4x1"), r
         assert r["rank_spread"] == 0.0, f"ranks ended with different parameters: {r}"
         assert r["rel_error"] < TOLERANCE[r["compression"]], r
         assert r["buckets"] > 1, r
-        # CPU buffers may move: every rank's gradients live in its node slot while training
-        assert r["in_slot"], r
+        # CPU buffers may move: with the mesh every rank's gradients live in its node slot while
+        # training (the ring sums into the next node's server and keeps them where they are)
+        assert r["in_slot"] == (not r["ring"]), r
         assert r["grads_follow"], f"gradients changed or stayed in SMB memory at close: {r}"
+
+
+@pytest.mark.timeout(300)
+def test_the_mesh_at_one_rank_a_node_when_asked(run_mpi):
+    [r] = layout_results(run_mpi, "4x1")[len(CONFIGS):]
+    assert r["hierarchical"] and not r["ring"] and r["in_slot"], r
+    assert r["rank_spread"] == 0.0 and r["rel_error"] < TOLERANCE["none"], r
 
 
 @pytest.mark.timeout(300)
@@ -76,3 +88,33 @@ def test_hierarchy_on_one_node_when_forced(run_mpi):
     assert [r["hierarchical"] for r in results] == [True, True], results
     for r in results:
         assert r["rel_error"] < TOLERANCE[r["compression"]], r
+
+
+RING_CONFIGS = ["sync:ring,none,mlp,False", "sync:ring,none,mlp,True", "sync:ring,fp16,mlp,False",
+                "sync:ring,bf16,cnn,False"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hosts", [["h0", "h1", "h2", "h3"], ["hA", "hB"]], ids=["4x1", "2x1"])
+def test_ring_at_one_rank_a_node_matches_one_process(run_mpi, hosts):
+    with LocalServers(len(hosts), memory="64M", hostnames=hosts) as servers:
+        env = {"EDDIS_RUN_DIR": str(servers.run_dir), "EQUIV_FAKE_HOSTS": ",".join(hosts),
+               "EQUIV_CONFIGS": ";".join(RING_CONFIGS), "EDDIS_EMBEDDED_SERVER": "0"}
+        proc = run_mpi(len(hosts), [PYTHON, WORKER], env=env, timeout=240, check=True)
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == len(RING_CONFIGS), proc.stdout[-2000:]
+    for r in results:
+        assert r["ring"], f"EDDIS_SYNC_REDUCE=ring must build the ring: {r}"
+        assert r["rank_spread"] == 0.0, f"ranks ended with different parameters: {r}"
+        assert r["rel_error"] < TOLERANCE[r["compression"]], r
+        assert r["buckets"] > 1, r
+
+
+@pytest.mark.timeout(300)
+def test_ring_refuses_a_node_with_two_ranks(run_mpi):
+    with LocalServers(2, memory="64M", hostnames=["hA", "hB"]) as servers:
+        env = {"EDDIS_RUN_DIR": str(servers.run_dir), "EQUIV_FAKE_HOSTS": "hA,hB,hA",
+               "EQUIV_CONFIGS": "sync:ring,none,mlp,False", "EDDIS_EMBEDDED_SERVER": "0"}
+        proc = run_mpi(3, [PYTHON, WORKER], env=env, timeout=240)
+    assert proc.returncode != 0
+    assert "EDDIS_SYNC_REDUCE=ring" in proc.stderr + proc.stdout and "one rank a node" in proc.stderr + proc.stdout

@@ -64,7 +64,7 @@ def train_config(mode, compression, kind, weighted):
     rank, size = eddis.rank(), eddis.size()
     mode, _, variant = mode.partition(":")
     keep_grads = variant == "keepgrads"
-    os.environ["EDDIS_SYNC_REDUCE"] = variant if variant in ("server", "ranks", "hierarchical") else "auto"
+    os.environ["EDDIS_SYNC_REDUCE"] = variant if variant in ("server", "ranks", "hierarchical", "ring") else "auto"
     os.environ["EDDIS_OVERLAP_OPTIMIZER"] = "off" if variant == "whole" else "auto"
     torch.manual_seed(0)
     model = make_model(kind)
@@ -106,6 +106,7 @@ def train_config(mode, compression, kind, weighted):
     buckets = len(optimizer.reducer.plan.buckets)
     by_ranks = getattr(optimizer.reducer, "path", "servers") != "servers"
     hierarchical = getattr(optimizer.reducer, "layout", None) is not None
+    ring = type(optimizer.reducer).__name__ == "RingSyncReducer"
     in_slot = bool(getattr(optimizer.reducer, "sums_in_slots", False))
     grads = [p.grad.clone() for p in model.parameters()]
     buffer = optimizer._eddis.feed.flat
@@ -120,7 +121,7 @@ def train_config(mode, compression, kind, weighted):
     return {"mode": mode + (f":{variant}" if variant else ""), "compression": compression, "model": kind,
             "weighted": weighted, "ranks": size, "rel_error": float((flat - ref).norm() / ref.norm()),
             "rank_spread": spread, "buckets": buckets, "by_ranks": by_ranks, "in_slot": in_slot,
-            "hierarchical": hierarchical, "updates_per_step": len(updates) / STEPS,
+            "hierarchical": hierarchical, "ring": ring, "updates_per_step": len(updates) / STEPS,
             "grads_follow": grads_follow and grads_private}
 
 

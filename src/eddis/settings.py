@@ -294,10 +294,12 @@ register("EDDIS_COMM_TIMEOUT", "float", 300.0,
 register("EDDIS_SYNC_REDUCE", "str", "auto",
          "How mode sync reduces a bucket: hierarchical (the ranks of a node sum in their node's "
          "server memory, then each node's sum crosses the network once to the servers that own "
-         "its columns), ranks (every rank sums its share in the server memory it maps; needs "
-         "all ranks and servers on one node), server (flat: every rank's slot goes to the "
-         "servers, which sum) or auto (ranks on one node, hierarchical across nodes).",
-         choices=["auto", "hierarchical", "server", "ranks"])
+         "its columns), ring (one rank a node: each node passes chunks of every bucket to the "
+         "next node's server, one stream a link), ranks (every rank sums its share in the "
+         "server memory it maps; needs all ranks and servers on one node), server (flat: every "
+         "rank's slot goes to the servers, which sum) or auto (ranks on one node, the ring at one "
+         "rank on each of 3 or more nodes, hierarchical across nodes otherwise).",
+         choices=["auto", "hierarchical", "ring", "server", "ranks"])
 register("EDDIS_CHECK_PARAMETERS", "int", 1000,
          "sync/allreduce: training steps between two checks that the ranks' parameters agree (a "
          "checksum per tensor, gathered over the ranks), counted by torch's DistributedOptimizer.step(), "

@@ -358,6 +358,18 @@ class Reducer:
             self._relayed.put(None)   # the finish thread ends too; the waits report the error
             self._fail(exc)
 
+    def _take_handed_over(self, busy):
+        """The relay's next item from the submit thread: ``(k, token)``; False when none is
+        there and the relay is ``busy`` (it waits for one otherwise); None at the end, which
+        goes on to the finish thread."""
+        try:
+            item = self._queue.get_nowait() if busy else self._queue.get()
+        except queue.Empty:
+            return False
+        if item is None:
+            self._relayed.put(None)
+        return item
+
     def _finish_loop(self):
         try:
             while True:

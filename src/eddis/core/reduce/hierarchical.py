@@ -48,7 +48,6 @@ whole node. The math is that of one big batch:
 ``sum_j W_j (sum_{i in j} w_i g_i / W_j) / sum_j W_j``.
 """
 import logging
-import queue
 import time
 from collections import deque
 from typing import NamedTuple
@@ -250,13 +249,8 @@ class HierarchicalSyncReducer(SlotReducer):
         summed = {}               # bucket -> [(piece, generation)] whose reads wait for a sooner bucket
         in_flight = 0
         while True:
-            busy = bool(waiting or writing or summing or summed)
-            try:
-                item = self._queue.get_nowait() if busy else self._queue.get()
-            except queue.Empty:
-                item = False
+            item = self._take_handed_over(bool(waiting or writing or summing or summed))
             if item is None:
-                self._relayed.put(None)
                 return
             if item:
                 k, (generation, node_weight, weights) = item

@@ -48,9 +48,14 @@ from ..layout.buckets import column_share
 from .adasum_sync import AdasumSyncReducer
 from .hierarchical import HierarchicalSyncReducer, NodeLayout
 from .join_board import JoinBoard
+from .ring import RingSyncReducer, ring_problem
 from .slots import BucketShare, SlotReducer
 
 log = logging.getLogger("eddis.core.sync")
+
+# auto takes the ring from this many nodes of one rank each: with two, the ring's two steps
+# and the mesh's put and get carry the same, and only the mesh was measured there
+RING_FROM_NODES = 3
 
 
 class SyncReducer(SlotReducer):
@@ -163,22 +168,30 @@ class SyncReducer(SlotReducer):
 def make_sync_reducer(plan, compression="none", op="average", timeout=None, name="grads"):
     """Mode sync's reducer (collective): hierarchical when the ranks span several nodes.
 
-    EDDIS_SYNC_REDUCE: auto (hierarchical across nodes, the ranks' sum on one node),
-    hierarchical (also on one node), server (flat: every rank's slot to the servers) or
+    EDDIS_SYNC_REDUCE: auto (the ring at one rank on each of 3 or more nodes, else
+    hierarchical across nodes, the ranks' sum on one node), hierarchical (also on one node),
+    ring (one rank a node: :mod:`.ring`), server (flat: every rank's slot to the servers) or
     ranks (one node only). op=Adasum: the servers combine the tree's pairs (auto, server)."""
     choice = settings.get("EDDIS_SYNC_REDUCE")
     if str(getattr(op, "name", op)).lower() == "adasum":
         # The servers combine the pairs of the tree (adasum_sync); the node-local sums of
         # the other paths would have to be Adasum's pairs too, which they are not.
-        if choice in ("hierarchical", "ranks"):
+        if choice in ("hierarchical", "ranks", "ring"):
             raise ConfigError(f"EDDIS_SYNC_REDUCE={choice} has no Adasum: with op=Adasum mode sync "
                               "combines the gradients on the SMB servers; set EDDIS_SYNC_REDUCE=auto "
                               "(or server) for that flat path, or use op=Average")
         return AdasumSyncReducer(plan, compression, op, timeout, name)
-    if choice in ("auto", "hierarchical"):
+    if choice in ("auto", "hierarchical", "ring"):
         wait = settings.get("EDDIS_COMM_TIMEOUT") if timeout is None else float(timeout)
         layout = NodeLayout.gather(connection.smb_client(), wait)
+        if choice == "ring":
+            problem = ring_problem(layout)
+            if problem:
+                raise ConfigError(f"EDDIS_SYNC_REDUCE=ring: {problem}; use auto")
+            return RingSyncReducer(plan, compression, op, timeout, name, layout=layout)
         if choice == "hierarchical" or layout.num_nodes > 1:
+            if choice == "auto" and layout.num_nodes >= RING_FROM_NODES and ring_problem(layout) is None:
+                return RingSyncReducer(plan, compression, op, timeout, name, layout=layout)
             if layout.problem is None:
                 return HierarchicalSyncReducer(plan, compression, op, timeout, name, layout=layout)
             if choice == "hierarchical":
