@@ -288,7 +288,7 @@ class RingSyncReducer(SlotReducer):
         s, (lo, hi) = ring.step, span
         if s < ring.steps and len(writes) >= INFLIGHT_PIECES:
             return False
-        if s > 0 and ring.arrived.read() < ring.needed():
+        if s > 0 and ring.arrived.peek() < ring.needed():
             return False
         k, first = ring.k, self.plan.buckets[ring.k].start
         mine = self.plan.buffer[first + lo:first + hi]
