@@ -330,8 +330,9 @@ class RingSyncReducer(SlotReducer):
                 raise SMBTimeoutError(
                     f"step {self.step}, bucket {ring.k}: mode sync's ring: node {self.before_node} sent "
                     f"no piece of ring step {ring.step} within {self.timeout:g} s ({ring.arrived.read() - ring.base} "
-                    f"arrived in all, counter on {server_name(self.client, ring.arrived.server)}; a rank "
-                    "failed or is far slower; raise EDDIS_COMM_TIMEOUT if it is slow)")
+                    f"arrived in all, counter on {server_name(self.client, ring.arrived.server)}; that "
+                    "node's rank, or one before it in the ring, failed or is far slower; raise "
+                    "EDDIS_COMM_TIMEOUT if it is slow)")
 
     def _finish(self, k, token):
         return None
