@@ -75,10 +75,9 @@ class Counter:
         """Start adding n; returns a Request whose ``wait()`` gives the value before (a
         :class:`~eddis.smb.requests.Completed` one on a mapped counter). Lets a caller that
         announces many pieces go on with the next instead of waiting a round trip for each."""
-        n = counter_value(n, self.name, "fetch_add n")
         if self._local:
             return Completed(self.fetch_add(n))
-        return self._remote_nb(self._core.COUNTER_FETCH_ADD, n)
+        return self._remote_nb(self._core.COUNTER_FETCH_ADD, counter_value(n, self.name, "fetch_add n"))
 
     def compare_swap(self, expected, desired):
         """Set to desired if it equals expected; returns the value before."""

@@ -107,6 +107,7 @@ class RingSchedule:
         at = s * self.chunk + lo - j * self.chunk
         return at, at + hi - lo
 
+
 class _Bucket(RingSchedule):
     """One bucket's ring: its schedule, inbox and counters, and this step's cursor."""
 
@@ -165,7 +166,6 @@ class RingSyncReducer(SlotReducer):
         self.node = layout.node_of[self.rank]
         self.num_nodes = n = layout.num_nodes
         servers = layout.node_server
-        self.who = f" (the ring of nodes {layout.nodes})"
         self.before_node = layout.nodes[(self.node - 1) % n]
         self.dtype = plan.dtype.name
         wire = self.wire_dtype = self.codec.smb_dtype
@@ -177,11 +177,10 @@ class RingSyncReducer(SlotReducer):
         self._outgoing = np.empty(plan.total, dtype=self.buckets[0].inbox.np_dtype)
         # every node's weight of the step, on the first node's server
         self._weights_pool = client.pool(f"{prefix}.weights", 2 * n, "float64", servers=[servers[0]])
-        self._scale = {}          # generation -> the correction of the step's sums
         self._totals = {}         # generation -> every node's weight added up
         self._last_total = None   # the total weight of the last step, every node's guess of this one's
         # every base read before any node counts on the counters
-        collectives.allgather_object(None, timeout=self.timeout, what="mode sync's ring: counters read")
+        collectives.barrier(timeout=self.timeout, what="mode sync's ring: counters read")
         log.info("mode sync: a ring over %d nodes, one rank each (%s on the wire)", n, wire)
         self._start_threads()
 
@@ -200,7 +199,7 @@ class RingSyncReducer(SlotReducer):
     def _submit(self, k):
         return self.step + 1
 
-    def _factor(self, generation):
+    def _factor(self):
         """This node's factor in the sums on the way (op=average: its weight over the last
         step's total, the same guess on every node; the first step guesses the number of
         nodes): known without waiting for the others, and of the size of an average, so that
@@ -215,10 +214,7 @@ class RingSyncReducer(SlotReducer):
         each sent after its node's weight was written: all weights of the step are in."""
         if self.op != "average":
             return 1.0
-        if generation not in self._scale:
-            total = self._total_of(generation)
-            self._scale = {generation: (self._last_total or self.num_nodes) / total}
-        return self._scale[generation]
+        return (self._last_total or self.num_nodes) / self._total_of(generation)
 
     def _total_of(self, generation):
         """Every node's weight of step ``generation`` added up (the weights are all in)."""
@@ -300,7 +296,7 @@ class RingSyncReducer(SlotReducer):
                                                                 "count": hi - lo, "by": "ring"}):
             if s < n:   # reduce-scatter: add this node's share of the piece
                 out = self._outgoing[first + lo:first + hi]
-                sources, weights = [mine], [self._factor(ring.generation)]
+                sources, weights = [mine], [self._factor()]
                 dtypes = [self.dtype]
                 if s > 0:
                     sources, weights, dtypes = [incoming, mine], [1.0, weights[0]], [self.wire_dtype, self.dtype]
@@ -333,9 +329,6 @@ class RingSyncReducer(SlotReducer):
                     f"arrived in all, counter on {server_name(self.client, ring.arrived.server)}; that "
                     "node's rank, or one before it in the ring, failed or is far slower; raise "
                     "EDDIS_COMM_TIMEOUT if it is slow)")
-
-    def _finish(self, k, token):
-        return None
 
     def _release(self):
         pools = [ring.inbox for ring in self.buckets]
