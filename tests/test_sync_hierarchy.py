@@ -36,14 +36,22 @@ def layout_results(run_mpi, layout):
     return _runs[layout]
 
 
-def run_layout(run_mpi, layout, configs, extra=None):
-    hosts = LAYOUTS[layout]
+def launch(run_mpi, hosts, configs, check=True):
+    """The equivalence worker's ``configs`` on ``hosts`` (a node name per rank), one
+    smb-server a node; returns the finished launch."""
     servers_hosts = list(dict.fromkeys(hosts))
     with LocalServers(len(servers_hosts), memory="64M", hostnames=servers_hosts) as servers:
         env = {"EDDIS_RUN_DIR": str(servers.run_dir), "EQUIV_FAKE_HOSTS": ",".join(hosts),
-               "EQUIV_CONFIGS": ";".join(configs), "EDDIS_EMBEDDED_SERVER": "0", **(extra or {})}
-        proc = run_mpi(len(hosts), [PYTHON, WORKER], env=env, timeout=240, check=True)
+               "EQUIV_CONFIGS": ";".join(configs), "EDDIS_EMBEDDED_SERVER": "0"}
+        return run_mpi(len(hosts), [PYTHON, WORKER], env=env, timeout=240, check=check)
+
+
+def results_of(proc):
     return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def run_layout(run_mpi, layout, configs):
+    return results_of(launch(run_mpi, LAYOUTS[layout], configs))
 
 
 @pytest.mark.timeout(300)
@@ -97,11 +105,8 @@ RING_CONFIGS = ["sync:ring,none,mlp,False", "sync:ring,none,mlp,True", "sync:rin
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("hosts", [["h0", "h1", "h2", "h3"], ["hA", "hB"]], ids=["4x1", "2x1"])
 def test_ring_at_one_rank_a_node_matches_one_process(run_mpi, hosts):
-    with LocalServers(len(hosts), memory="64M", hostnames=hosts) as servers:
-        env = {"EDDIS_RUN_DIR": str(servers.run_dir), "EQUIV_FAKE_HOSTS": ",".join(hosts),
-               "EQUIV_CONFIGS": ";".join(RING_CONFIGS), "EDDIS_EMBEDDED_SERVER": "0"}
-        proc = run_mpi(len(hosts), [PYTHON, WORKER], env=env, timeout=240, check=True)
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    proc = launch(run_mpi, hosts, RING_CONFIGS)
+    results = results_of(proc)
     assert len(results) == len(RING_CONFIGS), proc.stdout[-2000:]
     for r in results:
         assert r["ring"], f"EDDIS_SYNC_REDUCE=ring must build the ring: {r}"
@@ -112,9 +117,6 @@ def test_ring_at_one_rank_a_node_matches_one_process(run_mpi, hosts):
 
 @pytest.mark.timeout(300)
 def test_ring_refuses_a_node_with_two_ranks(run_mpi):
-    with LocalServers(2, memory="64M", hostnames=["hA", "hB"]) as servers:
-        env = {"EDDIS_RUN_DIR": str(servers.run_dir), "EQUIV_FAKE_HOSTS": "hA,hB,hA",
-               "EQUIV_CONFIGS": "sync:ring,none,mlp,False", "EDDIS_EMBEDDED_SERVER": "0"}
-        proc = run_mpi(3, [PYTHON, WORKER], env=env, timeout=240)
+    proc = launch(run_mpi, ["hA", "hB", "hA"], ["sync:ring,none,mlp,False"], check=False)
     assert proc.returncode != 0
     assert "EDDIS_SYNC_REDUCE=ring" in proc.stderr + proc.stdout and "one rank a node" in proc.stderr + proc.stdout
