@@ -14,7 +14,7 @@ import pytest
 from conftest import PYTHON, SRC, python_env
 
 BASE = ("eddis", "eddis.errors", "eddis.settings", "eddis.identity", "eddis._boolenv", "eddis._mpi",
-        "eddis._verbs")
+        "eddis._sync_route", "eddis._verbs")
 
 # layer: (its modules, the layers below it that it may import)
 LAYERS = {

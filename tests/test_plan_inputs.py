@@ -7,7 +7,7 @@ from eddis.errors import ConfigError
 from eddis.plan import spec
 
 CLUSTER = {"format": spec.CLUSTER_FORMAT, "link": {"rate": "200gbit", "latency_us": 2},
-           "smb": {"put_gbs": 20, "get_gbs": 22, "reduce_gbs": 30}, "pcie_gbs": 25, "mpi_gbs": 18, "ring_gbs": 21,
+           "smb": {"put_gbs": 20, "get_gbs": 22, "reduce_gbs": 30, "ring_gbs": 19}, "pcie_gbs": 25, "mpi_gbs": 18, "ring_gbs": 21,
            "nodes": [{"count": 8, "name": "a", "ranks": 4, "samples_per_s": 1200, "kind": "a100"},
                      {"count": 8, "name": "v", "ranks": [{"samples_per_s": 400, "kind": "v100"}] * 4,
                       "link": {"rate": "100gbit"}}]}
@@ -49,7 +49,7 @@ def test_a_whole_cluster_reads_as_written():
     assert c.nodes[8].link_bps == pytest.approx(100e9 * spec.TCP_PAYLOAD_SHARE / 8)
     assert c.nodes[8].latency_s == pytest.approx(2e-6)        # the default link's, not given there
     assert (c.put_bps, c.get_bps, c.reduce_bps, c.pcie_bps, c.cast_bps) == (20e9, 22e9, 30e9, 25e9, None)
-    assert (c.mpi_bps, c.ring_bps) == (18e9, 21e9)
+    assert (c.mpi_bps, c.ring_bps, c.smb_ring_bps) == (18e9, 21e9, 19e9)
     assert {r.kind for r in c.ranks} == {"a100", "v100"}
     again = spec.cluster_from_dict(spec.cluster_to_dict(c))
     assert again == c

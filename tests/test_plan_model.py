@@ -9,7 +9,8 @@ import pytest
 from eddis.errors import ConfigError
 from eddis.plan import timing, traffic
 from eddis.plan.evaluate import evaluate, step_of
-from eddis.plan.modes import MODES
+from eddis._sync_route import RING_FROM_NODES, auto_route
+from eddis.plan.modes import LISTED, MODES, SOLO
 from eddis.plan.spec import Bucket, Cluster, Node, Rank, Workload
 
 S_BUCKETS = (16_838_696, 67_108_864, 16_793_600)   # the comm MLP of bench/cluster.py
@@ -45,11 +46,15 @@ def test_lockstep_bytes_are_the_closed_forms(k, r):
         "eddis-balanced": 2 * (k - 1) / k * S,
         "eddis-sync-fp16": (k - 1) / k * S,
         "eddis-sync-bf16": (k - 1) / k * S,
+        "eddis-sync-mesh": 2 * (k - 1) / k * S,
+        "eddis-sync-fp16-mesh": (k - 1) / k * S,
         "eddis-sync-flat": 2 * r * (k - 1) / k * S,
         "eddis-allreduce": 2 * (k - 1) / k * S,
         "ddp": 2 * (n - 1) / n * S if k > 1 else 0.0,
         "ddp-fp16": (n - 1) / n * S if k > 1 else 0.0,
     }
+    if r == 1 and k > 1:
+        expected.update({"eddis-sync-ring": 2 * (k - 1) / k * S, "eddis-sync-fp16-ring": (k - 1) / k * S})
     for mode, want in expected.items():
         assert per_node_way(mode, cl, wl) == pytest.approx(want, rel=1e-12, abs=1e-6), mode
 
@@ -89,7 +94,7 @@ def test_every_byte_out_of_a_node_goes_into_another(ranks):
     nodes = tuple(Node(f"n{j}", (Rank(samples_per_s=40.0),) * r, GBIT, 0.0) for j, r in enumerate(ranks))
     cl, wl = Cluster(nodes=nodes), workload()
     per_sample = timing.per_sample_times(cl, wl)
-    for mode in MODES:
+    for mode in LISTED + ["eddis-sync-mesh", "eddis-sync-fp16-mesh"]:
         pairs = step_of(mode, cl, wl, per_sample, tau=4, run_steps=50).link_out_in
         assert sum(o for o, _ in pairs) == pytest.approx(sum(i for _, i in pairs)), mode
     # flat sync with unequal nodes: a node of r ranks sends r (k-1)/k W + (n-r)/k W each way
@@ -97,6 +102,56 @@ def test_every_byte_out_of_a_node_goes_into_another(ranks):
     flat = step_of("eddis-sync-flat", cl, wl, per_sample).link_out_in
     for (out, into), r in zip(flat, ranks):
         assert out == pytest.approx((r * (k - 1) + n - r) / k * S) and into == pytest.approx(out)
+
+
+def layout(ranks, latency=0.0):
+    return timing.Layout(list(ranks), [GBIT] * len(ranks), [latency] * len(ranks))
+
+
+def test_sync_takes_the_route_the_reducers_auto_takes():
+    assert RING_FROM_NODES == 3
+    for ranks, want in [((1,), "hierarchical"), ((1, 1), "hierarchical"), ((1, 1, 1), "ring"),
+                        ((1,) * 16, "ring"), ((2, 2), "hierarchical"), ((1, 2, 1), "hierarchical"),
+                        ((4,) * 4, "hierarchical"), ((2,) * 16, "hierarchical")]:
+        assert auto_route(ranks) == want, ranks
+        assert timing.route("sync", layout(ranks)) == {"ring": "smb-ring"}.get(want, want), ranks
+    for path in ("hierarchical", "smb-ring", "flat", "ring", "mpi"):
+        assert timing.route(path, layout((1, 1, 1))) == path
+
+
+def test_the_servers_ring_sums_beside_the_link_with_no_server_stage():
+    k = 4
+    wl = workload(ready=(1.0,), sizes=(S,))
+    compute = wl.local_batch / 1e9
+    link = 2 * (k - 1) / k * S / GBIT
+    free = cluster(k, 1, rate=1e9)
+    per_sample = timing.per_sample_times(free, wl)
+    for mode in ("eddis-sync", "eddis-sync-ring", "eddis-sync-mesh"):
+        assert step_of(mode, free, wl, per_sample).step_s == pytest.approx(compute + link), mode
+    # a sum at a tenth of the link's rate: the ring's rank sums (k-1)/k S beside the transfer;
+    # the mesh sums on its submit and finish threads and reduces on the servers, one after another
+    slow_sum = cluster(k, 1, rate=1e9, reduce_bps=GBIT / 10)
+    ring = step_of("eddis-sync", slow_sum, wl, per_sample).step_s
+    assert ring == pytest.approx(compute + (k - 1) / k * S / (GBIT / 10))
+    mesh = step_of("eddis-sync-mesh", slow_sum, wl, per_sample).step_s
+    assert mesh == pytest.approx(compute + S / (GBIT / 10) * (1 + 1 + 1) + link)
+    assert step_of("eddis-sync-ring", slow_sum, wl, per_sample).step_s == pytest.approx(ring)
+
+
+def test_the_servers_ring_is_refused_where_a_node_has_two_ranks():
+    cl, wl = cluster(2, 2), workload()
+    with pytest.raises(ConfigError, match=r"one rank on each of 2 or more nodes.*\[2, 2\].*eddis-sync"):
+        step_of("eddis-sync-ring", cl, wl, timing.per_sample_times(cl, wl))
+    with pytest.raises(ConfigError, match="one rank on each"):
+        step_of("eddis-sync-ring", cluster(1, 1), wl, timing.per_sample_times(cluster(1, 1), wl))
+
+
+def test_the_forced_routes_are_planned_only_when_named():
+    outcomes = evaluate(cluster(4, 1), workload())
+    assert set(outcomes) == {SOLO, *LISTED}
+    assert not {"eddis-sync-ring", "eddis-sync-mesh"} & set(outcomes)
+    named = evaluate(cluster(4, 1), workload(), modes=["eddis-sync-ring", "eddis-sync-mesh"])
+    assert set(named) == {SOLO, "eddis-sync-ring", "eddis-sync-mesh"}
 
 
 def test_the_closed_forms_themselves():
@@ -158,16 +213,18 @@ def test_a_collectives_probed_rate_caps_its_path_only():
         assert step_of(mode, fast, wl, per_sample).step_s == pytest.approx(step_of(mode, plain, wl, per_sample).step_s)
 
 
-def test_latency_counts_per_message_round():
-    k = 2
+@pytest.mark.parametrize("k", [2, 4])
+def test_latency_counts_per_message_round(k):
     slow = tuple(Node(f"n{j}", (Rank(samples_per_s=1e9),), 1e30, 1e-3) for j in range(k))
     cl, wl = Cluster(nodes=slow), workload(ready=(1.0,), sizes=(S,))
     per_sample = timing.per_sample_times(cl, wl)
     compute = wl.local_batch / 1e9
-    # hierarchy: put and get, each a request and its answer
-    assert step_of("eddis-sync", cl, wl, per_sample).step_s == pytest.approx(compute + 4e-3)
-    # ring: 2(n-1) steps of one hop
+    # the mesh: put and get, each a request and its answer
+    assert step_of("eddis-sync-mesh", cl, wl, per_sample).step_s == pytest.approx(compute + 4e-3)
+    # rings (DDP's, and sync's through the servers, auto's from 3 nodes): 2(n-1) steps of one hop
     assert step_of("ddp", cl, wl, per_sample).step_s == pytest.approx(compute + 2 * (k - 1) * 1e-3)
+    sync = 4e-3 if k < RING_FROM_NODES else 2 * (k - 1) * 1e-3
+    assert step_of("eddis-sync", cl, wl, per_sample).step_s == pytest.approx(compute + sync)
 
 
 def test_early_buckets_hide_behind_the_backward_pass():

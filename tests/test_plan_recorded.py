@@ -50,6 +50,7 @@ RECORDED_BYTES = [
     ("4x1", "ddp", 4, 100, 1.50, "12-04, 4 x 1"),
     ("4x1", "horovod", 4, 100, 1.50, "12-04, 4 x 1"),
     ("4x1", "eddis-sync", 4, 100, 1.50, "12-04, 4 x 1"),
+    ("4x1", "eddis-sync-ring", 4, 80, 1.50, "12-07: 151.5 MB, the ring"),
     ("4x1", "eddis-hybrid", 4, 100, 0.41, "12-04, 4 x 1, slowdowns 1111 (0.40 at 1123)"),
     ("4x1", "eddis-balanced", 4, 30, 1.50, "12-03, 4 x 1, 10gbit"),
     ("4x1", "eddis-hybrid", 4, 30, 0.46, "12-03, 4 x 1, 10gbit"),
@@ -80,8 +81,10 @@ def test_bytes_per_step_as_recorded(layout, contender, tau, steps, recorded, whe
 # for 4 ranks, 2026-12-05); a timeline of sync (12-05 01:56 UTC) put its transfers at 110 MB/s
 # on the link's 119.6 MB/s of TCP payload and the first of the three buckets ready 183 ms
 # into the step, the last about 30 ms later. The update's share of a solo step was not
-# recorded: the ratios are checked with none and with a fifth of the step.
-EDDIS_LINK = Cluster(nodes=(), put_bps=0.110e9, get_bps=0.110e9)
+# recorded: the ratios are checked with none and with a fifth of the step. Sync's ring
+# through the servers (one rank a node) kept its links 0.96 busy while it had bytes to move
+# (4 x 1, 12-07, four runs): 0.96 x 119.6 MB/s.
+EDDIS_LINK = Cluster(nodes=(), put_bps=0.110e9, get_bps=0.110e9, smb_ring_bps=0.96 * 119.6e6)
 
 
 def ratio(config, a, b, cpu_s, device_ms, workload, base, steps):
@@ -100,7 +103,10 @@ def within(value, low, high, slack=0.10):
 @pytest.mark.parametrize("layout,a,b,low,high,where", [
     ("2x2", "eddis-sync", "ddp", 1.31, 1.35, "12-05 runs N, O, P, T, X, Y, AA"),
     ("2x2", "eddis-sync-fp16", "ddp-fp16", 1.19, 1.26, "12-04 late runs J-L, 12-05 runs N, O"),
-    ("4x1", "eddis-sync", "ddp", 0.82, 0.88, "12-04, 4 x 1, 100 steps"),
+    ("4x1", "eddis-sync", "ddp", 1.01, 1.04, "12-07 14:38-15:35, auto: the ring, four runs"),
+    ("4x1", "eddis-sync-mesh", "ddp", 0.97, 0.97, "12-07 14:26-15:07, three runs"),
+    ("8x1", "eddis-sync", "ddp", 0.95, 0.97, "12-07 14:46-15:40, the ring, three runs"),
+    ("8x1", "eddis-sync-mesh", "ddp", 0.89, 0.90, "12-07 14:46, 15:23"),
 ])
 def test_ratios_at_1gbit_as_recorded(update, layout, a, b, low, high, where):
     nodes, per_node = map(int, layout.split("x"))
@@ -165,6 +171,23 @@ def test_a_probe_gives_its_path_the_rate_it_measured_and_the_model_repeats_the_p
     cpu = emulated.solo_cpu_seconds(166.10, [1.0] * 4)
     assert 32 / s["eddis-allreduce"] == pytest.approx(8 * cpu + 2.5, rel=1e-6)
     assert 32 / s["ddp"] < 8 * cpu + 2.5 * 0.6
+
+
+def test_the_servers_ring_probe_gives_sync_at_one_rank_a_node_its_rate():
+    # probe-smbring of the 4 x 1 run: 1.5 S a node and way in 2.0 s (made-up figures); at 4 x 1
+    # sync takes that ring (auto), so with every bucket at the end of the backward its step is
+    # the compute, then the probe's reduction; the mesh keeps the put and get rates
+    probe = dict(RUN_4X1[0], contender="probe-smbring", samples_per_s=32 / 2.0, global_batch=32,
+                 cross_node_bytes_per_step=1.5 * 100741160)
+    base = emulated.calibrated_base([probe], 119.6e6)
+    assert (base.smb_ring_bps, base.put_bps, base.get_bps) == (pytest.approx(1.5 * 100741160 / 2.0),
+                                                               119.6e6, 119.6e6)
+    mesh = dict(RUN_4X1[1], contender="eddis-sync-mesh")
+    rows, _ = emulated.validate(RUN_4X1 + [mesh, probe], lambda config: mlp(ready=(1.0, 1.0, 1.0)))
+    s = {r["contender"]: r["samples_per_s"]["predicted"] for r in rows}
+    cpu = emulated.solo_cpu_seconds(166.10, [1.0] * 4)
+    assert 32 / s["eddis-sync"] == pytest.approx(8 * cpu + 2.0, rel=1e-6)
+    assert 32 / s["eddis-sync-mesh"] > 8 * cpu + 1.5 * 100741160 / 119.6e6
 
 
 def test_records_from_before_the_bench_wrote_its_defaults_match_those_that_did():

@@ -15,7 +15,7 @@ from .. import settings
 from ..errors import ConfigError
 from . import calibrate, spec
 from .evaluate import DEFAULT_TAU, describe_split, evaluate, recommend
-from .modes import MODES, SOLO
+from .modes import LISTED, MODES, SOLO
 
 
 def add_arguments(p):
@@ -30,7 +30,7 @@ def add_arguments(p):
     p.add_argument("--link", metavar="RATE", help="every node's link rate, e.g. 200gbit, 10gbit, 100mbit")
     p.add_argument("--latency-us", type=float, help="every node's link latency in microseconds")
     p.add_argument("--local-batch", type=int, help="samples per rank and step (overrides the model's)")
-    p.add_argument("--modes", help=f"comma-separated, from: {', '.join(MODES)} (default: all)")
+    p.add_argument("--modes", help=f"comma-separated, from: {', '.join(MODES)} (default: {', '.join(LISTED)})")
     p.add_argument("--tau", type=int, default=None,
                    help=f"easgd/hybrid: steps between exchanges (default EDDIS_EASGD_TAU, {DEFAULT_TAU})")
     p.add_argument("--run-steps", type=int, default=None,
@@ -179,7 +179,8 @@ def describe_inputs(cluster, workload):
     sizes = ", ".join(_mb(b.nbytes) for b in workload.buckets[:8]) + (", ..." if len(workload.buckets) > 8 else "")
     return [f"cluster: {cluster.num_nodes} nodes, {cluster.size} ranks ("
             + ", ".join(f"{c} x {k}" for k, c in kinds.items()) + f"); link {link}",
-            f"  SMB put/get/reduce {gbs(cluster.put_bps)}/{gbs(cluster.get_bps)}/{gbs(cluster.reduce_bps)} GB/s, "
+            f"  SMB put/get/reduce/ring {gbs(cluster.put_bps)}/{gbs(cluster.get_bps)}/{gbs(cluster.reduce_bps)}/"
+            f"{gbs(cluster.smb_ring_bps)} GB/s, "
             f"PCIe {gbs(cluster.pcie_bps)}, cast {gbs(cluster.cast_bps)}, in a node {gbs(cluster.intra_bps)} GB/s "
             "(-: not a limit)" + (f"; {cluster.source}" if cluster.source else ""),
             f"model {workload.name}: S = {_mb(workload.gradient_bytes)} MB in {len(workload.buckets)} bucket(s) "

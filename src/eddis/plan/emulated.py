@@ -122,7 +122,7 @@ def predict(contender, cluster, workload, tau=4, run_steps=None):
 # calibrates, applied in this order (probe-allreduce, EDDIS's own allreduce mode, after and so
 # over probe-mpi, MPI's from the main thread)
 PROBE_RATES = {"probe-ring": ("ring_bps",), "probe-mpi": ("mpi_bps",), "probe-allreduce": ("mpi_bps",),
-               "probe-sync": ("put_bps", "get_bps")}
+               "probe-sync": ("put_bps", "get_bps"), "probe-smbring": ("smb_ring_bps",)}
 
 
 def probe_rate(record):

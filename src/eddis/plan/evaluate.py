@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from . import timing
-from .modes import MODES, RING, SOLO
+from .modes import LISTED, MODES, RING, SOLO
 
 DEFAULT_TAU = 4          # EDDIS_EASGD_TAU's default
 TAUS = (1, 2, 4, 8, 16, 32)
@@ -52,11 +52,11 @@ def step_of(mode, cluster, workload, per_sample, tau=DEFAULT_TAU, overlap=None, 
 
 
 def evaluate(cluster, workload, modes=None, tau=DEFAULT_TAU, overlap=None, run_steps=None):
-    """``{mode: Outcome}`` for ``modes`` (default: all) and the ideal (``solo``)."""
+    """``{mode: Outcome}`` for ``modes`` (default: the listed ones) and the ideal (``solo``)."""
     per_sample = timing.per_sample_times(cluster, workload)
     ideal = timing.solo(cluster, workload, per_sample)
     steps = {SOLO: ideal}
-    for name in modes or list(MODES):
+    for name in modes or LISTED:
         steps[name] = step_of(name, cluster, workload, per_sample, tau, overlap, run_steps)
     ring = steps.get(RING)
     out = {}
@@ -107,7 +107,7 @@ def advise_tau(cluster, workload, mode, tau):
 def _compressed_twin(mode):
     """The same path with fp16 on the wire, where EDDIS has it (sync in every lockstep form)."""
     m = MODES[mode]
-    return replace(m, name=f"{mode}+fp16", wire=2) if m.path in ("hierarchical", "flat", "mpi") else None
+    return replace(m, name=f"{mode}+fp16", wire=2) if m.path in ("sync", "hierarchical", "smb-ring", "flat", "mpi") else None
 
 
 def recommend(cluster, workload, outcomes, tau=DEFAULT_TAU):

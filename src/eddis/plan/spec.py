@@ -53,6 +53,9 @@ class Cluster:
     put_bps: Optional[float] = None     # SMB put into one server, bytes/s (None: not a limit)
     get_bps: Optional[float] = None     # SMB get from one server
     reduce_bps: Optional[float] = None  # bytes of input summed per second (a server's reduce, a rank's node sum)
+    # what sync's ring through the servers carries a node and way (one stream into each server,
+    # where the mesh's puts and gets have k-1; None: the put rate)
+    smb_ring_bps: Optional[float] = None
     pcie_bps: Optional[float] = None    # device <-> host staging per rank (None: the gradients are in host memory)
     cast_bps: Optional[float] = None    # fp32 bytes cast to fp16/bf16 (or back) per second per rank
     intra_bps: Optional[float] = None   # between two ranks of one node (ring and MPI hops inside a node)
@@ -233,7 +236,7 @@ def cluster_from_dict(data, where="cluster.json"):
         f.fail("link", "missing", "give the nodes' link, e.g. \"link\": {\"rate\": \"200gbit\", \"latency_us\": 2}")
     default_link = _link(_Fields(data["link"], f"{where}.link"))
     smb = _Fields(data.get("smb", {}), f"{where}.smb")
-    smb.unknown({"put_gbs", "get_gbs", "reduce_gbs"})
+    smb.unknown({"put_gbs", "get_gbs", "reduce_gbs", "ring_gbs"})
     nodes = []
     for i, entry in enumerate(f.items("nodes")):
         nf = _Fields(entry, f"{where}.nodes[{i}]")
@@ -261,7 +264,8 @@ def cluster_from_dict(data, where="cluster.json"):
             label = name or f"n{len(nodes) + 1}"
             nodes.append(Node(label if count == 1 or not name else f"{name}{c + 1}", parsed, *link))
     return Cluster(nodes=tuple(nodes), put_bps=smb.gbs("put_gbs"), get_bps=smb.gbs("get_gbs"),
-                   reduce_bps=smb.gbs("reduce_gbs"), pcie_bps=f.gbs("pcie_gbs"), cast_bps=f.gbs("cast_gbs"),
+                   reduce_bps=smb.gbs("reduce_gbs"), smb_ring_bps=smb.gbs("ring_gbs"),
+                   pcie_bps=f.gbs("pcie_gbs"), cast_bps=f.gbs("cast_gbs"),
                    intra_bps=f.gbs("intra_gbs"), mpi_bps=f.gbs("mpi_gbs"), ring_bps=f.gbs("ring_gbs"),
                    source=f.text("source"))
 
@@ -354,7 +358,8 @@ def cluster_to_dict(cluster):
             entry["link"] = link(node)
         nodes.append(entry)
     smb = {k: _gbs(v) for k, v in (("put_gbs", cluster.put_bps), ("get_gbs", cluster.get_bps),
-                                    ("reduce_gbs", cluster.reduce_bps)) if v is not None}
+                                    ("reduce_gbs", cluster.reduce_bps), ("ring_gbs", cluster.smb_ring_bps))
+           if v is not None}
     out = {"format": CLUSTER_FORMAT, "link": link(first), "smb": smb, "nodes": nodes, "source": cluster.source}
     for key, value in (("pcie_gbs", cluster.pcie_bps), ("cast_gbs", cluster.cast_bps),
                        ("intra_gbs", cluster.intra_bps), ("mpi_gbs", cluster.mpi_bps),

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from .._sync_route import auto_route
 from ..errors import ConfigError
 from . import traffic
 from .modes import MODES
@@ -115,8 +116,17 @@ def _link_phase(layout, out_in, cap=None):
     return max(max(o, i) / _capped(b, cap) for (o, i), b in zip(out_in, layout.link_bps))
 
 
+def route(path, layout):
+    """The path a bucket takes: mode sync's ``sync`` as ``EDDIS_SYNC_REDUCE=auto`` chooses it
+    for the layout (``smb-ring`` or ``hierarchical``), any other path as it is."""
+    if path != "sync":
+        return path
+    return "smb-ring" if auto_route(layout.ranks) == "ring" else "hierarchical"
+
+
 def bucket_stages(path, wire_bytes_per_element, layout, cluster, nbytes):
     """[(resource, seconds)] of one bucket of ``nbytes`` fp32 bytes on ``path``."""
+    path = route(path, layout)
     wire = nbytes * wire_bytes_per_element / 4
     k, n, lat = layout.k, layout.n, layout.latency
     pcie = seconds(nbytes, cluster.pcie_bps)
@@ -131,6 +141,19 @@ def bucket_stages(path, wire_bytes_per_element, layout, cluster, nbytes):
                 ("server", seconds(wire, cluster.reduce_bps)),
                 ("link", _link_phase(layout, [(phase, phase)] * k, cluster.get_bps) + 2 * lat),
                 ("finish", local_sum + pcie)]
+    if path == "smb-ring":
+        if max(layout.ranks) > 1 or k < 2:
+            raise ConfigError(f"sync's ring (EDDIS_SYNC_REDUCE=ring) takes one rank on each of 2 or more "
+                              f"nodes, and this cluster has {layout.ranks} ranks a node; plan eddis-sync "
+                              "(auto) or eddis-sync-mesh there")
+        # each of 2(k-1) steps writes a chunk into the next node's server while the pieces of
+        # the step before are summed on the rank from mapped memory: one stream a link, no
+        # server stage, the sum beside the transfer
+        both = traffic.ring(k, k, wire)
+        rate = cluster.put_bps if cluster.smb_ring_bps is None else cluster.smb_ring_bps
+        move = _link_phase(layout, [(both, both)] * k, rate) + 2 * (k - 1) * lat
+        summed = seconds((k - 1) / k * nbytes, cluster.reduce_bps)
+        return [("submit", pcie + cast), ("link", max(move, summed)), ("finish", cast + pcie)]
     if path == "flat":
         phases = traffic.flat_phases(layout.ranks, wire)
         stages = [("submit", pcie + cast)]
@@ -163,11 +186,12 @@ def bucket_stages(path, wire_bytes_per_element, layout, cluster, nbytes):
 
 def link_bytes(path, wire_bytes_per_element, layout, nbytes):
     """Per node (out, in) bytes of one bucket on ``path`` (lockstep modes)."""
+    path = route(path, layout)
     wire = nbytes * wire_bytes_per_element / 4
     k, n = layout.k, layout.n
     if k == 1:
         return [(0.0, 0.0)]
-    if path == "hierarchical":
+    if path in ("hierarchical", "smb-ring"):   # the same 2(k-1)/k W: one rank a node, ring(k, k)
         both = 2 * traffic.hierarchical_phase(k, wire)
         return [(both, both)] * k
     if path == "flat":

@@ -50,13 +50,9 @@ from .hierarchical import HierarchicalSyncReducer, NodeLayout
 from .join_board import JoinBoard
 from .ring import RingSyncReducer, ring_problem
 from .slots import BucketShare, SlotReducer
+from ..._sync_route import auto_route
 
 log = logging.getLogger("eddis.core.sync")
-
-# auto takes the ring from this many nodes of one rank each: with two, the ring's two steps
-# and the mesh's put and get carry the same, and only the mesh was measured there
-RING_FROM_NODES = 3
-
 
 class SyncReducer(SlotReducer):
     mode = "sync"
@@ -190,7 +186,8 @@ def make_sync_reducer(plan, compression="none", op="average", timeout=None, name
                 raise ConfigError(f"EDDIS_SYNC_REDUCE=ring: {problem}; use auto")
             return RingSyncReducer(plan, compression, op, timeout, name, layout=layout)
         if choice == "hierarchical" or layout.num_nodes > 1:
-            if choice == "auto" and layout.num_nodes >= RING_FROM_NODES and ring_problem(layout) is None:
+            if (choice == "auto" and auto_route(len(m) for m in layout.members) == "ring"
+                    and ring_problem(layout) is None):
                 return RingSyncReducer(plan, compression, op, timeout, name, layout=layout)
             if layout.problem is None:
                 return HierarchicalSyncReducer(plan, compression, op, timeout, name, layout=layout)
