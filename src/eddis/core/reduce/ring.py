@@ -167,6 +167,7 @@ class RingSyncReducer(SlotReducer):
         self.num_nodes = n = layout.num_nodes
         servers = layout.node_server
         self.before_node = layout.nodes[(self.node - 1) % n]
+        self.after_node = layout.nodes[(self.node + 1) % n]
         self.dtype = plan.dtype.name
         wire = self.wire_dtype = self.codec.smb_dtype
         prefix = f"eddis.{name}.ring"
@@ -249,10 +250,10 @@ class RingSyncReducer(SlotReducer):
                 timeline.complete(timeline.PUSH, posted, args={"step": self.step, "bucket": k})
                 ring = self.buckets[k]
                 ring.unfinished -= 1
-                announcing.append(ring.announce.fetch_add_nb(1))
+                announcing.append((ring.announce.fetch_add_nb(1), timeline.now_ns()))
                 moved = True
-            while announcing and announcing[0].done():
-                announcing.popleft().wait(self.timeout)
+            while announcing and announcing[0][0].done():
+                announcing.popleft()[0].wait(self.timeout)
             for k in sorted(active, reverse=True):
                 ring = active[k]
                 while self._advance(ring, writes):
@@ -264,11 +265,11 @@ class RingSyncReducer(SlotReducer):
             if moved:
                 pause = IDLE_PAUSE_S[0]
                 continue
-            self._check_deadlines(active, writes)
+            self._check_deadlines(active, writes, announcing)
             if writes:
                 writes[0][1].wait_done(RELAY_POLL_S)
             elif announcing:
-                announcing[0].wait_done(RELAY_POLL_S)
+                announcing[0][0].wait_done(RELAY_POLL_S)
             elif active:
                 # only pieces from the node before to wait for: back off while none come (a node
                 # still in its backward), and take up a burst's next piece soon after the last
@@ -316,10 +317,17 @@ class RingSyncReducer(SlotReducer):
         ring.since = time.monotonic()
         return True
 
-    def _check_deadlines(self, active, writes):
-        """Nothing moved: a write or an awaited piece past EDDIS_COMM_TIMEOUT ends in its error."""
+    def _check_deadlines(self, active, writes, announcing):
+        """Nothing moved: a write, an announcement or an awaited piece past EDDIS_COMM_TIMEOUT
+        ends in its error."""
         if writes and timeline.now_ns() - writes[0][2] > self.timeout * 1e9:
             writes[0][1].wait(0.001)
+        if (announcing and timeline.now_ns() - announcing[0][1] > self.timeout * 1e9
+                and not announcing[0][0].wait_done(0)):
+            raise SMBTimeoutError(
+                f"step {self.step}: mode sync's ring: the smb-server of node {self.after_node} counted no "
+                f"piece of this node in within {self.timeout:g} s of its write; that server is lost or "
+                "overloaded (raise EDDIS_COMM_TIMEOUT if it is slow)")
         now = time.monotonic()
         for ring in active.values():
             if now - ring.since > self.timeout:
