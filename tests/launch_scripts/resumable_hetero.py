@@ -64,9 +64,19 @@ RACE_WAIT_SECONDS = 60
 
 
 def at_last_step():
-    """Whether this rank's running step is its last: nothing left of its claim, none to claim."""
+    """Whether this rank's running step is its last: nothing left of its claim, none to claim.
+
+    The running claim tells the ranks of a group (hybrid) alike whether it took the counter to
+    its end. A member must not read the counter live: the group's reduction completes during
+    the backward, so its leader may already have made the group's next claim when the member
+    looks, and the two would disagree. A rank that steps alone may: the counter then reached
+    the total by another's claim, and its own next claim is empty."""
     ctl = progress.controller()
-    return ctl.reserved == 0 and ctl.counter.read() >= ctl.total
+    if ctl.reserved:
+        return False
+    if ctl.position + 2 * ctl.unit > ctl.total:   # not a whole unit left after this step
+        return True
+    return ctl.unit == 1 and ctl.counter.read() >= ctl.total
 
 
 def gaussian_classes(count, seed):
