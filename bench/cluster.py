@@ -40,6 +40,8 @@ contender in turn on the same data:
   ``eddis-sync-ring``, ``eddis-sync-fp16-ring`` (one rank a node), ``eddis-sync-mesh`` and
   ``eddis-sync-fp16-mesh`` (not in the default list): mode sync's route across the nodes
   asked for (``EDDIS_SYNC_REDUCE=ring`` or ``hierarchical``) whatever ``auto`` picks;
+  ``eddis-sync-b1m``, ``-b2m``, ``-b4m``, ``-b8m`` (not in the default list): mode sync with
+  buckets of 1, 2, 4 or 8 MiB (``EDDIS_BUCKET_BYTES``), beside the job's size in one run;
   ``eddis-sync-rdma``: ``eddis-sync`` on the rdma transport (one-sided put/get, the
   servers' CPUs touch no byte), in a job of its own, since a job's servers offer one
   transport; the emulated cluster has no HCA, so UCX carries it over its tcp transport
@@ -142,6 +144,11 @@ WHOLE_UPDATE_VARIANTS = ["eddis-sync-whole", "eddis-sync-fp16-whole"]
 FORWARD_VARIANTS = ["eddis-sync-forward", "eddis-sync-fp16-forward", "eddis-allreduce-forward"]
 # mode sync's route across nodes asked for (EDDIS_SYNC_REDUCE): the ring at one rank a node, the mesh
 ROUTE_VARIANTS = ["eddis-sync-ring", "eddis-sync-fp16-ring", "eddis-sync-mesh", "eddis-sync-fp16-mesh"]
+# mode sync with buckets of another size than the job's (EDDIS_BUCKET_BYTES), beside the default
+BUCKET_VARIANTS = {"eddis-sync-b1m": "1M", "eddis-sync-b2m": "2M", "eddis-sync-b4m": "4M",
+                   "eddis-sync-b8m": "8M"}
+# the job's bucket size, which every contender but those above keeps
+JOB_BUCKET_BYTES = os.environ.get("EDDIS_BUCKET_BYTES")
 # probe-smbring: floats a piece of a ring step, and how long one node waits for its neighbour
 RING_PROBE_PIECE = 1 << 20
 RING_PROBE_TIMEOUT_S = 120
@@ -504,6 +511,11 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
         os.environ["EDDIS_EASGD_OVERLAP"] = {"overlap": "on", "nooverlap": "off"}.get(parts[-1], "auto")
         os.environ["EDDIS_OVERLAP_OPTIMIZER"] = "off" if parts[-1] == "whole" else "auto"
         os.environ["EDDIS_OVERLAP_FORWARD"] = "on" if parts[-1] == "forward" else "off"
+        bucket_bytes = BUCKET_VARIANTS.get(contender, JOB_BUCKET_BYTES)
+        if bucket_bytes is None:
+            os.environ.pop("EDDIS_BUCKET_BYTES", None)
+        else:
+            os.environ["EDDIS_BUCKET_BYTES"] = bucket_bytes
         # every contender at the global batch's rate: the average of the workers' (groups')
         # steps then moves as far per sample as one synchronous step of the global batch
         batch_for_lr = global_batch
@@ -837,7 +849,7 @@ def main(argv=None):
     args.slowdowns = args.slowdowns.split(",")
     args.models = args.models.split(",")
     known = (CONTENDERS + PROBES + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS + WHOLE_UPDATE_VARIANTS + FORWARD_VARIANTS
-             + ROUTE_VARIANTS)
+             + ROUTE_VARIANTS + list(BUCKET_VARIANTS))
     for c in args.contenders.split(","):
         if c not in known:
             sys.exit(f"bench/cluster.py: unknown contender {c!r}; choose from {', '.join(known)}")
