@@ -107,7 +107,8 @@ def advise_tau(cluster, workload, mode, tau):
 def _compressed_twin(mode):
     """The same path with fp16 on the wire, where EDDIS has it (sync in every lockstep form)."""
     m = MODES[mode]
-    return replace(m, name=f"{mode}+fp16", wire=2) if m.path in ("sync", "hierarchical", "smb-ring", "flat", "mpi") else None
+    twinned = ("sync", "hierarchical", "smb-ring", "flat", "mpi")
+    return replace(m, name=f"{mode}+fp16", wire=2) if m.path in twinned else None
 
 
 def recommend(cluster, workload, outcomes, tau=DEFAULT_TAU):

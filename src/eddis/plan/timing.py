@@ -125,8 +125,7 @@ def route(path, layout):
 
 
 def bucket_stages(path, wire_bytes_per_element, layout, cluster, nbytes):
-    """[(resource, seconds)] of one bucket of ``nbytes`` fp32 bytes on ``path``."""
-    path = route(path, layout)
+    """[(resource, seconds)] of one bucket of ``nbytes`` fp32 bytes on ``path`` (routed)."""
     wire = nbytes * wire_bytes_per_element / 4
     k, n, lat = layout.k, layout.n, layout.latency
     pcie = seconds(nbytes, cluster.pcie_bps)
@@ -185,8 +184,7 @@ def bucket_stages(path, wire_bytes_per_element, layout, cluster, nbytes):
 
 
 def link_bytes(path, wire_bytes_per_element, layout, nbytes):
-    """Per node (out, in) bytes of one bucket on ``path`` (lockstep modes)."""
-    path = route(path, layout)
+    """Per node (out, in) bytes of one bucket on ``path`` (lockstep modes, routed)."""
     wire = nbytes * wire_bytes_per_element / 4
     k, n = layout.k, layout.n
     if k == 1:
@@ -231,7 +229,8 @@ def lockstep(mode, cluster, workload, per_sample, batches, nodes=None):
     update = max(u * b * c for b, c in zip(batches, per_sample))
     end_of_backward = max(forward_backward)
     ready = [bucket.ready * end_of_backward for bucket in workload.buckets]
-    stages = [bucket_stages(mode.path, mode.wire, layout, cluster, bucket.nbytes) for bucket in workload.buckets]
+    path = route(mode.path, layout)
+    stages = [bucket_stages(path, mode.wire, layout, cluster, bucket.nbytes) for bucket in workload.buckets]
     done = pipeline(ready, stages)
     total = workload.gradient_bytes
     if mode.whole_update:
@@ -243,7 +242,7 @@ def lockstep(mode, cluster, workload, per_sample, batches, nodes=None):
     pairs = [(0.0, 0.0)] * layout.k
     for bucket in workload.buckets:
         pairs = [(o + bo, i + bi) for (o, i), (bo, bi) in
-                 zip(pairs, link_bytes(mode.path, mode.wire, layout, bucket.nbytes))]
+                 zip(pairs, link_bytes(path, mode.wire, layout, bucket.nbytes))]
     link_s = sum(d for st in stages for res, d in st if res == "link")
     return step, pairs, link_s
 

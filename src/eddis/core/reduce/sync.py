@@ -41,6 +41,7 @@ instead: the servers combine the pairs of Adasum's tree.
 import logging
 
 from ... import settings
+from ..._sync_route import auto_route
 from ...errors import ConfigError, SMBMemoryError
 from ...smb import _core  # noqa: F401  (without the built SMB extension there is no mode sync)
 from ..comm import collectives, connection
@@ -50,9 +51,9 @@ from .hierarchical import HierarchicalSyncReducer, NodeLayout
 from .join_board import JoinBoard
 from .ring import RingSyncReducer, ring_problem
 from .slots import BucketShare, SlotReducer
-from ..._sync_route import auto_route
 
 log = logging.getLogger("eddis.core.sync")
+
 
 class SyncReducer(SlotReducer):
     mode = "sync"
