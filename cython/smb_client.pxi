@@ -776,10 +776,14 @@ cdef class ClientCore:
                 ucp.ucp_rkey_destroy(<ucp.ucp_rkey_h><uintptr_t>entry[0])
 
     def post_put(self, Pending pending, int ci, uintptr_t local, size_t nbytes,
-                 uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey):
+                 uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey, uint32_t count_rid=0):
         """Write nbytes at `local` to region rid at byte `offset`: with a key (rkey != 0),
-        a one-sided put to address `remote`; else requests of a MiB that the server checks."""
-        self._post_transfer(pending, ci, TRANSFER_PUT, local, nbytes, rid, offset, remote, rkey)
+        a one-sided put to address `remote`; else requests of a MiB that the server checks.
+        `count_rid`: a counter of that server that the server adds 1 to once the data landed
+        (socket transport only; a one-sided put cannot carry a count)."""
+        if count_rid and rkey:
+            raise _errors.SMBValueError("a one-sided put cannot count itself in; count after its flush")
+        self._post_transfer(pending, ci, TRANSFER_PUT, local, nbytes, rid, offset, remote, rkey, count_rid)
 
     def post_get(self, Pending pending, int ci, uintptr_t local, size_t nbytes,
                  uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey):
@@ -803,14 +807,15 @@ cdef class ClientCore:
         self._post_transfer(pending, ci, TRANSFER_FLUSH, 0, 0, 0, 0, 0, 0)
 
     cdef int _post_transfer(self, Pending pending, int ci, transfer_t kind, uintptr_t local, size_t nbytes,
-                            uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey) except -1:
+                            uint32_t rid, uint64_t offset, uint64_t remote, uintptr_t rkey,
+                            uint32_t count_rid=0) except -1:
         """The one way data moves to or from a remote region; its outcome lands in `pending`."""
         cdef ucp.ucp_request_param_t param
         cdef ucs_status_ptr_t p
         cdef ucp.ucp_ep_h ep
         if rkey == 0 and kind != TRANSFER_FLUSH:
             self._check_open()
-            self._sock_transfer(pending, ci, kind, local, nbytes, rid, offset)
+            self._sock_transfer(pending, ci, kind, local, nbytes, rid, offset, count_rid)
             return 0
         if self.conns[ci].ep == NULL:
             return 0      # a flush where every put went over the socket: each was acknowledged
@@ -835,10 +840,11 @@ cdef class ClientCore:
         return 0
 
     cdef int _sock_transfer(self, Pending pending, int ci, transfer_t kind, uintptr_t local, size_t nbytes,
-                            uint32_t rid, uint64_t offset) except -1:
+                            uint32_t rid, uint64_t offset, uint32_t count_rid) except -1:
         """A put or get as requests the server checks against its region table, of SOCK_PIECE
         bytes each (at most SOCK_MAX_PIECES of them; a frame's length is 32-bit, so at most
-        1 GiB); a get's reply lands straight in `local`."""
+        1 GiB); a get's reply lands straight in `local`. A put's count rides on its last
+        request: the server runs a connection's requests in order, so all its data is in."""
         cdef put_desc_t put
         cdef get_desc_t get
         cdef size_t done = 0, piece
@@ -856,7 +862,7 @@ cdef class ClientCore:
             pending.add_slot(slot_id, ci, True)
             if kind == TRANSFER_PUT:   # the data follows the descriptor
                 put.region = rid
-                put.reserved = 0
+                put.count_region = count_rid if done + piece >= nbytes else 0
                 put.offset = offset + done
                 self._sock_send(ci, self._data_head(OP_PUT, slot_id, sizeof(put) + piece, &put, sizeof(put)),
                                 sizeof(smb_hdr_t) + sizeof(put), <const char*>(local + done), piece)

@@ -89,7 +89,7 @@ cdef packed struct smb_hdr_t:
 
 cdef packed struct put_desc_t:     # OP_PUT payload head; the data follows
     uint32_t region
-    uint32_t reserved
+    uint32_t count_region  # a counter of this server that gains 1 once the data landed (0: none)
     uint64_t offset        # bytes from the region's start
 
 cdef packed struct get_desc_t:     # OP_GET payload; the reply carries nbytes of data

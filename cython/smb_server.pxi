@@ -502,8 +502,26 @@ cdef void sock_adopt(server_t *st) noexcept nogil:
             st.conn_hi = slot + 1
 
 
+cdef void count_landed_put(server_t *st, uint32_t rid, int *status, const char **error) noexcept nogil:
+    """A put's count: add 1 to the counter ``rid`` after the put's data landed (the same CPU
+    atomic a same-node reader loads, so that who sees the count sees the data)."""
+    cdef region_t *r = get_region(st, rid)
+    cdef int64_t old
+    if r == NULL:
+        status[0] = ucp.UCS_ERR_NO_ELEM
+        error[0] = b"the write landed, but its count did not: unknown counter (freed?)"
+    elif r.dtype != 4:
+        status[0] = ucp.UCS_ERR_INVALID_PARAM
+        error[0] = b"the write landed, but its count did not: the region named for it is no counter"
+    elif checked_fetch_add64(<int64_t*>(st.arena + r.offset), 1, &old) != 0:
+        status[0] = ucp.UCS_ERR_INVALID_PARAM
+        error[0] = b"the write landed, but its count did not: the counter is at the int64 maximum"
+
+
 cdef void sock_finish_put(server_t *st, int ci) noexcept nogil:
     cdef sock_rx_t *rx = &st.conns[ci].rx
+    if rx.status == 0 and rx.desc.count_region != 0:
+        count_landed_put(st, rx.desc.count_region, &rx.status, &rx.error)
     if rx.status == 0:
         server_send_reply(st, ci, rx.hdr.req_id, 0, NULL, 0)
     else:

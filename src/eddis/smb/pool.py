@@ -13,7 +13,8 @@ import numpy as np
 
 from ..errors import SMBBoundsError, SMBKeyError, SMBValueError, UsageError
 from . import _core
-from .requests import Completed, Request
+from .counter import Counter
+from .requests import Completed, CountedAfter, Request
 from .protocol import (DOT_NORMS_REPLY, DTYPES, FLOAT_DTYPES, ITEMSIZE, MAX_VEC_SEGMENTS, VEC_REQUEST,
                        VEC_SEGMENT, VEC_SOURCE, decode_control, partition)
 
@@ -285,15 +286,45 @@ class Pool:
         return pool
 
     # ------------------------------------------------------------ transfers
-    def write_nb(self, buf, slot=0, start=0):
-        """Start writing buf into [start, start+len(buf)) of slot; returns a Request."""
+    def write_nb(self, buf, slot=0, start=0, count_in=None):
+        """Start writing buf into [start, start+len(buf)) of slot; returns a Request.
+
+        ``count_in``: a :class:`~eddis.smb.counter.Counter` on the server that holds the whole
+        range; it gains 1 once the data has landed there, so that a reader that sees the count
+        sees the data. On the socket transport the server counts on the write's last request
+        (no request of its own, no second round trip); a mapped server is counted after the
+        copy; a one-sided (rdma) write is counted after its flush."""
         self._live("write")
         device = device_view(buf, self.dtype, False)
         if device is not None:
+            if count_in is not None:
+                slot, start, count = self._range(slot, start, device[1])
+                self._count_target(count_in, start, count)
+                return CountedAfter(self._device_transfer(buf, device, slot, start, True), count_in)
             return self._device_transfer(buf, device, slot, start, True)
         arr = as_array(buf, self.dtype, False, self.np_dtype)
         slot, start, count = self._range(slot, start, arr.size)
-        return self._guarded_transfer(arr, slot, start, count, True)
+        if count_in is not None:
+            self._count_target(count_in, start, count)
+            if count == 0:
+                return CountedAfter(Completed(), count_in)
+        return self._guarded_transfer(arr, slot, start, count, True, None, None, count_in)
+
+    def _count_target(self, counter, start, count):
+        """SMBValueError unless ``counter`` can count a write of [start, start+count) in: a
+        counter of this pool's client, on the one server that holds the range."""
+        if not isinstance(counter, Counter) or counter._client is not self.client:
+            raise SMBValueError(f"pool {self.name!r} write: count_in must be a Counter of the same "
+                                f"client, not {counter!r}")
+        servers = sorted({seg.server for seg, _, _, _ in self._pieces(start, count)})
+        if len(servers) > 1:
+            raise SMBValueError(f"pool {self.name!r} write: elements [{start}, {start + count}) lie on "
+                                f"servers {servers}; a counted write must lie on one server, its "
+                                "counter's (write each server's part with its own counter)")
+        if servers and servers != [counter.server]:
+            raise SMBValueError(f"pool {self.name!r} write: counter {counter.name!r} is on server "
+                                f"{counter.server}, but the range lies on server {servers[0]}; a count "
+                                "can only follow data onto the server that holds both")
 
     def write(self, buf, slot=0, start=0, timeout=None):
         self.write_nb(buf, slot, start).wait(timeout)
@@ -382,10 +413,10 @@ class Pool:
                                 [gen for seg, gen in zip(segments, gens) if not client._core.conn_failed(seg.conn)],
                                 what)
 
-    def _transfer(self, arr, slot, start, count, put, result=None, base=None):
+    def _transfer(self, arr, slot, start, count, put, result=None, base=None, count_in=None):
         """One contiguous piece per server: memcpy for mapped servers, else put/get.
         ``arr`` stays alive until the transfers are done; ``base``: its address where it is
-        no host buffer (GPUDirect)."""
+        no host buffer (GPUDirect); ``count_in``: write_nb's, checked."""
         client = self.client
         what = "write" if put else "read"
         core = client._core
@@ -406,6 +437,8 @@ class Pool:
                 theirs = seg.local + self._offset(seg, slot, col)
                 if put:
                     _core.memcpy_nogil(theirs, mine, nbytes)
+                    if count_in is not None:
+                        _core.local_fetch_add(count_in._local, 1, f"counter {count_in.name!r}")
                 else:
                     _core.memcpy_nogil(mine, theirs, nbytes)
                 local.append(seg.server)
@@ -416,7 +449,8 @@ class Pool:
                 pending = client._pending()
                 pending.keep = arr
             if put:
-                core.post_put(pending, seg.conn, mine, nbytes, seg.rid, offset, theirs, seg.rkey)
+                counted = count_in._rid if count_in is not None and not seg.rkey else 0
+                core.post_put(pending, seg.conn, mine, nbytes, seg.rid, offset, theirs, seg.rkey, counted)
             else:
                 core.post_get(pending, seg.conn, mine, nbytes, seg.rid, offset, theirs, seg.rkey)
             remote.append(seg.conn)
@@ -429,6 +463,9 @@ class Pool:
             for conn in remote:
                 # puts complete locally first; the flush makes them visible at the server
                 core.post_flush(pending, conn)
+            if count_in is not None and one_sided:
+                return CountedAfter(Request(client, pending, f"pool {self.name!r} {what}", finish, remote),
+                                    count_in)
         elif one_sided:
             # the generations, read after the data: unchanged, the data was the region's
             gens = np.zeros(len(one_sided), dtype=np.uint32)

@@ -26,7 +26,7 @@ CONTROL_SEPARATOR = b"\0"
 
 MAGIC = 0x534D4231                            # "SMB1"
 HEADER = struct.Struct("<IHhIIQ")             # magic, op, status, payload length, reserved, request id
-PUT_DESC = struct.Struct("<IIQ")              # region, reserved, byte offset; the data follows
+PUT_DESC = struct.Struct("<IIQ")              # region, counter +1 once landed (0: none), byte offset; data follows
 GET_DESC = struct.Struct("<IIQQ")             # region, reserved, byte offset, bytes
 COUNTER_REQUEST = struct.Struct("<IIQqq")     # region, kind, index, a, b
 COUNTER_REPLY = struct.Struct("<q")

@@ -1,5 +1,6 @@
 """What an SMB operation returns: a :class:`Request` that its caller waits for (bounded by
-the client's timeout), or a :class:`Completed` one (same-node copies finish at once)."""
+the client's timeout), or a :class:`Completed` one (same-node copies finish at once), or a
+:class:`CountedAfter` one (a write whose count must follow it)."""
 from ..errors import SMBConnectionError, SMBTimeoutError, UsageError, from_ucs_status
 
 
@@ -97,3 +98,46 @@ class Completed:
 
     def unanswered_servers(self):
         return []
+
+
+class CountedAfter:
+    """A write and the count that follows it once it completed (a one-sided put cannot carry
+    its count to the server): the count is posted as soon as the write is seen done."""
+
+    __slots__ = ("_write", "_counter", "_count", "_error")
+
+    def __init__(self, write, counter):
+        self._write = write
+        self._counter = counter
+        self._count = None
+        self._error = None
+
+    def _start_count(self):
+        """Once the write is done: post the count, or keep the write's error for wait()."""
+        if self._count is None and self._error is None and self._write.done():
+            try:
+                self._write.wait()
+                self._count = self._counter.fetch_add_nb(1)
+            except Exception as error:  # the write's or the count's: wait() raises it
+                self._error = error
+
+    def done(self):
+        self._start_count()
+        return self._error is not None or (self._count is not None and self._count.done())
+
+    def wait_done(self, timeout):
+        if self._count is None and self._error is None and not self._write.wait_done(timeout):
+            return False
+        self._start_count()
+        return self._error is not None or self._count.wait_done(timeout)
+
+    def wait(self, timeout=None):
+        if self._count is None and self._error is None:
+            self._write.wait(timeout)
+            self._start_count()
+        if self._error is not None:
+            raise self._error
+        self._count.wait(timeout)
+
+    def unanswered_servers(self):
+        return (self._count or self._write).unanswered_servers()
