@@ -7,8 +7,9 @@ link, but each link carries one stream: node i only ever writes to node i+1's se
 
 A bucket is cut into n chunks. In each of ``2 (n-1)`` ring steps a node sends one chunk, in
 pieces, into its *inbox* on the next node's server (a region per ring step, so nothing a
-node still reads is written over) and, once a piece's write is in, counts it on that
-server's arrival counter; the next node reads the piece from its server's mapped memory:
+node still reads is written over), each write counted in on that server's arrival counter
+once its data landed (the server counts on the write's last request); the next node reads
+the piece from its server's mapped memory:
 
 - steps 0 .. n-2 (reduce-scatter): the piece received plus the node's own gradient of it,
   weighted by its share of the step's samples, goes on; at step n-1 the piece holds every
@@ -231,11 +232,10 @@ class RingSyncReducer(SlotReducer):
     def _relay_loop(self):
         """Every handed-over bucket's ring steps, piece by piece (module docstring)."""
         active = {}        # bucket -> its _Bucket, this step
-        writes = deque()   # (bucket, request, posted)
-        announcing = deque()
+        writes = deque()   # (bucket, request, posted): counted writes
         pause = IDLE_PAUSE_S[0]
         while True:
-            item = self._take_handed_over(bool(active or writes or announcing))
+            item = self._take_handed_over(bool(active or writes))
             if item is None:
                 return
             if item:
@@ -248,12 +248,8 @@ class RingSyncReducer(SlotReducer):
                 k, request, posted = writes.popleft()
                 request.wait(self.timeout)   # done: its result, or its error
                 timeline.complete(timeline.PUSH, posted, args={"step": self.step, "bucket": k})
-                ring = self.buckets[k]
-                ring.unfinished -= 1
-                announcing.append((ring.announce.fetch_add_nb(1), timeline.now_ns()))
+                self.buckets[k].unfinished -= 1
                 moved = True
-            while announcing and announcing[0][0].done():
-                announcing.popleft()[0].wait(self.timeout)
             for k in sorted(active, reverse=True):
                 ring = active[k]
                 while self._advance(ring, writes):
@@ -265,11 +261,9 @@ class RingSyncReducer(SlotReducer):
             if moved:
                 pause = IDLE_PAUSE_S[0]
                 continue
-            self._check_deadlines(active, writes, announcing)
+            self._check_deadlines(active, writes)
             if writes:
                 writes[0][1].wait_done(RELAY_POLL_S)
-            elif announcing:
-                announcing[0][0].wait_done(RELAY_POLL_S)
             elif active:
                 # only pieces from the node before to wait for: back off while none come (a node
                 # still in its backward), and take up a burst's next piece soon after the last
@@ -311,23 +305,24 @@ class RingSyncReducer(SlotReducer):
                 _vecops.convert(mine, out, dst_dtype=self.dtype, src_dtype=self.wire_dtype)
         if s < ring.steps:
             a, b = ring.region(s, j, lo, hi)
-            writes.append((k, ring.ahead.write_nb(out, start=a), timeline.now_ns()))
+            writes.append((k, ring.ahead.write_nb(out, start=a, count_in=ring.announce), timeline.now_ns()))
             ring.unfinished += 1
         ring.piece += 1
         ring.since = time.monotonic()
         return True
 
-    def _check_deadlines(self, active, writes, announcing):
-        """Nothing moved: a write, an announcement or an awaited piece past EDDIS_COMM_TIMEOUT
-        ends in its error."""
+    def _check_deadlines(self, active, writes):
+        """Nothing moved: a counted write or an awaited piece past EDDIS_COMM_TIMEOUT ends in
+        its error."""
         if writes and timeline.now_ns() - writes[0][2] > self.timeout * 1e9:
-            writes[0][1].wait(0.001)
-        if (announcing and timeline.now_ns() - announcing[0][1] > self.timeout * 1e9
-                and not announcing[0][0].wait_done(0)):
-            raise SMBTimeoutError(
-                f"step {self.step}: mode sync's ring: the smb-server of node {self.after_node} counted no "
-                f"piece of this node in within {self.timeout:g} s of its write; that server is lost or "
-                "overloaded (raise EDDIS_COMM_TIMEOUT if it is slow)")
+            try:
+                # done meanwhile: its outcome; else given up, as any timed-out transfer is
+                writes[0][1].wait(0.001)
+            except SMBTimeoutError as error:
+                raise SMBTimeoutError(
+                    f"step {self.step}: mode sync's ring: the smb-server of node {self.after_node} took "
+                    f"no piece of this node in (written and counted) within {self.timeout:g} s; that "
+                    "server is lost or overloaded (raise EDDIS_COMM_TIMEOUT if it is slow)") from error
         now = time.monotonic()
         for ring in active.values():
             if now - ring.since > self.timeout:
