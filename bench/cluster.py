@@ -42,6 +42,8 @@ contender in turn on the same data:
   asked for (``EDDIS_SYNC_REDUCE=ring`` or ``hierarchical``) whatever ``auto`` picks;
   ``eddis-sync-b1m``, ``-b2m``, ``-b4m``, ``-b8m`` (not in the default list): mode sync with
   buckets of 1, 2, 4 or 8 MiB (``EDDIS_BUCKET_BYTES``), beside the job's size in one run;
+  ``eddis-sync-nofirst`` (not in the default list): mode sync with no first bucket of its own
+  (``EDDIS_FIRST_BUCKET_BYTES=0``);
   ``eddis-sync-rdma``: ``eddis-sync`` on the rdma transport (one-sided put/get, the
   servers' CPUs touch no byte), in a job of its own, since a job's servers offer one
   transport; the emulated cluster has no HCA, so UCX carries it over its tcp transport
@@ -149,6 +151,9 @@ BUCKET_VARIANTS = {"eddis-sync-b1m": "1M", "eddis-sync-b2m": "2M", "eddis-sync-b
                    "eddis-sync-b8m": "8M"}
 # the job's bucket size, which every contender but those above keeps
 JOB_BUCKET_BYTES = os.environ.get("EDDIS_BUCKET_BYTES")
+# mode sync with its first bucket cut as any other (EDDIS_FIRST_BUCKET_BYTES=0), beside the job's
+FIRST_BUCKET_VARIANTS = {"eddis-sync-nofirst": "0"}
+JOB_FIRST_BUCKET_BYTES = os.environ.get("EDDIS_FIRST_BUCKET_BYTES")
 # probe-smbring: floats a piece of a ring step, and how long one node waits for its neighbour
 RING_PROBE_PIECE = 1 << 20
 RING_PROBE_TIMEOUT_S = 120
@@ -309,10 +314,12 @@ def runtime_transport():
 
 
 def bucket_plan(model):
-    """The model's gradient buckets as EDDIS cuts them (definition order)."""
+    """The model's gradient buckets as EDDIS cuts them (definition order, the job's bucket sizes)."""
+    from eddis import settings
     from eddis.core.layout.buckets import BucketPlan
 
-    return BucketPlan([(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    return BucketPlan([(n, tuple(p.shape)) for n, p in model.named_parameters()],
+                      settings.get("EDDIS_BUCKET_BYTES"), first_bucket_bytes=settings.get("EDDIS_FIRST_BUCKET_BYTES"))
 
 
 def init_gloo(args, hosts, rank, size):
@@ -511,11 +518,13 @@ def run_contender(contender, args, data, cfg, comm, rank, size, factor, hosts):
         os.environ["EDDIS_EASGD_OVERLAP"] = {"overlap": "on", "nooverlap": "off"}.get(parts[-1], "auto")
         os.environ["EDDIS_OVERLAP_OPTIMIZER"] = "off" if parts[-1] == "whole" else "auto"
         os.environ["EDDIS_OVERLAP_FORWARD"] = "on" if parts[-1] == "forward" else "off"
-        bucket_bytes = BUCKET_VARIANTS.get(contender, JOB_BUCKET_BYTES)
-        if bucket_bytes is None:
-            os.environ.pop("EDDIS_BUCKET_BYTES", None)
-        else:
-            os.environ["EDDIS_BUCKET_BYTES"] = bucket_bytes
+        for name, value in (("EDDIS_BUCKET_BYTES", BUCKET_VARIANTS.get(contender, JOB_BUCKET_BYTES)),
+                            ("EDDIS_FIRST_BUCKET_BYTES",
+                             FIRST_BUCKET_VARIANTS.get(contender, JOB_FIRST_BUCKET_BYTES))):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         # every contender at the global batch's rate: the average of the workers' (groups')
         # steps then moves as far per sample as one synchronous step of the global batch
         batch_for_lr = global_batch
@@ -849,7 +858,7 @@ def main(argv=None):
     args.slowdowns = args.slowdowns.split(",")
     args.models = args.models.split(",")
     known = (CONTENDERS + PROBES + LOCAL_LR_VARIANTS + OVERLAP_VARIANTS + WHOLE_UPDATE_VARIANTS + FORWARD_VARIANTS
-             + ROUTE_VARIANTS + list(BUCKET_VARIANTS))
+             + ROUTE_VARIANTS + list(BUCKET_VARIANTS) + list(FIRST_BUCKET_VARIANTS))
     for c in args.contenders.split(","):
         if c not in known:
             sys.exit(f"bench/cluster.py: unknown contender {c!r}; choose from {', '.join(known)}")

@@ -51,6 +51,33 @@ def test_bucket_cut_keeps_a_module_together():
                                                plan.buckets[0].count + plan.buckets[1].count]
 
 
+@pytest.mark.timeout(30)
+def test_the_first_bucket_ends_after_the_first_module_that_fills_it():
+    # a small CNN: everything fits one 25 MiB bucket; the classifier's gradients (ready first)
+    # get a bucket of their own, cut after the first module that brings it to 1 MiB
+    cnn = [("0.weight", (32, 3, 3, 3)), ("0.bias", (32,)), ("3.weight", (64, 32, 3, 3)),
+           ("3.bias", (64,)), ("7.weight", (512, 4096)), ("7.bias", (512,)),
+           ("9.weight", (10, 512)), ("9.bias", (10,))]
+    plan = BucketPlan(cnn, bucket_bytes=25 << 20, first_bucket_bytes=1 << 20)
+    names = [[plan.slots[i].name for i in b.params] for b in plan.buckets]
+    assert names == [["9.bias", "9.weight", "7.bias", "7.weight"], ["3.bias", "3.weight", "0.bias", "0.weight"]]
+    assert BucketPlan(cnn, bucket_bytes=25 << 20).signature() != plan.signature()
+    # 0: cut as any other bucket; the whole model in one
+    assert len(BucketPlan(cnn, bucket_bytes=25 << 20, first_bucket_bytes=0).buckets) == 1
+    # never inside a module: a first module larger than the size is the first bucket whole, and
+    # where no module follows inside the first bucket it stays as it was (the comm MLP's)
+    mlp = [("0.weight", (4096, 1024)), ("0.bias", (4096,)), ("2.weight", (4096, 4096)),
+           ("2.bias", (4096,)), ("4.weight", (1024, 4096)), ("4.bias", (1024,)),
+           ("6.weight", (10, 1024)), ("6.bias", (10,))]
+    assert (BucketPlan(mlp, 25 << 20, first_bucket_bytes=1 << 20).signature()
+            == BucketPlan(mlp, 25 << 20).signature())
+    one_module = [("fc.weight", (1024, 1024)), ("fc.bias", (1024,)), ("head.weight", (10, 8)), ("head.bias", (10,))]
+    first = BucketPlan(one_module, 25 << 20, first_bucket_bytes=64).buckets[0]
+    assert [one_module[i][0] for i in first.params] == ["head.bias", "head.weight"]
+    with pytest.raises(ConfigError, match="EDDIS_FIRST_BUCKET_BYTES"):
+        BucketPlan(cnn, first_bucket_bytes=-1)
+
+
 def _nasty_floats(n=4096):
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(n) * np.exp(rng.uniform(-30, 30, n))).astype(np.float32)

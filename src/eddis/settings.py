@@ -272,6 +272,11 @@ register("EDDIS_COMPRESSION", "str", "none",
 register("EDDIS_BUCKET_BYTES", "size", 25 << 20,
          "Bytes of fp32 gradients per communication bucket (suffix K/M/G); smaller buckets "
          "start communicating earlier in the backward pass.", min=1)
+register("EDDIS_FIRST_BUCKET_BYTES", "size", 1 << 20,
+         "The first bucket (the last layers' gradients, ready first in the backward pass) ends "
+         "after the first layer that brings it to this size (suffix K/M/G), as DDP's first bucket "
+         "of 1 MiB: a model that fits one EDDIS_BUCKET_BYTES bucket then starts communicating "
+         "before its backward is over. 0: the first bucket is cut as any other.", max=1 << 30)
 register("EDDIS_OVERLAP_OPTIMIZER", "str", "auto",
          "torch, where gradients are averaged (sync, allreduce, hybrid's groups): apply the wrapped "
          "optimizer's update bucket by bucket, as each "

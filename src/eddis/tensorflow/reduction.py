@@ -22,6 +22,7 @@ import itertools
 import numpy as np
 import tensorflow as tf
 
+from .. import settings
 from ..core import BucketPlan, make_reducer
 from ..core.comm import collectives
 from ..core.layout.buckets import gradient_dtype
@@ -58,13 +59,14 @@ class GradientReducer:
         # Positions, not Keras names, make the layout: auto-generated layer names
         # ("dense_3") depend on what else a process built before.
         self.plan = BucketPlan([(f"variable[{i}]", s) for i, s in enumerate(shapes)], bucket_bytes,
-                               dtype=gradient_dtype(tf.as_dtype(v.dtype).name for v in variables))
+                               dtype=gradient_dtype(tf.as_dtype(v.dtype).name for v in variables),
+                               first_bucket_bytes=settings.get("EDDIS_FIRST_BUCKET_BYTES"))
         self.tf_dtype = tf.as_dtype(self.plan.dtype)
         collectives.check_same(
             self.plan.signature() + f"\nop:{op} codec:{codec.name}",
             f"{what}: the trainable variables (shapes, in order)",
             "Build the same model on every rank (same layers, same order) and use the same "
-            "compression, op and EDDIS_BUCKET_BYTES everywhere.")
+            "compression, op, EDDIS_BUCKET_BYTES and EDDIS_FIRST_BUCKET_BYTES everywhere.")
         self.reducer = make_reducer(mode, self.plan, compression=codec, op=op,
                                     name=f"tensorflow.{next(_ids)}")
         self.mode = self.reducer.mode

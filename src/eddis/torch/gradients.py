@@ -14,12 +14,13 @@ from ..errors import UsageError
 from .samples import ForwardSampleCounter
 
 
-def plan_of(params, names, bucket_bytes):
+def plan_of(params, names, bucket_bytes, first_bucket_bytes=0):
     """The bucket plan of ``params`` (named ``names``) and, when one of them is on a GPU,
     the pinned host memory its buffer now is (the feed's asynchronous copies need pinned
     memory; placed before the reducer, which leaves a buffer in place); else None."""
     plan = BucketPlan([(n, tuple(p.shape)) for n, p in zip(names, params)], bucket_bytes,
-                      dtype=gradient_dtype(str(p.dtype).replace("torch.", "") for p in params))
+                      dtype=gradient_dtype(str(p.dtype).replace("torch.", "") for p in params),
+                      first_bucket_bytes=first_bucket_bytes)
     if not any(p.is_cuda for p in params):
         return plan, None
     pinned = torch.zeros(plan.total, dtype=getattr(torch, plan.dtype.name), pin_memory=True)

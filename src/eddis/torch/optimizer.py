@@ -95,13 +95,13 @@ class _DistributedOptimizer:
             raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         op = _basics.gradient_op(op, "DistributedOptimizer", mode=mode)
         bucket_bytes = settings.get("EDDIS_BUCKET_BYTES") if bucket_bytes is None else int(bucket_bytes)
-        plan, pinned = gradients.plan_of(params, names, bucket_bytes)
+        plan, pinned = gradients.plan_of(params, names, bucket_bytes, settings.get("EDDIS_FIRST_BUCKET_BYTES"))
         layout = plan.signature() + "\n" + f"bpps:{backward_passes_per_step} op:{op.name}"
         collectives.check_same(
             layout, "DistributedOptimizer: the model's parameters (names and shapes, in order)",
             "Build the same model on every rank (same constructor arguments, same parameter "
-            "order) and wrap the same optimizer; set EDDIS_BUCKET_BYTES and "
-            "backward_passes_per_step alike everywhere.")
+            "order) and wrap the same optimizer; set EDDIS_BUCKET_BYTES, EDDIS_FIRST_BUCKET_BYTES "
+            "and backward_passes_per_step alike everywhere.")
         self.reducer = make_reducer(mode, plan, compression=codec_of(compression), op=op.name,
                                     name=f"torch.{_next_instance_id()}")
         steps = hetero.HeteroState(params, plan, self.reducer, mode, balance)

@@ -8,7 +8,10 @@ out in *reverse* order and cuts that sequence into buckets of about
 on the wire while the backward pass still computes the others. A parameter
 larger than ``bucket_bytes`` gets a bucket of its own, and a cut never leaves a
 module's parameters (by their names) in the bucket before the one its next
-parameter opens (:func:`_cut`).
+parameter opens (:func:`_cut`). With ``first_bucket_bytes`` the first bucket ends
+after the first module that brings it to that size (:func:`_split_first`): a small
+model's whole gradient fits one bucket, which would leave nothing to send until
+its backward is over.
 
 The buffer holds ``dtype``: float32, or float64 for a model with float64
 parameters, whose gradients a float32 buffer would round (the adapters pass
@@ -101,13 +104,32 @@ def _cut(slots, cap):
     return buckets
 
 
+def _split_first(buckets, first_cap):
+    """The first of ``buckets`` cut after the first module (by its parameters' names) that
+    brings it to ``first_cap`` elements, where a module follows: those gradients, ready
+    first, cross while the backward computes the rest (DDP's first bucket of 1 MiB). Cut
+    only there, so no module is split and no bucket is left with a part of one."""
+    if not first_cap or not buckets:
+        return buckets
+    head, count = buckets[0], 0
+    for i, slot in enumerate(head[:-1]):
+        count += slot.count
+        if count >= first_cap and module_of(slot.name) != module_of(head[i + 1].name):
+            return [head[:i + 1], head[i + 1:]] + buckets[1:]
+    return buckets
+
+
 class BucketPlan:
-    def __init__(self, params, bucket_bytes=25 << 20, dtype="float32"):
+    def __init__(self, params, bucket_bytes=25 << 20, dtype="float32", first_bucket_bytes=0):
         """``params``: sequence of (name, shape) in definition order; ``dtype``: the
-        buffer's, float32 or float64 (see :func:`gradient_dtype`)."""
+        buffer's, float32 or float64 (see :func:`gradient_dtype`); ``first_bucket_bytes``:
+        where the first bucket ends at the earliest (0: where any other would)."""
         if bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be positive, got {bucket_bytes}; "
                               "set EDDIS_BUCKET_BYTES to e.g. 25M")
+        if first_bucket_bytes < 0:
+            raise ConfigError(f"first_bucket_bytes must be >= 0, got {first_bucket_bytes}; "
+                              "set EDDIS_FIRST_BUCKET_BYTES to e.g. 1M, or 0 for none")
         if np.dtype(dtype).name not in DTYPES:
             raise ConfigError(f"gradient buffers hold float32 or float64, not {dtype!r}")
         self.dtype = np.dtype(dtype)
@@ -119,7 +141,9 @@ class BucketPlan:
         self.buckets = []
         itemsize = self.dtype.itemsize
         offset = 0
-        for members in _cut(list(reversed(self.slots)), max(1, self.bucket_bytes // itemsize)):
+        self.first_bucket_bytes = int(first_bucket_bytes)
+        cut = _cut(list(reversed(self.slots)), max(1, self.bucket_bytes // itemsize))
+        for members in _split_first(cut, self.first_bucket_bytes // itemsize):
             bucket = Bucket(len(self.buckets), offset, 0, itemsize=itemsize)
             self.buckets.append(bucket)
             for slot in members:
