@@ -174,14 +174,14 @@ class GradientReducer:
 
 
 class ReducerCache:
-    """One GradientReducer per (variable layout, mode, compression, op, bucket size)."""
+    """One GradientReducer per (variable layout, mode, compression, op, bucket sizes)."""
 
     def __init__(self):
         self._reducers = {}
 
     def get(self, variables, mode, codec, op, bucket_bytes, what):
         key = (tuple((variable_name(v, i), tuple(v.shape)) for i, v in enumerate(variables)),
-               mode, codec.name, op, bucket_bytes)
+               mode, codec.name, op, bucket_bytes, settings.get("EDDIS_FIRST_BUCKET_BYTES"))
         reducer = self._reducers.get(key)
         if reducer is None or reducer.closed:  # closed by eddis.shutdown()
             reducer = GradientReducer(variables, mode, codec, op, bucket_bytes, what)
