@@ -430,7 +430,7 @@ register("SMB_TRANSPORT", "str", "auto",
          "`auto`: rdma where every node of the job has an active InfiniBand or RoCE port that UCX "
          "can use, else socket (`eddis doctor` says which and why). The former `ucx` is refused: it "
          "served one-sided access before the token proof.", choices=("auto", "socket", "rdma"))
-register("SMB_SOCKET_UNSENT", "size", 256 << 10,
+register("SMB_SOCKET_UNSENT", "size", 2 << 20,
          "Socket transport: the most bytes of a connection the kernel may hold that are not on the "
          "wire yet (TCP_NOTSENT_LOWAT; suffix K/M; 0: the kernel's own limit, several MiB). SMB "
          "sends a request (a read, a reduction) ahead of the puts it has queued, but not ahead of "
