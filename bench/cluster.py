@@ -91,6 +91,12 @@ in the table). Slowdowns act through a simulated accelerator (``--device-ms``: a
 rank with factor f sleeps f x D ms per sample between forward and backward), so the
 2 CPUs of this machine are not what makes a rank slow.
 
+Every contender runs in worker processes that called ``eddis.init()``, so DDP's and
+Horovod's ranks too keep freed memory in the C heap (``EDDIS_KEEP_FREED_MEMORY``, on by
+default): the ratios compare the communication on equal heaps. A DDP job of its own runs
+with glibc's default; ``EDDIS_KEEP_FREED_MEMORY=0`` in this driver's environment gives
+every contender that default.
+
 This is a benchmark, not a test: it prints figures and ratios to DDP and asserts
 nothing. Run it alone (it takes /tmp/eddis-bench.lock).
 """

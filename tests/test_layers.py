@@ -42,11 +42,12 @@ CORE_LAYERS = {
     "comm": (("eddis.core.comm",), ()),
     "layout": (("eddis.core.layout",), ()),
     "old addresses": (("eddis.core.collectives", "eddis.core.reducer"), ()),
+    "heap": (("eddis.core.heap",), ()),
     "reduce": (("eddis.core.reduce",), ("comm", "layout")),
     "progress": (("eddis.core.progress",), ("comm", "layout", "reduce")),
     "hetero": (("eddis.core.hetero",), ("comm", "layout", "reduce", "progress")),
     "checkpoint": (("eddis.core.checkpoint",), CORE_BELOW_CHECKPOINT),
-    "lifecycle": (("eddis.core.lifecycle", "eddis.core.basics"), CORE_BELOW_CHECKPOINT + ("checkpoint",)),
+    "lifecycle": (("eddis.core.lifecycle", "eddis.core.basics"), CORE_BELOW_CHECKPOINT + ("checkpoint", "heap")),
     "face": (("eddis.core",), CORE_BELOW_CHECKPOINT + ("checkpoint", "lifecycle")),
 }
 

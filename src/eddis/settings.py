@@ -277,6 +277,11 @@ register("EDDIS_FIRST_BUCKET_BYTES", "size", 1 << 20,
          "after the first layer that brings it to this size (suffix K/M/G), as DDP's first bucket "
          "of 1 MiB: a model that fits one EDDIS_BUCKET_BYTES bucket then starts communicating "
          "before its backward is over. 0: the first bucket is cut as any other.", max=1 << 30)
+register("EDDIS_KEEP_FREED_MEMORY", "bool", True,
+         "eddis.init(): tell the C heap (glibc) to serve large blocks from the heap and keep freed "
+         "memory there, so that gradients allocated anew each step reuse pages already faulted in "
+         "instead of a fresh mmap the kernel zeroes (the heap keeps its peak, as a caching allocator "
+         "does). 0: leave the C heap's policy as it is.")
 register("EDDIS_OVERLAP_OPTIMIZER", "str", "auto",
          "torch, where gradients are averaged (sync, allreduce, hybrid's groups): apply the wrapped "
          "optimizer's update bucket by bucket, as each "

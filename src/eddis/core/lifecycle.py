@@ -19,6 +19,7 @@ from ..errors import ParameterDriftError
 from ..smb import rundir
 from ..timeline import trace
 from .checkpoint import folders as checkpoint
+from . import heap
 from .comm import collectives, connection, observe, runtime
 from .progress import agreement
 
@@ -30,6 +31,8 @@ def init():
             return
         settings.check_environment()
         logging.getLogger("eddis").setLevel(settings.get("EDDIS_LOG_LEVEL"))
+        if settings.get("EDDIS_KEEP_FREED_MEMORY"):
+            heap.keep_freed_memory()
         st = runtime.Runtime()
         st.set_topology(collectives.allgather_object(st.hostname, comm=st.comm, what="eddis.init (topology)"))
         runtime.install(st)
