@@ -113,7 +113,7 @@ class _DistributedOptimizer:
             if cfg.reducer is not None and not cfg.reducer.closed:
                 cfg.reducer.close()
             cfg.reducer = GradientReducer(variables, cfg.mode, cfg.codec, cfg.op, cfg.bucket_bytes,
-                                          "DistributedOptimizer")
+                                          settings.get("EDDIS_FIRST_BUCKET_BYTES"), "DistributedOptimizer")
             cfg.variables_key = key
             agreement.watch(variables)
             cfg.hetero.attach(cfg.reducer.plan, cfg.reducer.reducer,

@@ -46,7 +46,7 @@ def _dense(grad):
 class GradientReducer:
     """Reduce the gradients of a fixed list of variables through ``eddis.core``."""
 
-    def __init__(self, variables, mode, codec, op, bucket_bytes, what):
+    def __init__(self, variables, mode, codec, op, bucket_bytes, first_bucket_bytes, what):
         shapes = []
         for i, v in enumerate(variables):
             shape = tuple(v.shape)
@@ -60,7 +60,7 @@ class GradientReducer:
         # ("dense_3") depend on what else a process built before.
         self.plan = BucketPlan([(f"variable[{i}]", s) for i, s in enumerate(shapes)], bucket_bytes,
                                dtype=gradient_dtype(tf.as_dtype(v.dtype).name for v in variables),
-                               first_bucket_bytes=settings.get("EDDIS_FIRST_BUCKET_BYTES"))
+                               first_bucket_bytes=first_bucket_bytes)
         self.tf_dtype = tf.as_dtype(self.plan.dtype)
         collectives.check_same(
             self.plan.signature() + f"\nop:{op} codec:{codec.name}",
@@ -180,11 +180,12 @@ class ReducerCache:
         self._reducers = {}
 
     def get(self, variables, mode, codec, op, bucket_bytes, what):
+        first_bucket_bytes = settings.get("EDDIS_FIRST_BUCKET_BYTES")
         key = (tuple((variable_name(v, i), tuple(v.shape)) for i, v in enumerate(variables)),
-               mode, codec.name, op, bucket_bytes, settings.get("EDDIS_FIRST_BUCKET_BYTES"))
+               mode, codec.name, op, bucket_bytes, first_bucket_bytes)
         reducer = self._reducers.get(key)
         if reducer is None or reducer.closed:  # closed by eddis.shutdown()
-            reducer = GradientReducer(variables, mode, codec, op, bucket_bytes, what)
+            reducer = GradientReducer(variables, mode, codec, op, bucket_bytes, first_bucket_bytes, what)
             self._reducers[key] = reducer
         return reducer
 
